@@ -1,0 +1,28 @@
+"""olv_runtime: a numba CPU runtime for quantized LLM decode on ONNX models with encoded
+(quantized) values and graph-declared persistent state (seed 000 wire contract).
+
+Main entry points::
+
+    model = olv_runtime.load("out.onnx")
+    sess = olv_runtime.InferenceSession(model)
+    state = olv_runtime.make_state(model, olv_runtime.empty_cache(model))
+    out = state.run({"input_ids": ids})
+    ids = olv_runtime.generate(model, prompt_ids, max_new_tokens=64)
+"""
+from olv_runtime.errors import OlvError  # noqa: F401
+from olv_runtime.generate import GenerationStats, generate, sample_token  # noqa: F401
+from olv_runtime.io import Model, load, save  # noqa: F401
+from olv_runtime.session import InferenceSession, NodeArg, SessionOptions  # noqa: F401
+from olv_runtime.state import State, StateOptions, empty_cache, make_state  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def convert(checkpoint_dir, out_path, weights: str = "int4-block32", **kwargs):
+    """Convert a Hugging Face Qwen2/Qwen3 checkpoint directory to an olv ONNX model.
+
+    See :func:`olv_runtime.models.qwen.convert`.
+    """
+    from olv_runtime.models.qwen import convert as _convert
+
+    return _convert(checkpoint_dir, out_path, weights=weights, **kwargs)

@@ -1,0 +1,265 @@
+"""The ``olv`` command line: convert, generate, bench, demo, inspect.
+
+Run ``olv --help`` or ``olv COMMAND --help``.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from olv_runtime.errors import OlvError
+
+
+def _tokenizer_for(model_path: pathlib.Path):
+    path = model_path.parent / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SystemExit(f"olv: --prompt-ids must be comma-separated integers, got {text!r}")
+    if not ids:
+        raise SystemExit("olv: --prompt-ids is empty")
+    return ids
+
+
+def _session_options(args):
+    from olv_runtime.session import SessionOptions
+
+    return SessionOptions(num_threads=args.threads)
+
+
+def cmd_convert(args) -> int:
+    from olv_runtime.models.qwen import convert
+
+    ext = {"auto": None, "yes": True, "no": False}[args.external_data]
+    t0 = time.perf_counter()
+    convert(args.checkpoint_dir, args.output, weights=args.weights, external_data=ext,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    out = pathlib.Path(args.output)
+    size = out.stat().st_size
+    data = out.with_name(out.name + ".data")
+    if data.exists():
+        size += data.stat().st_size
+    print(f"wrote {out} ({size / 1e6:.1f} MB, weights {args.weights}) in "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None:
+    import olv_runtime
+
+    model = olv_runtime.load(model_path)
+    sess = olv_runtime.InferenceSession(model, _session_options(args))
+    stats = olv_runtime.GenerationStats()
+    printed = []
+
+    def show(tok: int) -> None:
+        printed.append(tok)
+        if tokenizer is not None:
+            text = tokenizer.decode(printed[-1:], skip_special_tokens=False)
+            print(text, end="", flush=True)
+        else:
+            print(tok, end=" ", flush=True)
+
+    eos = model.metadata().get("olv.eos_token_id")
+    olv_runtime.generate(
+        sess, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, callback=show, stats=stats,
+        eos_token_id=int(eos) if (eos and args.stop_at_eos) else None,
+    )
+    print()
+    print(
+        f"prompt {stats.prompt_tokens} tokens: prefill {stats.prefill_tokens_per_second:.1f} tok/s; "
+        f"generated {stats.new_tokens} tokens: decode {stats.decode_tokens_per_second:.1f} tok/s",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(args) -> int:
+    path = pathlib.Path(args.model)
+    tokenizer = _tokenizer_for(path)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise SystemExit(
+                f"olv: --prompt needs tokenizer.json beside the model ({path.parent}); "
+                "use --prompt-ids instead"
+            )
+        ids = tokenizer.encode(args.prompt).ids
+        if not ids:
+            raise SystemExit("olv: the prompt encodes to zero tokens")
+    else:
+        ids = _parse_ids(args.prompt_ids)
+    if tokenizer is not None and args.prompt is not None:
+        print(args.prompt, end="", flush=True)
+    _run_generate(path, ids, args, tokenizer)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import olv_runtime
+
+    model = olv_runtime.load(args.model)
+    sess = olv_runtime.InferenceSession(model, _session_options(args))
+    vocab = int(model.metadata().get("olv.vocab_size", "100"))
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, vocab, size=args.prompt_len).tolist()
+    print(f"bench {args.model}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+          f"{args.runs} runs (+1 warm-up), threads={args.threads or 'default'}", file=sys.stderr)
+    prefill, decode = [], []
+    for r in range(args.runs + 1):
+        st = olv_runtime.GenerationStats()
+        olv_runtime.generate(sess, prompt, args.new_tokens, stats=st)
+        if r == 0:
+            continue
+        prefill.append(st.prefill_tokens_per_second)
+        decode.append(st.decode_tokens_per_second)
+        print(f"  run {r}: prefill {prefill[-1]:.1f} tok/s, decode {decode[-1]:.1f} tok/s",
+              file=sys.stderr)
+    c = sess.counters.snapshot()
+    print(f"prefill {statistics.median(prefill):.1f} tok/s, decode {statistics.median(decode):.1f} "
+          f"tok/s (median of {args.runs}); bytes dequantized {c['bytes_dequantized']}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from olv_runtime.models.qwen import convert
+    from olv_runtime.models.random_checkpoint import write_random_qwen2
+
+    work = pathlib.Path(args.workdir) if args.workdir else pathlib.Path(tempfile.mkdtemp(prefix="olv-demo-"))
+    ckpt = work / "checkpoint"
+    print(f"[1/3] building a small random Qwen2 checkpoint in {ckpt} (no download)", flush=True)
+    write_random_qwen2(ckpt, seed=args.seed)
+    out = work / "model.onnx"
+    print(f"[2/3] converting to {out} (weights int4-block32)", flush=True)
+    convert(ckpt, out, weights="int4-block32")
+    print(f"[3/3] generating {args.max_new_tokens} tokens (random weights: the text is noise)",
+          flush=True)
+    tokenizer = _tokenizer_for(out)
+    prompt = "hello decode loop"
+    ids = tokenizer.encode(prompt).ids
+    print(prompt, end="", flush=True)
+    gen_args = argparse.Namespace(
+        max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+        threads=args.threads, stop_at_eos=False,
+    )
+    _run_generate(out, ids, gen_args, tokenizer)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import olv_runtime
+    from olv_runtime.values import dtype_name
+
+    model = olv_runtime.load(args.model)
+    p = model.proto
+    g = p.graph
+    print(f"model {args.model}: ir_version {p.ir_version}, opsets "
+          + ", ".join(f"{o.domain or 'ai.onnx'}:{o.version}" for o in p.opset_import))
+    for k, v in model.metadata().items():
+        print(f"  meta {k} = {v}")
+    print(f"nodes {len(g.node)}, dense initializers {len(g.initializer)}, encoded initializers "
+          f"{len(g.encoded_initializer)}, struct types {len(p.struct_types)}")
+    for st in p.struct_types:
+        print(f"  struct type_id {st.type_id} {st.name!r} kind {st.WhichOneof('kind')}")
+    for vi in g.input:
+        print(f"  input  {vi.name}")
+    for vi in g.output:
+        print(f"  output {vi.name}")
+    for b in g.persistent_bindings:
+        print(f"  binding {b.input_name} <- {b.output_name}")
+    total = 0
+    for ev in g.encoded_initializer:
+        n = model.payload(ev).size
+        total += n
+        if args.verbose:
+            lay = ev.WhichOneof("layout")
+            desc = lay
+            if lay == "affine":
+                a = ev.affine
+                desc = (f"affine {dtype_name(a.storage_type)} axis={a.axis if a.HasField('axis') else None} "
+                        f"block_size={a.block_size if a.HasField('block_size') else None}")
+            dims = [d.dim_value for d in ev.logical_type.tensor_type.shape.dim]
+            print(f"  encoded {ev.name}: {desc}, payload {n} bytes, logical {dims}")
+    print(f"encoded payload bytes: {total}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="olv",
+        description="olv_runtime: quantized LLM decode on the CPU (ONNX + encoded values + persistent state).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3 checkpoint directory to ONNX")
+    c.add_argument("checkpoint_dir", help="directory with config.json and *.safetensors")
+    c.add_argument("output", help="output .onnx path")
+    c.add_argument("--weights", choices=["int4-block32", "float32"], default="int4-block32",
+                   help="linear weight storage (default: int4-block32)")
+    c.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
+                   help="write payloads to OUTPUT.data (auto: when the model exceeds 256 MiB)")
+    c.set_defaults(func=cmd_convert)
+
+    def add_run_opts(q):
+        q.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
+
+    g = sub.add_parser("generate", help="generate tokens from a converted model")
+    g.add_argument("model", help="converted .onnx model")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the model)")
+    src.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop-at-eos", action="store_true", help="stop at the model's eos token")
+    add_run_opts(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="measure prefill and decode tokens per second")
+    b.add_argument("model")
+    b.add_argument("--prompt-len", type=int, default=32)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--runs", type=int, default=3)
+    add_run_opts(b)
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="build a small random Qwen2 model locally, convert it, generate")
+    d.add_argument("--workdir", help="where to write the checkpoint and model (default: a temp dir)")
+    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("--seed", type=int, default=0)
+    add_run_opts(d)
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("inspect", help="list a model's struct types, encoded values and bindings")
+    i.add_argument("model")
+    i.add_argument("-v", "--verbose", action="store_true", help="one line per encoded value")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OlvError as exc:
+        print(f"olv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

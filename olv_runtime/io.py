@@ -1,0 +1,360 @@
+"""Loading and saving models in the onnx-light wire format (``proto/onnx_light.proto``).
+
+:func:`load` parses a model file into :class:`Model`, which owns the parsed
+``ModelProto`` and the read-only memory maps of its external data. Payloads are exposed as
+``uint8`` numpy views (:meth:`Model.payload`): inline bytes are viewed in place, external bytes
+are slices of a read-only ``mmap``. Loading never runs codec code and never copies payloads.
+
+:func:`save` writes a model, optionally moving large payloads (dense initializers and encoded
+initializers) to one external data file beside it (ONNX external-data convention:
+``location``/``offset``/``length`` entries, ``data_location = EXTERNAL``).
+
+Source: ONNX IR "External tensor data"; seed 000 "Payload and lifetime contract".
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import pathlib
+import tempfile
+from typing import Iterator, Union
+
+import numpy as np
+
+from olv_runtime.errors import ModelFormatError, PayloadError
+from olv_runtime.proto import EncodedValueProto, ModelProto, TensorProto
+
+PathLike = Union[str, os.PathLike]
+
+#: Payloads at or above this many bytes go to the external data file when saving externally.
+EXTERNAL_THRESHOLD = 1024
+#: Serialized models above this size are saved with external data by default (protobuf's hard
+#: limit for one message is 2 GiB).
+AUTO_EXTERNAL_BYTES = 256 << 20
+_ALIGN = 64
+
+
+class Model:
+    """A loaded model: the parsed ``ModelProto`` plus the owners of its payload bytes.
+
+    Parameters
+    ----------
+    proto : ModelProto
+        The parsed message (``olv_runtime.proto.ModelProto``). Treated as immutable once a session
+        or state is bound to it (seed 000 "Persistent state": the model is immutable).
+    path : path-like, optional
+        The file it came from; external data locations are resolved relative to its directory.
+
+    Attributes
+    ----------
+    proto : ModelProto
+    path : pathlib.Path or None
+    base_dir : pathlib.Path or None
+        Directory external data locations are relative to.
+    """
+
+    def __init__(self, proto: ModelProto, path: PathLike | None = None):
+        if not isinstance(proto, ModelProto):
+            raise ModelFormatError(
+                f"Model expects an olv_runtime.proto.ModelProto, got {type(proto).__name__}"
+            )
+        self.proto = proto
+        self.path = pathlib.Path(path).resolve() if path is not None else None
+        self.base_dir = self.path.parent if self.path is not None else None
+        self._maps: dict[pathlib.Path, tuple[mmap.mmap, np.ndarray]] = {}
+        self._payloads: dict[tuple[str, str], np.ndarray] = {}
+
+    # -- payload access ----------------------------------------------------------------------
+    def payload(self, message: TensorProto | EncodedValueProto) -> np.ndarray:
+        """The payload bytes of a dense or encoded initializer, as a read-only ``uint8`` view.
+
+        Parameters
+        ----------
+        message : TensorProto or EncodedValueProto
+            An initializer of this model (``raw_data`` inline or ``data_location = EXTERNAL``).
+
+        Returns
+        -------
+        numpy.ndarray
+            1-D ``uint8``, length = payload bytes. A view of the inline bytes or of the read-only
+            memory map of the external file; never a copy. Cached per value name.
+
+        Raises
+        ------
+        PayloadError
+            raw_data and external_data both set; EXTERNAL without location or length; a location
+            that is absolute or escapes the model directory; a range past the end of the file.
+        """
+        kind = "encoded" if isinstance(message, EncodedValueProto) else "tensor"
+        key = (kind, message.name)
+        cached = self._payloads.get(key)
+        if cached is not None:
+            return cached
+        view = self._resolve_payload(message, kind)
+        self._payloads[key] = view
+        return view
+
+    def _resolve_payload(self, message, kind: str) -> np.ndarray:
+        name = message.name
+        is_external = message.data_location == TensorProto.EXTERNAL
+        if message.external_data and not is_external:
+            raise PayloadError(
+                f"{kind} value {name!r}: external_data is set but data_location is not EXTERNAL"
+            )
+        if not is_external:
+            raw = message.raw_data  # one bytes object, kept alive by the returned view
+            view = np.frombuffer(raw, dtype=np.uint8) if raw else np.zeros(0, np.uint8)
+            view.flags.writeable = False
+            return view
+        if message.HasField("raw_data"):
+            raise PayloadError(
+                f"{kind} value {name!r}: raw_data and external_data are mutually exclusive "
+                f"(raw_data has {len(message.raw_data)} bytes)"
+            )
+        entries = {e.key: e.value for e in message.external_data}
+        location = entries.get("location")
+        if not location:
+            raise PayloadError(f"{kind} value {name!r}: EXTERNAL payload without 'location'")
+        if "length" not in entries and kind == "encoded":
+            raise PayloadError(
+                f"{kind} value {name!r}: EXTERNAL payload needs an explicit 'length' (seed 000)"
+            )
+        try:
+            offset = int(entries.get("offset", "0"))
+            length = int(entries["length"]) if "length" in entries else None
+        except ValueError as exc:
+            raise PayloadError(f"{kind} value {name!r}: bad offset/length: {exc}") from None
+        if offset < 0 or (length is not None and length < 0):
+            raise PayloadError(
+                f"{kind} value {name!r}: negative offset {offset} or length {length}"
+            )
+        file_path = self._external_path(name, kind, location)
+        data = self._map(file_path)
+        if length is None:
+            length = data.size - offset
+        if offset + length > data.size:
+            raise PayloadError(
+                f"{kind} value {name!r}: external range [{offset}, {offset + length}) lies past "
+                f"the end of {location!r} ({data.size} bytes)"
+            )
+        return data[offset : offset + length]
+
+    def _external_path(self, name: str, kind: str, location: str) -> pathlib.Path:
+        if self.base_dir is None:
+            raise PayloadError(
+                f"{kind} value {name!r} has external data {location!r} but the model was not "
+                "loaded from a file (no directory to resolve it against)"
+            )
+        rel = pathlib.PurePosixPath(location.replace("\\", "/"))
+        if rel.is_absolute() or pathlib.Path(location).is_absolute():
+            raise PayloadError(
+                f"{kind} value {name!r}: external location {location!r} must be relative"
+            )
+        full = (self.base_dir / rel).resolve()
+        if self.base_dir not in full.parents:
+            raise PayloadError(
+                f"{kind} value {name!r}: external location {location!r} escapes the model "
+                f"directory {str(self.base_dir)!r}"
+            )
+        if not full.is_file():
+            raise PayloadError(
+                f"{kind} value {name!r}: external data file {location!r} not found in "
+                f"{str(self.base_dir)!r}"
+            )
+        return full
+
+    def _map(self, file_path: pathlib.Path) -> np.ndarray:
+        entry = self._maps.get(file_path)
+        if entry is None:
+            with open(file_path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size == 0:
+                    arr = np.zeros(0, np.uint8)
+                    entry = (None, arr)
+                else:
+                    mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                    arr = np.frombuffer(mm, dtype=np.uint8)
+                    entry = (mm, arr)
+            self._maps[file_path] = entry
+        return entry[1]
+
+    # -- convenience ---------------------------------------------------------------------------
+    @property
+    def graph(self):
+        """The root ``GraphProto``."""
+        return self.proto.graph
+
+    def metadata(self) -> dict[str, str]:
+        """``metadata_props`` as a dict."""
+        return {p.key: p.value for p in self.proto.metadata_props}
+
+    def __repr__(self) -> str:
+        g = self.proto.graph
+        return (
+            f"Model(path={str(self.path) if self.path else None!r}, nodes={len(g.node)}, "
+            f"initializers={len(g.initializer)}, encoded={len(g.encoded_initializer)}, "
+            f"bindings={len(g.persistent_bindings)})"
+        )
+
+
+def as_model(model) -> Model:
+    """Accept a :class:`Model`, an ``olv_runtime.proto.ModelProto``, an ``onnx.ModelProto`` or a path.
+
+    An ``onnx.ModelProto`` (a different Python class over the same wire format) is re-parsed
+    through its serialized bytes: an explicit, documented copy made once.
+
+    Raises
+    ------
+    ModelFormatError
+        Anything else.
+    """
+    if isinstance(model, Model):
+        return model
+    if isinstance(model, ModelProto):
+        return Model(model)
+    if isinstance(model, (str, os.PathLike)):
+        return load(model)
+    if type(model).__name__ == "ModelProto" and hasattr(model, "SerializeToString"):
+        return Model(ModelProto.FromString(model.SerializeToString()))
+    raise ModelFormatError(
+        f"expected a Model, ModelProto or path, got {type(model).__name__}"
+    )
+
+
+def load(path: PathLike) -> Model:
+    """Load a model file written by olv_runtime or by any ONNX tool.
+
+    Parameters
+    ----------
+    path : path-like
+        ``.onnx`` file. External data files are resolved relative to its directory when a
+        payload is first accessed (and memory-mapped read-only).
+
+    Returns
+    -------
+    Model
+
+    Raises
+    ------
+    ModelFormatError
+        The file is missing or is not a parseable ModelProto.
+    """
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ModelFormatError(f"model file not found: {str(p)!r}")
+    data = p.read_bytes()
+    try:
+        proto = ModelProto.FromString(data)
+    except Exception as exc:  # protobuf's DecodeError
+        raise ModelFormatError(f"{str(p)!r} is not a valid ModelProto: {exc}") from None
+    return Model(proto, p)
+
+
+def _payload_messages(proto: ModelProto) -> Iterator[TensorProto | EncodedValueProto]:
+    g = proto.graph
+    yield from g.initializer
+    yield from g.encoded_initializer
+
+
+def save(
+    model,
+    path: PathLike,
+    *,
+    external_data: bool | None = None,
+    location: str | None = None,
+    threshold: int = EXTERNAL_THRESHOLD,
+) -> pathlib.Path:
+    """Write a model; large payloads optionally go to one external data file beside it.
+
+    Parameters
+    ----------
+    model : Model or ModelProto
+        The model. It is not modified (external-data bookkeeping is written into a copy).
+    path : path-like
+        Destination ``.onnx`` file.
+    external_data : bool, optional
+        ``True``: payloads of ``threshold`` bytes or more (dense and encoded initializers) go to
+        ``location``; ``False``: everything inline; ``None`` (default): external only when the
+        model's serialized size exceeds 256 MiB.
+    location : str, optional
+        External file name relative to ``path``'s directory (default ``<file name>.data``).
+    threshold : int
+        Minimum payload size in bytes moved to the external file.
+
+    Returns
+    -------
+    pathlib.Path
+        The model path written.
+
+    Raises
+    ------
+    ModelFormatError
+        Payloads that must go external are themselves external in a model without a directory.
+
+    Notes
+    -----
+    Files are written to temporary names and renamed into place, so a failed save leaves
+    existing files as they were. External payloads are aligned to 64 bytes.
+    """
+    m = as_model(model)
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if external_data is None:
+        external_data = m.proto.ByteSize() > AUTO_EXTERNAL_BYTES
+    proto = ModelProto()
+    proto.CopyFrom(m.proto)
+    data_name = location or (out.name + ".data")
+    tmp_files: list[tuple[str, pathlib.Path]] = []
+    try:
+        if external_data:
+            fd, tmp_data = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".data")
+            tmp_files.append((tmp_data, out.parent / data_name))
+            with os.fdopen(fd, "wb") as fh:
+                offset = 0
+                for msg, src in zip(_payload_messages(proto), _payload_messages(m.proto)):
+                    if msg.data_location == TensorProto.EXTERNAL:
+                        payload = m.payload(src)
+                    elif msg.HasField("raw_data"):
+                        payload = msg.raw_data
+                    else:
+                        continue
+                    if len(payload) < threshold:
+                        if msg.data_location == TensorProto.EXTERNAL:
+                            _inline(msg, payload)
+                        continue
+                    pad = (-offset) % _ALIGN
+                    if pad:
+                        fh.write(b"\0" * pad)
+                        offset += pad
+                    fh.write(memoryview(payload))
+                    msg.ClearField("raw_data")
+                    del msg.external_data[:]
+                    msg.external_data.add(key="location", value=data_name)
+                    msg.external_data.add(key="offset", value=str(offset))
+                    msg.external_data.add(key="length", value=str(len(payload)))
+                    msg.data_location = TensorProto.EXTERNAL
+                    offset += len(payload)
+        else:
+            for msg, src in zip(_payload_messages(proto), _payload_messages(m.proto)):
+                if msg.data_location == TensorProto.EXTERNAL:
+                    _inline(msg, m.payload(src))
+        fd, tmp_model = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".onnx")
+        tmp_files.append((tmp_model, out))
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(proto.SerializeToString())
+        for tmp, final in tmp_files:
+            os.replace(tmp, final)
+        tmp_files.clear()
+    finally:
+        for tmp, _ in tmp_files:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return out
+
+
+def _inline(msg, payload) -> None:
+    del msg.external_data[:]
+    msg.ClearField("data_location")
+    msg.raw_data = bytes(payload)

@@ -1,0 +1,6 @@
+"""Operator implementations, registered by (domain, op_type, since_version).
+
+Importing this package registers every built-in operator; see :mod:`olv_runtime.ops.registry`.
+"""
+from olv_runtime.ops import nn, olv, standard  # noqa: F401  (registration side effects)
+from olv_runtime.ops.registry import Op, lookup, register, registered  # noqa: F401

@@ -1,0 +1,600 @@
+"""InferenceSession: validate a model once, build an execution plan, run it with numba kernels.
+
+The API mirrors onnxruntime (``run(output_names, feeds)``, ``get_inputs()``, ``get_outputs()``).
+At creation the session
+
+1. reads dense initializers as numpy views of the payload and encoded initializers as validated
+   :class:`~olv_runtime.values.AffineValue` views (no decoding, no payload copy);
+2. resolves each node's implementation by (domain, op_type, opset) — an unsupported operator fails
+   here, naming it;
+3. orders nodes topologically and checks every input is available; a tensor-only operator that
+   would receive an encoded value fails here (seed 000: "A tensor-only op never receives an
+   encoded value implicitly");
+4. fuses ``olv.Decode -> Transpose -> MatMul`` (and ``Transpose -> MatMul`` of a dense constant)
+   into one linear kernel over the stored ``[N, K]`` weight, and ``olv.Decode -> Gather`` into a
+   row gather that decodes only the requested rows; the float weight is never materialised;
+5. computes value lifetimes so intermediate arrays are released after their last use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from olv_runtime import kernels
+from olv_runtime.counters import Counters
+from olv_runtime.errors import (
+    InvalidArgument,
+    MissingDecoderError,
+    UnsupportedOperatorError,
+    ValidationError,
+)
+from olv_runtime.io import Model, as_model
+from olv_runtime.ops import lookup
+from olv_runtime.ops.registry import canonical_domain
+from olv_runtime.proto import EncodedValueProto, TensorProto, ValueInfoProto
+from olv_runtime.values import (
+    NP_DTYPE,
+    AffineValue,
+    affine_value,
+    dtype_name,
+    param_tensor,
+    tensor_from_proto,
+)
+
+#: Operators whose schema accepts an encoded value as input (everything else is tensor-only).
+ENCODED_CONSUMERS = {("olv", "Decode")}
+
+
+@dataclasses.dataclass
+class SessionOptions:
+    """Options of :class:`InferenceSession`.
+
+    Attributes
+    ----------
+    num_threads : int or None
+        numba threads for parallel kernels (None: numba's default, the core count).
+    enable_fusion : bool
+        Fuse Decode/Transpose/MatMul and Decode/Gather (default True). With False every
+        ``olv.Decode`` materialises its tensor (counted in ``bytes_dequantized``): a reference
+        mode for tests.
+    """
+
+    num_threads: int | None = None
+    enable_fusion: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeArg:
+    """Name, type string and shape of a graph input or output (as onnxruntime's NodeArg).
+
+    ``shape`` holds ints for fixed dims and strings (dim_param) or None for symbolic ones.
+    """
+
+    name: str
+    type: str
+    shape: list
+
+
+def _type_string(vi: ValueInfoProto) -> str:
+    kind = vi.type.WhichOneof("value")
+    if kind == "tensor_type":
+        return f"tensor({dtype_name(vi.type.tensor_type.elem_type).lower()})"
+    if kind == "struct_type":
+        return "struct"
+    return kind or "unknown"
+
+
+def _shape_of(vi: ValueInfoProto) -> list | None:
+    if vi.type.WhichOneof("value") != "tensor_type" or not vi.type.tensor_type.HasField("shape"):
+        return None
+    dims = []
+    for d in vi.type.tensor_type.shape.dim:
+        which = d.WhichOneof("value")
+        dims.append(d.dim_value if which == "dim_value" else (d.dim_param or None))
+    return dims
+
+
+class _Step:
+    """One executable step: a callable over input values returning a tuple of outputs."""
+
+    __slots__ = ("name", "kind", "fn", "inputs", "outputs", "release")
+
+    def __init__(self, name: str, kind: str, fn, inputs: Sequence[str], outputs: Sequence[str]):
+        self.name = name
+        self.kind = kind
+        self.fn = fn
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.release: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"_Step({self.kind} {self.name!r}: {list(self.inputs)} -> {list(self.outputs)})"
+
+
+class _Linear:
+    """Fused ``y = x @ W.T`` over a stored ``[N, K]`` weight (INT4 encoded or float32)."""
+
+    def __init__(self, name: str, weight, counters: Counters):
+        self.name = name
+        self.weight = weight
+        self.counters = counters
+        if isinstance(weight, AffineValue):
+            self.n, self.k = weight.shape
+            self.zp = weight.zero_point
+        else:
+            self.n, self.k = weight.shape
+            self.w = np.ascontiguousarray(weight)
+
+    def __call__(self, x):
+        if x.dtype != np.float32:
+            raise InvalidArgument(f"node {self.name!r} (MatMul): expected float32 input, got {x.dtype}")
+        if x.shape[-1] != self.k:
+            raise InvalidArgument(
+                f"node {self.name!r} (MatMul): input has {x.shape[-1]} features, the weight "
+                f"expects {self.k} (shape {list(x.shape)})"
+            )
+        lead = x.shape[:-1]
+        x2 = np.ascontiguousarray(x).reshape(-1, self.k)
+        w = self.weight
+        if isinstance(w, AffineValue):
+            y = kernels.linear_int4(x2, w.codes, w.scale, self.zp, self.n, self.k, w.block_size)
+        else:
+            y = kernels.linear_f32(x2, self.w)
+        return (y.reshape(*lead, self.n),)
+
+
+class _EncodedGather:
+    """Fused ``Gather(Decode(W), ids, axis=0)``: decodes only the selected rows."""
+
+    def __init__(self, name: str, weight: AffineValue):
+        self.name = name
+        self.w = weight
+
+    def __call__(self, ids):
+        if ids.dtype not in (np.int64, np.int32):
+            raise InvalidArgument(
+                f"node {self.name!r} (Gather): indices must be int64 or int32, got {ids.dtype}"
+            )
+        w = self.w
+        n, k = w.shape
+        return (
+            kernels.gather_rows_int4(
+                w.codes, w.scale, w.zero_point, n, k, w.block_size,
+                np.ascontiguousarray(ids, dtype=np.int64),
+            ),
+        )
+
+
+class InferenceSession:
+    """Run any supported ONNX(+seed 000) graph: ``run(output_names, feeds)``.
+
+    Parameters
+    ----------
+    model : Model, ModelProto, onnx.ModelProto or path
+        The model. It must stay unchanged while the session lives (it is never re-read,
+        hashed or serialized after creation).
+    options : SessionOptions, optional
+
+    Raises
+    ------
+    UnsupportedOperatorError
+        A node's (domain, op_type, version) is not implemented.
+    MissingDecoderError
+        An encoded value reaches a consumer with no decoder.
+    ValidationError
+        Malformed graph (missing value, cycle, duplicate names, bad initializer or attribute).
+    """
+
+    def __init__(self, model, options: SessionOptions | None = None):
+        self.model: Model = as_model(model)
+        self.options = options or SessionOptions()
+        self.counters = Counters()
+        if self.options.num_threads is not None:
+            kernels.set_num_threads(int(self.options.num_threads))
+        proto = self.model.proto
+        graph = proto.graph
+        self._opsets = {canonical_domain(o.domain): int(o.version) for o in proto.opset_import}
+        if "" not in self._opsets:
+            raise ValidationError("model has no opset_import for the standard ONNX domain")
+        self._constants: dict[str, Any] = {}
+        self._load_constants(graph)
+        self._inputs = [vi for vi in graph.input if vi.name not in self._constants]
+        self._input_infos = {vi.name: vi for vi in graph.input}
+        self._outputs = list(graph.output)
+        self._output_names = [o.name for o in self._outputs]
+        self._steps = self._plan(graph)
+
+    # -- construction --------------------------------------------------------------------
+    def _load_constants(self, graph) -> None:
+        seen: dict[str, str] = {}
+
+        def claim(name: str, kind: str) -> None:
+            if not name:
+                raise ValidationError(f"a {kind} initializer has an empty name")
+            if name in seen:
+                raise ValidationError(
+                    f"initializer name {name!r} is used by both a {seen[name]} and a {kind} "
+                    "initializer (names are unique across dense, sparse and encoded initializers)"
+                )
+            seen[name] = kind
+
+        for t in graph.initializer:
+            claim(t.name, "dense")
+            payload = None
+            if t.data_location == TensorProto.EXTERNAL or t.HasField("raw_data"):
+                payload = self.model.payload(t)
+            self._constants[t.name] = tensor_from_proto(t, payload)
+        for sp in graph.sparse_initializer:
+            claim(sp.values.name, "sparse")
+            raise ValidationError(
+                f"sparse initializer {sp.values.name!r}: sparse tensors are not supported"
+            )
+        for ev in graph.encoded_initializer:
+            claim(ev.name, "encoded")
+            self._constants[ev.name] = self._encoded(ev)
+
+    def _encoded(self, ev: EncodedValueProto):
+        layout = ev.WhichOneof("layout")
+        if layout == "affine":
+            a = ev.affine
+            for part in (a.scale, a.zero_point):
+                if part.data_location == TensorProto.EXTERNAL:
+                    raise ValidationError(
+                        f"encoded value {ev.name!r}: external scale/zero_point tensors are not "
+                        "supported (store quantization parameters inline)"
+                    )
+            scale = param_tensor(a.scale)
+            zp = param_tensor(a.zero_point) if a.HasField("zero_point") else None
+            return affine_value(ev, self.model.payload(ev), scale, zp)
+        if layout == "struct_type":
+            return _UnsupportedEncoded(ev.name, "struct-typed encoded value")
+        raise ValidationError(f"encoded value {ev.name!r}: no layout (affine or struct_type) set")
+
+    def _plan(self, graph) -> list[_Step]:
+        nodes = list(graph.node)
+        producers: dict[str, int] = {}
+        for i, node in enumerate(nodes):
+            for o in node.output:
+                if not o:
+                    continue
+                if o in producers or o in self._constants or o in self._input_infos:
+                    raise ValidationError(
+                        f"value {o!r} is produced more than once (node {node.name or node.op_type!r})"
+                    )
+                producers[o] = i
+        order = self._toposort(nodes, producers)
+        impls: dict[int, Any] = {}
+        for i in order:
+            node = nodes[i]
+            domain = canonical_domain(node.domain)
+            if domain not in self._opsets:
+                raise UnsupportedOperatorError(
+                    f"node {node.name!r} ({node.op_type}) uses domain {node.domain!r}, which the "
+                    "model does not import (opset_import)"
+                )
+            cls = lookup(domain, node.op_type, self._opsets[domain])
+            for name in node.input:
+                if name and isinstance(self._constants.get(name), (AffineValue, _UnsupportedEncoded)):
+                    if (domain, node.op_type) not in ENCODED_CONSUMERS:
+                        raise MissingDecoderError(
+                            f"node {node.name!r} ({node.op_type}) is a tensor-only operator but "
+                            f"input {name!r} is an encoded value; decode it explicitly with "
+                            "olv.Decode (seed 000: no implicit decoding)"
+                        )
+                    if isinstance(self._constants[name], _UnsupportedEncoded):
+                        raise MissingDecoderError(
+                            f"node {node.name!r} ({node.op_type}): {self._constants[name].describe()}"
+                        )
+            impls[i] = cls(node, self)
+        consumers: dict[str, list[tuple[int, int]]] = {}
+        for i in order:
+            for j, name in enumerate(nodes[i].input):
+                if name:
+                    consumers.setdefault(name, []).append((i, j))
+        graph_outputs = set(self._output_names)
+        fused: dict[int, _Step] = {}
+        dead: set[int] = set()
+        if self.options.enable_fusion:
+            fused, dead = self._fuse(nodes, order, producers, consumers, graph_outputs)
+        steps: list[_Step] = []
+        for i in order:
+            if i in dead:
+                continue
+            node = nodes[i]
+            if i in fused:
+                steps.append(fused[i])
+                continue
+            impl = impls[i]
+            steps.append(_Step(impl.name, node.op_type, impl.run, node.input, node.output))
+        for name in graph_outputs:
+            if name not in producers and name not in self._constants and name not in self._input_infos:
+                raise ValidationError(f"graph output {name!r} is not produced by any node")
+        self._set_lifetimes(steps, graph_outputs)
+        return steps
+
+    def _toposort(self, nodes, producers) -> list[int]:
+        available = set(self._constants) | set(self._input_infos) | {""}
+        indeg = []
+        waiting: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            missing = {n for n in node.input if n not in available}
+            for n in missing:
+                if n not in producers:
+                    raise ValidationError(
+                        f"node {node.name or node.op_type!r} input {n!r} is not a graph input, "
+                        "initializer or node output"
+                    )
+                waiting.setdefault(n, []).append(i)
+            indeg.append(len(missing))
+        ready = [i for i, d in enumerate(indeg) if d == 0]
+        order = []
+        while ready:
+            i = ready.pop(0)
+            order.append(i)
+            for o in nodes[i].output:
+                for j in waiting.pop(o, []):
+                    indeg[j] -= 1
+                    if indeg[j] == 0:
+                        ready.append(j)
+            ready.sort()
+        if len(order) != len(nodes):
+            stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if i not in set(order)]
+            raise ValidationError(f"the graph has a cycle through nodes {stuck[:5]}")
+        return order
+
+    def _fuse(self, nodes, order, producers, consumers, graph_outputs):
+        """Pattern fusion; returns (fused steps by node index, dead node indices)."""
+        fused: dict[int, _Step] = {}
+        removable: dict[int, set[tuple[int, int]]] = {}  # producer node → fused consumer uses
+
+        def const_source(name: str):
+            """(weight object, chain of node indices) for Decode(enc) or a dense constant."""
+            c = self._constants.get(name)
+            if isinstance(c, np.ndarray):
+                return c, []
+            p = producers.get(name)
+            if p is None:
+                return None, []
+            node = nodes[p]
+            if (canonical_domain(node.domain), node.op_type) == ("olv", "Decode"):
+                src = self._constants.get(node.input[0])
+                if isinstance(src, AffineValue) and src.is_int4_rows_blocked():
+                    return src, [p]
+            return None, []
+
+        for i in order:
+            node = nodes[i]
+            dom = canonical_domain(node.domain)
+            if dom == "" and node.op_type == "MatMul" and len(node.input) == 2:
+                t_idx = producers.get(node.input[1])
+                if t_idx is None:
+                    continue
+                t = nodes[t_idx]
+                if canonical_domain(t.domain) != "" or t.op_type != "Transpose":
+                    continue
+                perm = [list(a.ints) for a in t.attribute if a.name == "perm"]
+                if perm and perm[0] != [1, 0]:
+                    continue
+                weight, chain = const_source(t.input[0])
+                if weight is None:
+                    continue
+                if isinstance(weight, np.ndarray) and (weight.ndim != 2 or weight.dtype != np.float32):
+                    continue
+                name = node.name or f"MatMul({node.output[0]})"
+                fused[i] = _Step(name, "Linear", _Linear(name, weight, self.counters),
+                                 [node.input[0]], node.output)
+                removable.setdefault(t_idx, set()).add((i, 1))
+                for p in chain:  # the Decode dies only if the Transpose does
+                    removable.setdefault(p, set())
+            elif dom == "" and node.op_type == "Gather" and len(node.input) == 2:
+                axis = [a.i for a in node.attribute if a.name == "axis"]
+                if axis and axis[0] != 0:
+                    continue
+                weight, chain = const_source(node.input[0])
+                if not isinstance(weight, AffineValue):
+                    continue
+                name = node.name or f"Gather({node.output[0]})"
+                fused[i] = _Step(name, "EncodedGather", _EncodedGather(name, weight),
+                                 [node.input[1]], node.output)
+                for p in chain:
+                    removable.setdefault(p, set()).add((i, 0))
+        # A producer is dead when every use of every output is a fused use (iterate: a Decode
+        # feeding only dead Transposes becomes dead too).
+        dead: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for p, uses in removable.items():
+                if p in dead:
+                    continue
+                outs = [o for o in nodes[p].output if o]
+                if any(o in graph_outputs for o in outs):
+                    continue
+                all_uses = {u for o in outs for u in consumers.get(o, [])}
+                live_uses = {u for u in all_uses if u[0] not in dead} - uses
+                if not live_uses:
+                    dead.add(p)
+                    changed = True
+        return fused, dead
+
+    def _set_lifetimes(self, steps: list[_Step], graph_outputs: set[str]) -> None:
+        last: dict[str, int] = {}
+        for idx, step in enumerate(steps):
+            for n in step.inputs:
+                if n:
+                    last[n] = idx
+            for n in step.outputs:
+                if n:
+                    last.setdefault(n, idx)
+        keep = graph_outputs | set(self._constants)
+        per_step: list[list[str]] = [[] for _ in steps]
+        for name, idx in last.items():
+            if name not in keep:
+                per_step[idx].append(name)
+        for step, rel in zip(steps, per_step):
+            step.release = tuple(rel)
+
+    # -- introspection -------------------------------------------------------------------
+    def get_inputs(self) -> list[NodeArg]:
+        """Graph inputs that are not initializers (what ``run`` needs)."""
+        return [NodeArg(vi.name, _type_string(vi), _shape_of(vi)) for vi in self._inputs]
+
+    def get_outputs(self) -> list[NodeArg]:
+        """Graph outputs."""
+        return [NodeArg(vi.name, _type_string(vi), _shape_of(vi)) for vi in self._outputs]
+
+    def get_modelmeta(self) -> dict[str, str]:
+        """``metadata_props`` of the model."""
+        return self.model.metadata()
+
+    def plan(self) -> list[tuple[str, str]]:
+        """The execution plan as (kind, name) pairs — fused steps show as Linear/EncodedGather."""
+        return [(s.kind, s.name) for s in self._steps]
+
+    # -- execution -----------------------------------------------------------------------
+    def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any], run_options=None) -> list:
+        """Run the graph.
+
+        Parameters
+        ----------
+        output_names : list of str or None
+            Outputs to return, in order (None: all graph outputs).
+        feeds : dict
+            Input name → numpy array or DLPack-capable CPU tensor (e.g. torch). Arrays enter
+            without copies; they must be C-contiguous, native byte order, and of the declared
+            element type and rank.
+
+        Returns
+        -------
+        list of numpy.ndarray
+
+        Raises
+        ------
+        InvalidArgument
+            Unknown or missing feed, wrong dtype/rank/fixed dim, unsupported memory layout,
+            unknown output name.
+        """
+        names = list(self._output_names) if output_names is None else list(output_names)
+        for n in names:
+            if n not in self._output_names:
+                raise InvalidArgument(
+                    f"unknown output {n!r}; the graph outputs are {self._output_names}"
+                )
+        env = self.run_env(self.prepare_feeds(feeds))
+        return [env[n] for n in names]
+
+    def prepare_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Validate feeds (names, dtypes, ranks, layouts) and view them as numpy arrays."""
+        if not isinstance(feeds, Mapping):
+            raise InvalidArgument(f"feeds must be a dict of name -> array, got {type(feeds).__name__}")
+        out: dict[str, np.ndarray] = {}
+        for name, value in feeds.items():
+            vi = self._input_infos.get(name)
+            if vi is None:
+                raise InvalidArgument(
+                    f"unknown input {name!r}; the graph inputs are {[v.name for v in self._inputs]}"
+                )
+            out[name] = check_tensor(name, value, vi)
+        for vi in self._inputs:
+            if vi.name not in out:
+                raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {_shape_of(vi)})")
+        return out
+
+    def run_env(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """Execute the plan on prepared feeds; returns the graph outputs by name."""
+        env = dict(self._constants)
+        env.update(feeds)
+        self.counters.add("runs", 1)
+        for step in self._steps:
+            args = [env[n] if n else None for n in step.inputs]
+            try:
+                results = step.fn(*args)
+            except (InvalidArgument, ValidationError):
+                raise
+            except Exception as exc:
+                if isinstance(exc, (KeyboardInterrupt,)):
+                    raise
+                raise InvalidArgument(
+                    f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            for n, v in zip(step.outputs, results):
+                if n:
+                    env[n] = v
+            for n in step.release:
+                env.pop(n, None)
+        return {n: env[n] for n in self._output_names}
+
+
+class _UnsupportedEncoded:
+    """Placeholder for an encoded value whose layout has no decoder in this runtime yet."""
+
+    def __init__(self, name: str, what: str):
+        self.name = name
+        self.what = what
+
+    def describe(self) -> str:
+        return f"encoded value {self.name!r} ({self.what}) has no decoder or registered consumer"
+
+
+def as_array(name: str, value: Any) -> np.ndarray:
+    """View a feed as a numpy array without copying (numpy arrays, DLPack CPU tensors).
+
+    Raises
+    ------
+    InvalidArgument
+        Not an array / DLPack tensor, or a tensor that cannot be viewed without a copy.
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except Exception as exc:  # BufferError, TypeError, RuntimeError from the producer
+            raise InvalidArgument(
+                f"input {name!r}: {type(value).__name__} cannot be viewed without a copy "
+                f"via DLPack ({exc}); pass a CPU, contiguous tensor"
+            ) from None
+    raise InvalidArgument(
+        f"input {name!r}: expected a numpy array or a DLPack tensor (e.g. torch CPU), got "
+        f"{type(value).__name__}"
+    )
+
+
+def check_tensor(name: str, value: Any, vi: ValueInfoProto) -> np.ndarray:
+    """Validate one feed against its declared ValueInfoProto and return the numpy view."""
+    arr = as_array(name, value)
+    if vi.type.WhichOneof("value") != "tensor_type":
+        raise InvalidArgument(f"input {name!r}: only tensor inputs can be fed, the graph declares {_type_string(vi)}")
+    et = vi.type.tensor_type.elem_type
+    want = NP_DTYPE.get(et)
+    if want is None:
+        raise InvalidArgument(f"input {name!r}: element type {dtype_name(et)} is not supported")
+    if not arr.dtype.isnative:
+        raise InvalidArgument(
+            f"input {name!r}: byte-swapped dtype {arr.dtype} is not supported (no silent copy); "
+            "convert it to native byte order first"
+        )
+    if arr.dtype != want.newbyteorder("="):
+        raise InvalidArgument(
+            f"input {name!r}: expected element type {dtype_name(et)} ({want.newbyteorder('=')}), got {arr.dtype}"
+        )
+    if not arr.flags.c_contiguous:
+        raise InvalidArgument(
+            f"input {name!r}: array is not C-contiguous (strides {arr.strides}); the runtime does "
+            "not copy inputs silently — pass np.ascontiguousarray(x)"
+        )
+    shape = _shape_of(vi)
+    if shape is not None:
+        if arr.ndim != len(shape):
+            raise InvalidArgument(
+                f"input {name!r}: expected rank {len(shape)} (shape {shape}), got shape {list(arr.shape)}"
+            )
+        for i, (d, got) in enumerate(zip(shape, arr.shape)):
+            if isinstance(d, int) and d != got:
+                raise InvalidArgument(
+                    f"input {name!r}: dimension {i} must be {d}, got {got} (shape {list(arr.shape)})"
+                )
+    return arr
