@@ -1,0 +1,92 @@
+"""Shared pytest fixtures: tiny random Hugging Face checkpoints built locally (no network).
+
+Each checkpoint directory is built once per session with transformers from a config
+(``torch.manual_seed(0)``), saved with ``save_pretrained(dir, safe_serialization=True)``, and
+gets a small word-level ``tokenizer.json`` / ``tokenizer_config.json``.
+
+* ``tiny_qwen2_dir``: Qwen2ForCausalLM, float32, tied embeddings, intermediate 96, head_dim 16.
+* ``tiny_qwen3_dir``: Qwen3ForCausalLM, **bfloat16**, tied embeddings, q_norm/k_norm, explicit
+  head_dim 32 (!= hidden/heads), intermediate 80 (down_proj in_features not a multiple of 32),
+  rope_theta 1e6.
+* ``tiny_qwen2_untied_dir``: Qwen2ForCausalLM, float32, separate ``lm_head.weight``,
+  intermediate 80.
+* ``tiny_llama_dir``: LlamaForCausalLM, float32, untied, no biases.
+
+All: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 128.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
+
+
+def _write_tokenizer(path: pathlib.Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    words = [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(vocab_size - len(vocab))]
+    for w in words:
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def _build(tmp_path_factory, name: str, cls_name: str, dtype: str = "float32", **cfg) -> pathlib.Path:
+    import torch
+    import transformers
+
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    model_cls = getattr(transformers, cls_name)
+    config = config_cls(**{**TINY, **cfg}, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    out = tmp_path_factory.mktemp(name)
+    model.save_pretrained(str(out), safe_serialization=True)
+    _write_tokenizer(out, config.vocab_size)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> pathlib.Path:
+    """Tiny Qwen2 checkpoint (float32, tied, q/k/v biases, intermediate 96)."""
+    return _build(tmp_path_factory, "tiny_qwen2", "Qwen2ForCausalLM",
+                  intermediate_size=96, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> pathlib.Path:
+    """Tiny Qwen3 checkpoint (bfloat16, tied, qk-norm, head_dim 32, intermediate 80)."""
+    return _build(tmp_path_factory, "tiny_qwen3", "Qwen3ForCausalLM", dtype="bfloat16",
+                  intermediate_size=80, head_dim=32, tie_word_embeddings=True,
+                  rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"})
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_untied_dir(tmp_path_factory) -> pathlib.Path:
+    """Tiny Qwen2 checkpoint with a separate lm_head (float32, intermediate 80)."""
+    return _build(tmp_path_factory, "tiny_qwen2_untied", "Qwen2ForCausalLM",
+                  intermediate_size=80, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
+    """Tiny Llama checkpoint (float32, untied, no biases, intermediate 96)."""
+    return _build(tmp_path_factory, "tiny_llama", "LlamaForCausalLM",
+                  intermediate_size=96, tie_word_embeddings=False)
