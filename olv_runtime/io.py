@@ -342,7 +342,10 @@ def save(
         tmp_files.append((tmp_model, out))
         with os.fdopen(fd, "wb") as fh:
             fh.write(proto.SerializeToString())
+        umask = os.umask(0)
+        os.umask(umask)
         for tmp, final in tmp_files:
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
             os.replace(tmp, final)
         tmp_files.clear()
     finally:
