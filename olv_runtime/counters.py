@@ -4,7 +4,8 @@ A :class:`Counters` object holds cumulative totals; :meth:`Counters.snapshot` an
 :meth:`Counters.delta` give per-call figures. Counter names (all integers, bytes unless noted):
 
 ``arrays_allocated`` (count), ``bytes_allocated``, ``bytes_copied_state`` (state management),
-``bytes_copied_kv_append``, ``bytes_copied_other``, ``bytes_dequantized`` (materialised decodes),
+``bytes_copied_kv_append`` (new KV tokens written), ``bytes_copied_kv_prefix`` (KV prefixes copied
+into a new capacity buffer), ``kv_reallocations`` (count), ``bytes_copied_other``, ``bytes_dequantized`` (materialised decodes),
 ``workspace_peak``, ``retained_state_bytes``, ``model_serializations`` (count), ``runs`` (count).
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ NAMES = (
     "bytes_allocated",
     "bytes_copied_state",
     "bytes_copied_kv_append",
+    "bytes_copied_kv_prefix",
+    "kv_reallocations",
     "bytes_copied_other",
     "bytes_dequantized",
     "workspace_peak",

@@ -60,10 +60,26 @@ class SessionOptions:
         Fuse Decode/Transpose/MatMul and Decode/Gather (default True). With False every
         ``olv.Decode`` materialises its tensor (counted in ``bytes_dequantized``): a reference
         mode for tests.
+    kv_initial_capacity : int
+        Tokens of a newly allocated contiguous KV capacity buffer (at least what the call needs).
+    kv_growth : float
+        Capacity multiplier when a KV buffer is outgrown (the prefix is copied once then).
     """
 
     num_threads: int | None = None
     enable_fusion: bool = True
+    kv_initial_capacity: int = 256
+    kv_growth: float = 2.0
+
+    def __post_init__(self):
+        if self.num_threads is not None and int(self.num_threads) < 1:
+            raise InvalidArgument(f"num_threads must be >= 1, got {self.num_threads}")
+        if int(self.kv_initial_capacity) < 0:
+            raise InvalidArgument(
+                f"kv_initial_capacity must be >= 0 tokens, got {self.kv_initial_capacity}"
+            )
+        if not float(self.kv_growth) >= 1.0:
+            raise InvalidArgument(f"kv_growth must be >= 1.0, got {self.kv_growth}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +222,7 @@ class InferenceSession:
         self._outputs = list(graph.output)
         self._output_names = [o.name for o in self._outputs]
         self._steps = self._plan(graph)
+        self._strided_ok = self._strided_inputs(graph)
 
     # -- construction --------------------------------------------------------------------
     def _load_constants(self, graph) -> None:
@@ -437,6 +454,24 @@ class InferenceSession:
         for step, rel in zip(steps, per_step):
             step.release = tuple(rel)
 
+    def _strided_inputs(self, graph) -> frozenset:
+        """Graph inputs read only as Attention past_key/past_value (or by Shape/Size): they may be
+        strided views (e.g. a previous call's present, a prefix of a KV capacity buffer)."""
+        uses: dict[str, set] = {}
+        for node in graph.node:
+            for j, name in enumerate(node.input):
+                if name:
+                    any_strides = (node.op_type == "Attention" and j in (4, 5)) or \
+                        node.op_type in ("Shape", "Size")
+                    uses.setdefault(name, set()).add("past" if any_strides else "other")
+        outs = set(self._output_names)
+        return frozenset(n for n, u in uses.items()
+                         if u == {"past"} and n in self._input_infos and n not in outs)
+
+    def accepts_strided(self, name: str) -> bool:
+        """True if input ``name`` may be fed as a non-contiguous view (KV past inputs)."""
+        return name in self._strided_ok
+
     # -- introspection -------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
         """Graph inputs that are not initializers (what ``run`` needs)."""
@@ -497,7 +532,7 @@ class InferenceSession:
                 raise InvalidArgument(
                     f"unknown input {name!r}; the graph inputs are {[v.name for v in self._inputs]}"
                 )
-            out[name] = check_tensor(name, value, vi)
+            out[name] = check_tensor(name, value, vi, allow_strided=name in self._strided_ok)
         for vi in self._inputs:
             if vi.name not in out:
                 raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {_shape_of(vi)})")
@@ -563,8 +598,11 @@ def as_array(name: str, value: Any) -> np.ndarray:
     )
 
 
-def check_tensor(name: str, value: Any, vi: ValueInfoProto) -> np.ndarray:
-    """Validate one feed against its declared ValueInfoProto and return the numpy view."""
+def check_tensor(name: str, value: Any, vi: ValueInfoProto, allow_strided: bool = False) -> np.ndarray:
+    """Validate one feed against its declared ValueInfoProto and return the numpy view.
+
+    ``allow_strided`` accepts non-contiguous arrays (for inputs whose consumers read any
+    strides, such as KV past inputs)."""
     arr = as_array(name, value)
     if vi.type.WhichOneof("value") != "tensor_type":
         raise InvalidArgument(f"input {name!r}: only tensor inputs can be fed, the graph declares {_type_string(vi)}")
@@ -581,7 +619,7 @@ def check_tensor(name: str, value: Any, vi: ValueInfoProto) -> np.ndarray:
         raise InvalidArgument(
             f"input {name!r}: expected element type {dtype_name(et)} ({want.newbyteorder('=')}), got {arr.dtype}"
         )
-    if not arr.flags.c_contiguous:
+    if not allow_strided and not arr.flags.c_contiguous:
         raise InvalidArgument(
             f"input {name!r}: array is not C-contiguous (strides {arr.strides}); the runtime does "
             "not copy inputs silently — pass np.ascontiguousarray(x)"

@@ -22,7 +22,7 @@ from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int, check_out
 
-__all__ = ["attention", "append_kv"]
+__all__ = ["attention", "append_kv", "kv_write"]
 
 
 @njit(**JIT)
@@ -179,3 +179,46 @@ def append_kv(cache_past: np.ndarray, new: np.ndarray, out: np.ndarray) -> np.nd
     if out.size:
         _append_kv_par(cache_past, new, out)
     return out
+
+
+@njit(**PJIT)
+def _kv_write_par(cache, new, start):
+    b_n, kvh, cap, d = cache.shape
+    s_n = new.shape[1]
+    for t in prange(b_n * kvh):
+        b = t // kvh
+        g = t - b * kvh
+        for j in range(s_n):
+            for i in range(d):
+                cache[b, g, start + j, i] = new[b, j, g * d + i]
+
+
+def kv_write(cache: np.ndarray, new: np.ndarray, start: int) -> np.ndarray:
+    """Write new keys (or values) into a KV capacity buffer at token position ``start``.
+
+    Parameters
+    ----------
+    cache : ndarray of float32, shape [B, KVH, CAP, D], C-contiguous, writeable
+        The capacity buffer (present tokens occupy ``[:, :, :start]``).
+    new : ndarray of float32, shape [B, S, KVH*D], C-contiguous
+        The ONNX 3-D K/V input of ``S`` new tokens.
+    start : int
+        First token slot written; ``start + S <= CAP``.
+
+    Returns
+    -------
+    ndarray
+        ``cache`` (slots ``[start, start + S)`` written, nothing else touched).
+    """
+    check_array(cache, "cache", dtype=np.float32, ndim=4)
+    b, kvh, cap, d = cache.shape
+    check_array(new, "new", dtype=np.float32, shape=(b, None, kvh * d))
+    start = check_int(start, "start", lo=0)
+    if start + new.shape[1] > cap:
+        raise InvalidArgument(f"start: expected start + S <= capacity {cap}, got start={start}, "
+                              f"S={new.shape[1]}")
+    if not cache.flags.writeable:
+        raise InvalidArgument("cache: expected a writeable buffer, got a read-only one")
+    if new.shape[1]:
+        _kv_write_par(cache, new, start)
+    return cache

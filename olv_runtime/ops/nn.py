@@ -12,6 +12,7 @@ import numpy as np
 from olv_runtime import kernels
 from olv_runtime.errors import ValidationError
 from olv_runtime.ops.registry import Op, register
+from olv_runtime.state import kv
 
 
 @register("MatMul", 13)
@@ -152,6 +153,12 @@ class Attention(Op):
                 f"node {self.name!r} (Attention): past_key and past_value must be given together"
             )
         self.has_past = has_past
+        opts = getattr(info, "options", None)
+        self.kv_opts = {
+            "initial_capacity": getattr(opts, "kv_initial_capacity", 256),
+            "growth": getattr(opts, "kv_growth", 2.0),
+            "counters": getattr(info, "counters", None),
+        }
 
     def run(self, q, k, v, attn_mask=None, past_key=None, past_value=None):
         for nm, arr in (("Q", q), ("K", k), ("V", v)):
@@ -203,21 +210,18 @@ class Attention(Op):
             past_len = past_key.shape[2]
         else:
             past_len = 0
-        total = past_len + s_kv
-        present_k = np.empty((b, kvh, total, d), np.float32)
-        present_v = np.empty((b, kvh, total, d), np.float32)
-        empty = np.empty((b, kvh, 0, d), np.float32)
-        kernels.append_kv(past_key if self.has_past else empty, k_new.reshape(b, s_kv, kvh * d),
-                          present_k)
-        kernels.append_kv(past_value if self.has_past else empty,
-                          v_new.reshape(b, s_kv, kvh * d), present_v)
+        if not self.has_past:
+            past_key = past_value = np.empty((b, kvh, 0, d), np.float32)
+        # In-place append into capacity buffers when the past is an exclusive prefix view
+        # (olv_runtime.state.kv); otherwise a new buffer and one prefix copy.
+        present_k, buf_k = kv.append(past_key, k_new.reshape(b, s_kv, kvh * d), **self.kv_opts)
+        present_v, buf_v = kv.append(past_value, v_new.reshape(b, s_kv, kvh * d), **self.kv_opts)
         scale = self.attrs["scale"]
         if scale is None:
             scale = 1.0 / math.sqrt(d)
         causal = bool(self.attrs["is_causal"])
         # The causal frontier is aligned to the end of the past (ONNX Attention with cache).
-        out = kernels.attention(q4, present_k, present_v, past_len, float(np.float32(scale)),
-                                causal)
+        out = kernels.attention(q4, buf_k, buf_v, past_len, float(np.float32(scale)), causal)
         if three_d:
             y = out.reshape(b, s, h * d)
         else:

@@ -153,7 +153,8 @@ class State:
         for name in sorted(self._bound_inputs):
             if name not in initial:
                 raise StateError(f"missing initial value for persistent input {name!r}")
-            values[name] = _readonly(check_tensor(name, initial[name], infos[name]))
+            values[name] = _readonly(check_tensor(name, initial[name], infos[name],
+                                                  self._session.accepts_strided(name)))
         return values
 
     def _enter(self, what: str) -> None:
@@ -219,7 +220,8 @@ class State:
             new_values = {}
             infos = self._session._input_infos
             for inp, out in self._bindings:
-                new_values[inp] = _readonly(check_tensor(inp, outputs[out], infos[inp]))
+                new_values[inp] = _readonly(check_tensor(inp, outputs[out], infos[inp],
+                                                         self._session.accepts_strided(inp)))
             result = dict(outputs)
             for inp, out in self._bindings:
                 result[out] = new_values[inp]

@@ -1,0 +1,123 @@
+"""Contiguous KV cache capacity buffers with in-place append (seed 000 PR05).
+
+A present key/value tensor ``[B, KVH, T, D]`` produced by ``Attention`` is a read-only view
+``cap[:, :, :T]`` of a capacity buffer ``cap`` of shape ``[B, KVH, CAP, D]``. The registry here
+remembers, per capacity buffer, its *committed* length: the end of the longest prefix any view
+handed out so far covers. Appending ``S`` tokens to a past view of length ``T`` is done in place
+(writing only the slots ``[T, T+S)``) exactly when the past is a prefix view of a registered
+buffer whose committed length is ``T`` and which has room for ``S`` more tokens. Then no other
+view can see the slots written: earlier returned views (length <= T) stay valid, and a second
+state holding the same length-``T`` view finds the committed length moved on and copies the prefix
+into a new buffer instead of overwriting ("the first append that would alias copies").
+
+Otherwise a new buffer is allocated with capacity ``max(T + S, initial_capacity,
+ceil(CAP * growth))`` and the prefix is copied once (counted).
+
+Bookkeeping lives here, in plain Python; kernels see only arrays.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+import numpy as np
+
+from olv_runtime import kernels
+from olv_runtime.counters import Counters
+
+_lock = threading.Lock()
+_committed: dict[int, list] = {}  # id(buffer) -> [weakref(buffer), committed length]
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        _committed.pop(key, None)
+
+
+def _register(buf: np.ndarray, length: int) -> None:
+    key = id(buf)
+    _committed[key] = [weakref.ref(buf), length]
+    weakref.finalize(buf, _forget, key)
+
+
+def committed_length(view: np.ndarray) -> int | None:
+    """Committed length of the capacity buffer behind ``view`` (None if not a KV buffer)."""
+    owner = view.base
+    if owner is None:
+        return None
+    with _lock:
+        entry = _committed.get(id(owner))
+        if entry is None or entry[0]() is not owner:
+            return None
+        return entry[1]
+
+
+def _prefix_owner(past: np.ndarray):
+    """The registered capacity buffer of which ``past`` is the leading ``[:, :, :T]`` view."""
+    owner = past.base
+    if owner is None or owner.ndim != 4:
+        return None, None
+    entry = _committed.get(id(owner))
+    if entry is None or entry[0]() is not owner:
+        return None, None
+    if (past.__array_interface__["data"][0] != owner.__array_interface__["data"][0]
+            or past.strides != owner.strides or past.shape[:2] != owner.shape[:2]
+            or past.shape[3] != owner.shape[3]):
+        return None, None
+    return owner, entry
+
+
+def append(past: np.ndarray, new: np.ndarray, *, initial_capacity: int = 256,
+           growth: float = 2.0, counters: Counters | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Append ``S`` new tokens to a past K (or V) cache.
+
+    Parameters
+    ----------
+    past : ndarray of float32, shape [B, KVH, T, D]
+        The past cache (any strides; a view from a previous call appends in place).
+    new : ndarray of float32, shape [B, S, KVH*D], C-contiguous
+        New keys/values (ONNX 3-D layout).
+    initial_capacity : int
+        Minimum token capacity of a newly allocated buffer.
+    growth : float
+        Capacity multiplier when a buffer is outgrown (>= 1).
+    counters : Counters, optional
+        Receives ``bytes_copied_kv_append`` (new tokens), ``bytes_copied_kv_prefix`` and
+        ``kv_reallocations`` (prefix copies into new buffers), ``arrays_allocated`` /
+        ``bytes_allocated``.
+
+    Returns
+    -------
+    present : ndarray, shape [B, KVH, T+S, D]
+        Read-only view of the capacity buffer.
+    buffer : ndarray, shape [B, KVH, CAP, D]
+        The capacity buffer (contiguous), for kernels that read the cache.
+    """
+    b, kvh, t, d = past.shape
+    s = new.shape[1]
+    with _lock:
+        owner, entry = _prefix_owner(past)
+        in_place = owner is not None and entry[1] == t and owner.shape[2] >= t + s
+        if in_place:
+            entry[1] = t + s  # claim the slots before writing them
+    if not in_place:
+        old_cap = owner.shape[2] if owner is not None else 0
+        cap = max(t + s, int(initial_capacity), int(math.ceil(old_cap * growth)))
+        buf = np.empty((b, kvh, cap, d), np.float32)
+        if t:
+            buf[:, :, :t] = past
+        with _lock:
+            _register(buf, t + s)
+        owner = buf
+        if counters is not None:
+            counters.add("arrays_allocated", 1)
+            counters.add("bytes_allocated", buf.nbytes)
+            counters.add("kv_reallocations", 1)
+            counters.add("bytes_copied_kv_prefix", past.nbytes)
+    kernels.kv_write(owner, new, t)
+    if counters is not None:
+        counters.add("bytes_copied_kv_append", new.nbytes)
+    present = owner[:, :, : t + s]
+    present.flags.writeable = False
+    return present, owner
