@@ -25,6 +25,7 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.counters import Counters
+from olv_runtime.fusion import EncodedGather, LinearStep, Step, optimize
 from olv_runtime.errors import (
     InvalidArgument,
     MissingDecoderError,
@@ -60,6 +61,13 @@ class SessionOptions:
         Fuse Decode/Transpose/MatMul and Decode/Gather (default True). With False every
         ``olv.Decode`` materialises its tensor (counted in ``bytes_dequantized``): a reference
         mode for tests.
+    prepack : bool
+        Repack INT4 block-32 linear weights once into the tiled kernel layout (default True;
+        a layout change only, the values are those of the encoded initializer).
+    quantize_activations : bool
+        Quantize activations per 32-block to int8 for integer dot products in the INT4 linear
+        layers (as llama.cpp and onnxruntime accuracy level 4 do). Faster, approximate: off by
+        default; see kernels/packed.py for the tolerance.
     kv_initial_capacity : int
         Tokens of a newly allocated contiguous KV capacity buffer (at least what the call needs).
     kv_growth : float
@@ -68,6 +76,8 @@ class SessionOptions:
 
     num_threads: int | None = None
     enable_fusion: bool = True
+    prepack: bool = True
+    quantize_activations: bool = False
     kv_initial_capacity: int = 256
     kv_growth: float = 2.0
 
@@ -111,77 +121,6 @@ def _shape_of(vi: ValueInfoProto) -> list | None:
         which = d.WhichOneof("value")
         dims.append(d.dim_value if which == "dim_value" else (d.dim_param or None))
     return dims
-
-
-class _Step:
-    """One executable step: a callable over input values returning a tuple of outputs."""
-
-    __slots__ = ("name", "kind", "fn", "inputs", "outputs", "release")
-
-    def __init__(self, name: str, kind: str, fn, inputs: Sequence[str], outputs: Sequence[str]):
-        self.name = name
-        self.kind = kind
-        self.fn = fn
-        self.inputs = tuple(inputs)
-        self.outputs = tuple(outputs)
-        self.release: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        return f"_Step({self.kind} {self.name!r}: {list(self.inputs)} -> {list(self.outputs)})"
-
-
-class _Linear:
-    """Fused ``y = x @ W.T`` over a stored ``[N, K]`` weight (INT4 encoded or float32)."""
-
-    def __init__(self, name: str, weight, counters: Counters):
-        self.name = name
-        self.weight = weight
-        self.counters = counters
-        if isinstance(weight, AffineValue):
-            self.n, self.k = weight.shape
-            self.zp = weight.zero_point
-        else:
-            self.n, self.k = weight.shape
-            self.w = np.ascontiguousarray(weight)
-
-    def __call__(self, x):
-        if x.dtype != np.float32:
-            raise InvalidArgument(f"node {self.name!r} (MatMul): expected float32 input, got {x.dtype}")
-        if x.shape[-1] != self.k:
-            raise InvalidArgument(
-                f"node {self.name!r} (MatMul): input has {x.shape[-1]} features, the weight "
-                f"expects {self.k} (shape {list(x.shape)})"
-            )
-        lead = x.shape[:-1]
-        x2 = np.ascontiguousarray(x).reshape(-1, self.k)
-        w = self.weight
-        if isinstance(w, AffineValue):
-            y = kernels.linear_int4(x2, w.codes, w.scale, self.zp, self.n, self.k, w.block_size)
-        else:
-            y = kernels.linear_f32(x2, self.w)
-        return (y.reshape(*lead, self.n),)
-
-
-class _EncodedGather:
-    """Fused ``Gather(Decode(W), ids, axis=0)``: decodes only the selected rows."""
-
-    def __init__(self, name: str, weight: AffineValue):
-        self.name = name
-        self.w = weight
-
-    def __call__(self, ids):
-        if ids.dtype not in (np.int64, np.int32):
-            raise InvalidArgument(
-                f"node {self.name!r} (Gather): indices must be int64 or int32, got {ids.dtype}"
-            )
-        w = self.w
-        n, k = w.shape
-        return (
-            kernels.gather_rows_int4(
-                w.codes, w.scale, w.zero_point, n, k, w.block_size,
-                np.ascontiguousarray(ids, dtype=np.int64),
-            ),
-        )
 
 
 class InferenceSession:
@@ -270,7 +209,7 @@ class InferenceSession:
             return _UnsupportedEncoded(ev.name, "struct-typed encoded value")
         raise ValidationError(f"encoded value {ev.name!r}: no layout (affine or struct_type) set")
 
-    def _plan(self, graph) -> list[_Step]:
+    def _plan(self, graph) -> list[Step]:
         nodes = list(graph.node)
         producers: dict[str, int] = {}
         for i, node in enumerate(nodes):
@@ -312,11 +251,11 @@ class InferenceSession:
                 if name:
                     consumers.setdefault(name, []).append((i, j))
         graph_outputs = set(self._output_names)
-        fused: dict[int, _Step] = {}
+        fused: dict[int, Step] = {}
         dead: set[int] = set()
         if self.options.enable_fusion:
             fused, dead = self._fuse(nodes, order, producers, consumers, graph_outputs)
-        steps: list[_Step] = []
+        steps: list[Step] = []
         for i in order:
             if i in dead:
                 continue
@@ -325,10 +264,16 @@ class InferenceSession:
                 steps.append(fused[i])
                 continue
             impl = impls[i]
-            steps.append(_Step(impl.name, node.op_type, impl.run, node.input, node.output))
+            steps.append(Step(impl.name, node.op_type, impl.run, node.input, node.output, impl))
         for name in graph_outputs:
             if name not in producers and name not in self._constants and name not in self._input_infos:
                 raise ValidationError(f"graph output {name!r} is not produced by any node")
+        if self.options.enable_fusion:
+            steps = optimize(steps, self._constants, graph_outputs, self.options, self.counters)
+        else:
+            for st in steps:
+                if isinstance(st.impl, LinearStep):
+                    st.impl.prepare()
         self._set_lifetimes(steps, graph_outputs)
         return steps
 
@@ -364,7 +309,7 @@ class InferenceSession:
 
     def _fuse(self, nodes, order, producers, consumers, graph_outputs):
         """Pattern fusion; returns (fused steps by node index, dead node indices)."""
-        fused: dict[int, _Step] = {}
+        fused: dict[int, Step] = {}
         removable: dict[int, set[tuple[int, int]]] = {}  # producer node → fused consumer uses
 
         def const_source(name: str):
@@ -401,8 +346,8 @@ class InferenceSession:
                 if isinstance(weight, np.ndarray) and (weight.ndim != 2 or weight.dtype != np.float32):
                     continue
                 name = node.name or f"MatMul({node.output[0]})"
-                fused[i] = _Step(name, "Linear", _Linear(name, weight, self.counters),
-                                 [node.input[0]], node.output)
+                lin = LinearStep(name, [weight], self.options, self.counters)
+                fused[i] = Step(name, "Linear", lin, [node.input[0]], node.output, lin)
                 removable.setdefault(t_idx, set()).add((i, 1))
                 for p in chain:  # the Decode dies only if the Transpose does
                     removable.setdefault(p, set())
@@ -414,8 +359,8 @@ class InferenceSession:
                 if not isinstance(weight, AffineValue):
                     continue
                 name = node.name or f"Gather({node.output[0]})"
-                fused[i] = _Step(name, "EncodedGather", _EncodedGather(name, weight),
-                                 [node.input[1]], node.output)
+                gat = EncodedGather(name, weight)
+                fused[i] = Step(name, "EncodedGather", gat, [node.input[1]], node.output, gat)
                 for p in chain:
                     removable.setdefault(p, set()).add((i, 0))
         # A producer is dead when every use of every output is a fused use (iterate: a Decode
@@ -437,7 +382,7 @@ class InferenceSession:
                     changed = True
         return fused, dead
 
-    def _set_lifetimes(self, steps: list[_Step], graph_outputs: set[str]) -> None:
+    def _set_lifetimes(self, steps: list[Step], graph_outputs: set[str]) -> None:
         last: dict[str, int] = {}
         for idx, step in enumerate(steps):
             for n in step.inputs:

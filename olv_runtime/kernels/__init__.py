@@ -11,11 +11,12 @@ from .linear import linear_f32, linear_int4
 from .norm import rms_norm
 from .rope import rotary_embedding
 from .attention import append_kv, attention, kv_write
+from .activations import silu_mul
 
 __all__ = [
     "JIT", "PJIT", "set_num_threads", "get_num_threads", "threading_layer",
     "unpack_codes", "dequantize_affine", "gather_rows_int4",
     "linear_int4", "linear_f32",
     "rms_norm", "rotary_embedding",
-    "attention", "append_kv", "kv_write",
+    "attention", "append_kv", "kv_write", "silu_mul",
 ]

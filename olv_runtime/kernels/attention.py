@@ -20,7 +20,7 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
-from .config import JIT, PJIT, check_array, check_int, check_out
+from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_int, check_out
 
 __all__ = ["attention", "append_kv", "kv_write"]
 
@@ -72,6 +72,22 @@ def _attention_par(q, k_cache, v_cache, past_len, scale, is_causal, out):
     group = h_n // kvh
     total = past_len + s_n
     for t in prange(b_n * h_n * s_n):
+        b = t // (h_n * s_n)
+        rem = t - b * (h_n * s_n)
+        h = rem // s_n
+        s = rem - h * s_n
+        g = h // group
+        nkeys = past_len + s + 1 if is_causal else total
+        _attend_one(q[b, s, h], k_cache[b, g], v_cache[b, g], nkeys, scale, out[b, s, h])
+
+
+@njit(**JIT)
+def _attention_ser(q, k_cache, v_cache, past_len, scale, is_causal, out):
+    b_n, s_n, h_n, d = q.shape
+    kvh = k_cache.shape[1]
+    group = h_n // kvh
+    total = past_len + s_n
+    for t in range(b_n * h_n * s_n):
         b = t // (h_n * s_n)
         rem = t - b * (h_n * s_n)
         h = rem // s_n
@@ -141,7 +157,11 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, past_len:
         raise InvalidArgument(f"scale: expected a float, got {scale!r}") from None
     out = check_out(out, "out", np.float32, (b, s, h, d))
     if out.size:
-        _attention_par(q, k_cache, v_cache, past_len, sc, bool(is_causal), out)
+        work = b * s * h * (past_len + s) * d
+        if work >= PARALLEL_MIN_WORK and b * s * h > 1:
+            _attention_par(q, k_cache, v_cache, past_len, sc, bool(is_causal), out)
+        else:
+            _attention_ser(q, k_cache, v_cache, past_len, sc, bool(is_causal), out)
     return out
 
 
@@ -181,11 +201,11 @@ def append_kv(cache_past: np.ndarray, new: np.ndarray, out: np.ndarray) -> np.nd
     return out
 
 
-@njit(**PJIT)
-def _kv_write_par(cache, new, start):
+@njit(**JIT)
+def _kv_write_ser(cache, new, start):
     b_n, kvh, cap, d = cache.shape
     s_n = new.shape[1]
-    for t in prange(b_n * kvh):
+    for t in range(b_n * kvh):
         b = t // kvh
         g = t - b * kvh
         for j in range(s_n):
@@ -220,5 +240,5 @@ def kv_write(cache: np.ndarray, new: np.ndarray, start: int) -> np.ndarray:
     if not cache.flags.writeable:
         raise InvalidArgument("cache: expected a writeable buffer, got a read-only one")
     if new.shape[1]:
-        _kv_write_par(cache, new, start)
+        _kv_write_ser(cache, new, start)
     return cache

@@ -78,6 +78,11 @@ def set_num_threads(n: int) -> None:
     numba.set_num_threads(int(n))
 
 
+#: Below this many scalar operations a wrapper runs the serial driver: starting a parallel region
+#: costs more than the work (tens of microseconds when the worker threads are asleep).
+PARALLEL_MIN_WORK = 1 << 17
+
+
 def get_num_threads() -> int:
     """Number of threads the parallel kernels currently use (passthrough to numba)."""
     return int(numba.get_num_threads())

@@ -15,7 +15,7 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
-from .config import JIT, PJIT, check_array, check_out
+from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_out
 
 __all__ = ["rms_norm"]
 
@@ -37,6 +37,12 @@ def _rms_norm_row(x, weight, eps, out):
 @njit(**PJIT)
 def _rms_norm_par(x, weight, eps, out):
     for r in prange(x.shape[0]):
+        _rms_norm_row(x[r], weight, eps, out[r])
+
+
+@njit(**JIT)
+def _rms_norm_ser(x, weight, eps, out):
+    for r in range(x.shape[0]):
         _rms_norm_row(x[r], weight, eps, out[r])
 
 
@@ -68,5 +74,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, epsilon: float, out=None) -> np.
         raise InvalidArgument(f"epsilon: expected a finite value >= 0, got {epsilon!r}")
     out = check_out(out, "out", np.float32, (r, d))
     if r and d:
-        _rms_norm_par(x, weight, eps, out)
+        if r * d >= PARALLEL_MIN_WORK and r > 1:
+            _rms_norm_par(x, weight, eps, out)
+        else:
+            _rms_norm_ser(x, weight, eps, out)
     return out

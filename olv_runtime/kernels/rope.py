@@ -21,7 +21,7 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
-from .config import JIT, PJIT, check_array, check_int, check_out
+from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_int, check_out
 
 __all__ = ["rotary_embedding"]
 
@@ -59,6 +59,13 @@ def _rope_par(x, cos, sin, interleaved, rdim, out):
         _rope_token(x[bi, si], cos[bi, si], sin[bi, si], interleaved, rdim, out[bi, si])
 
 
+@njit(**JIT)
+def _rope_ser(x, cos, sin, interleaved, rdim, out):
+    for bi in range(x.shape[0]):
+        for si in range(x.shape[1]):
+            _rope_token(x[bi, si], cos[bi, si], sin[bi, si], interleaved, rdim, out[bi, si])
+
+
 def rotary_embedding(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool,
                      rotary_dim: int, out=None) -> np.ndarray:
     """ONNX RotaryEmbedding (opset 23) on ``[B, S, NH, D]`` activations.
@@ -93,5 +100,8 @@ def rotary_embedding(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave
         raise InvalidArgument(f"interleaved: expected a bool, got {type(interleaved).__name__}")
     out = check_out(out, "out", np.float32, x.shape)
     if x.size:
-        _rope_par(x, cos, sin, bool(interleaved), rdim, out)
+        if x.size >= PARALLEL_MIN_WORK and b * s > 1:
+            _rope_par(x, cos, sin, bool(interleaved), rdim, out)
+        else:
+            _rope_ser(x, cos, sin, bool(interleaved), rdim, out)
     return out

@@ -1,0 +1,405 @@
+"""Execution steps and the fusion passes the session applies to its plan.
+
+The session first turns each node into a :class:`Step` and fuses the encoded-weight patterns
+(``olv.Decode -> Transpose -> MatMul`` → :class:`LinearStep`, ``olv.Decode -> Gather`` →
+:class:`EncodedGather`). :func:`optimize` then rewrites the step list (peephole passes over values
+with a single consumer, never touching graph outputs):
+
+* bias: ``Add(Linear(x), b)`` with a constant ``b[N]`` → the linear adds ``b``;
+* residual: ``Add(h, Linear(x))`` → the linear adds ``h`` (``h`` computed earlier);
+* siblings: linears reading the same ``x`` with INT4 block-32 weights of equal K → one kernel call
+  over the weights concatenated along N at session creation;
+* SiLU: ``Mul(Mul(g, Sigmoid(g)), u)`` → :func:`~olv_runtime.kernels.silu_mul`;
+* RoPE + Attention: ``Attention(RotaryEmbedding(q), RotaryEmbedding(k), v, past...)`` → one step
+  that rotates q and k in place (they are intermediates with no other reader).
+
+INT4 linear weights with block size 32 are repacked once into the tiled layout of
+:mod:`olv_runtime.kernels.packed` (``SessionOptions.prepack``); other block sizes use the
+row-major kernel. Repacking changes only the memory layout, never the values (seed 004: a
+prepacked form is a cache of the portable initializer).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from olv_runtime import kernels
+from olv_runtime.errors import InvalidArgument
+from olv_runtime.values import AffineValue
+
+
+class Step:
+    """One executable step: ``fn(*input values) -> tuple of outputs``.
+
+    Attributes
+    ----------
+    name : str
+        The node (or fused group) name, used in error messages.
+    kind : str
+        Op type, or the fused kind (Linear, EncodedGather, SiluMul, RopeAttention).
+    inputs, outputs : tuple of str
+        Value names ('' for an omitted optional input).
+    release : tuple of str
+        Values whose last use is this step (dropped after it runs).
+    impl : object
+        The op or fused-kernel object (``fn`` is its bound ``run``/``__call__``).
+    """
+
+    __slots__ = ("name", "kind", "fn", "inputs", "outputs", "release", "impl")
+
+    def __init__(self, name: str, kind: str, fn, inputs: Sequence[str], outputs: Sequence[str],
+                 impl: Any = None):
+        self.name = name
+        self.kind = kind
+        self.fn = fn
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.release: tuple[str, ...] = ()
+        self.impl = impl
+
+    def __repr__(self) -> str:
+        return f"Step({self.kind} {self.name!r}: {list(self.inputs)} -> {list(self.outputs)})"
+
+
+def _packable(w) -> bool:
+    return isinstance(w, AffineValue) and w.is_int4_rows_blocked() and w.block_size == 32
+
+
+class LinearStep:
+    """Fused ``y_i = x @ W_i.T (+ b_i) (+ residual)`` over stored ``[N_i, K]`` weights.
+
+    One weight: one output. Several (sibling merge): one kernel call over the weights
+    concatenated along N, outputs returned as column blocks (views when ``x`` has one row).
+    """
+
+    def __init__(self, name: str, weights: list, options, counters):
+        self.name = name
+        self.weights = list(weights)
+        self.biases: list = [None] * len(self.weights)
+        self.residual = False
+        self.options = options
+        self.counters = counters
+        self.k = self.weights[0].shape[1]
+        self.ns = [w.shape[0] for w in self.weights]
+        self.n = sum(self.ns)
+        self.packed = None
+        self.dense = None
+        self._prepared = False
+
+    # -- preparation (once, at session creation) ---------------------------------------------
+    def prepare(self) -> None:
+        ws = self.weights
+        prepack = getattr(self.options, "prepack", True)
+        if all(_packable(w) for w in ws) and prepack:
+            from olv_runtime.kernels.packed import linear_packed, prepack_int4
+
+            self._linear_packed = linear_packed
+            if len(ws) == 1:
+                w = ws[0]
+                payload, scale, zp = w.codes, w.scale, w.zero_point
+            else:
+                payload = _concat_rows([w.codes for w in ws], [w.shape for w in ws])
+                scale = np.ascontiguousarray(np.concatenate([w.scale for w in ws], axis=0))
+                zps = [w.zero_point for w in ws]
+                if any(z is not None for z in zps):
+                    zp = np.concatenate([
+                        z if z is not None else np.zeros(w.scale.shape, np.int8)
+                        for z, w in zip(zps, ws)], axis=0)
+                else:
+                    zp = None
+            self.packed = prepack_int4(payload, scale, zp, self.n, self.k, 32)
+        elif len(ws) == 1 and isinstance(ws[0], np.ndarray):
+            self.dense = np.ascontiguousarray(ws[0])
+        biases = [b if b is not None else np.zeros(n, np.float32) for b, n in zip(self.biases, self.ns)]
+        self.bias = (np.ascontiguousarray(np.concatenate(biases))
+                     if any(b is not None for b in self.biases) else None)
+        self._prepared = True
+
+    def can_merge(self, other: "LinearStep") -> bool:
+        return (self.k == other.k and not self.residual and not other.residual
+                and all(_packable(w) for w in self.weights + other.weights)
+                and getattr(self.options, "prepack", True))
+
+    # -- execution ------------------------------------------------------------------------------
+    def __call__(self, x, residual=None):
+        if x.dtype != np.float32:
+            raise InvalidArgument(f"node {self.name!r} (MatMul): expected float32 input, got {x.dtype}")
+        if x.shape[-1] != self.k:
+            raise InvalidArgument(
+                f"node {self.name!r} (MatMul): input has {x.shape[-1]} features, the weight "
+                f"expects {self.k} (shape {list(x.shape)})"
+            )
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, self.k)
+        if self.packed is not None:
+            y = self._linear_packed(
+                x2, self.packed,
+                quantize_activations=getattr(self.options, "quantize_activations", False))
+        elif self.dense is not None:
+            y = kernels.linear_f32(x2, self.dense)
+        else:
+            ys = []
+            for w in self.weights:
+                n, k = w.shape
+                ys.append(kernels.linear_int4(x2, w.codes, w.scale, w.zero_point, n, k, w.block_size))
+            y = ys[0] if len(ys) == 1 else np.concatenate(ys, axis=1)
+        if self.bias is not None:
+            np.add(y, self.bias, out=y)
+        if self.residual:
+            r = residual.reshape(y.shape)
+            np.add(y, r, out=y)
+        if len(self.weights) == 1:
+            return (y.reshape(*lead, self.n),)
+        outs = []
+        start = 0
+        for n in self.ns:
+            part = y[:, start:start + n]
+            if part.shape[0] != 1:
+                part = np.ascontiguousarray(part)
+            outs.append(part.reshape(*lead, n))
+            start += n
+        return tuple(outs)
+
+
+def _concat_rows(payloads, shapes) -> np.ndarray:
+    """Concatenate INT4 row-major payloads of ``[N_i, K]`` matrices along N."""
+    if all((n * k) % 2 == 0 for n, k in shapes):
+        return np.concatenate([np.asarray(p) for p in payloads])
+    # odd element counts: re-pack nibble by nibble (session creation only)
+    codes = []
+    for p, (n, k) in zip(payloads, shapes):
+        b = np.asarray(p, np.uint8)
+        nib = np.empty(b.size * 2, np.uint8)
+        nib[0::2] = b & 0x0F
+        nib[1::2] = b >> 4
+        codes.append(nib[: n * k])
+    allc = np.concatenate(codes)
+    if allc.size % 2:
+        allc = np.concatenate([allc, np.zeros(1, np.uint8)])
+    return (allc[0::2] | (allc[1::2] << 4)).astype(np.uint8)
+
+
+class EncodedGather:
+    """Fused ``Gather(Decode(W), ids, axis=0)``: decodes only the selected rows."""
+
+    def __init__(self, name: str, weight: AffineValue):
+        self.name = name
+        self.w = weight
+
+    def __call__(self, ids):
+        if ids.dtype not in (np.int64, np.int32):
+            raise InvalidArgument(
+                f"node {self.name!r} (Gather): indices must be int64 or int32, got {ids.dtype}"
+            )
+        w = self.w
+        n, k = w.shape
+        return (
+            kernels.gather_rows_int4(
+                w.codes, w.scale, w.zero_point, n, k, w.block_size,
+                np.ascontiguousarray(ids, dtype=np.int64),
+            ),
+        )
+
+
+class SiluMul:
+    """``Mul(Mul(g, Sigmoid(g)), u)`` in one pass (SiLU-gated MLP)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, g, u):
+        if g.dtype != np.float32 or u.dtype != np.float32 or g.shape != u.shape:
+            raise InvalidArgument(
+                f"node {self.name!r} (SiluMul): expected float32 g and u of one shape, got "
+                f"{g.dtype}{list(g.shape)} and {u.dtype}{list(u.shape)}"
+            )
+        return (kernels.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u)),)
+
+
+class RopeAttention:
+    """``Attention(RotaryEmbedding(q), RotaryEmbedding(k), v, past...)`` with q, k rotated in place."""
+
+    def __init__(self, name: str, rope_q, rope_k, attention):
+        self.name = name
+        self.rope_q = rope_q
+        self.rope_k = rope_k
+        self.attention = attention
+
+    def __call__(self, q, k, v, past_key, past_value, cos_q, sin_q, cos_k, sin_k):
+        q = self._rotate(self.rope_q, q, cos_q, sin_q)
+        k = self._rotate(self.rope_k, k, cos_k, sin_k)
+        return self.attention.run(q, k, v, None, past_key, past_value)
+
+    @staticmethod
+    def _rotate(op, x, cos, sin):
+        from olv_runtime.ops.nn import _cos_sin
+
+        nh = op.attrs["num_heads"]
+        b, s, hd = x.shape
+        d = hd // nh
+        r = op.attrs["rotary_embedding_dim"] or d
+        c, sn = _cos_sin(op, cos, sin, None, b, s, r // 2)
+        x4 = x.reshape(b, s, nh, d)
+        if not x4.flags.c_contiguous or not x4.flags.writeable:
+            x4 = np.ascontiguousarray(x4)
+        kernels.rotary_embedding(x4, c, sn, bool(op.attrs["interleaved"]), r, out=x4)
+        return x4.reshape(b, s, hd)
+
+
+# ------------------------------------------------------------------------------------------------
+# passes
+# ------------------------------------------------------------------------------------------------
+class _Graph:
+    """Producer/consumer index over a step list."""
+
+    def __init__(self, steps: list[Step]):
+        self.steps = steps
+        self.producer: dict[str, Step] = {}
+        self.consumers: dict[str, list[Step]] = {}
+        for s in steps:
+            for o in s.outputs:
+                if o:
+                    self.producer[o] = s
+            for i in s.inputs:
+                if i:
+                    self.consumers.setdefault(i, []).append(s)
+
+    def sole_consumer(self, name: str, protected: set[str]):
+        c = self.consumers.get(name, [])
+        if len(c) != 1 or name in protected:
+            return None
+        return c[0]
+
+
+def _position(steps: list[Step]) -> dict[int, int]:
+    return {id(s): i for i, s in enumerate(steps)}
+
+
+def optimize(steps: list[Step], constants: dict, graph_outputs: set[str], options,
+             counters) -> list[Step]:
+    """Apply the fusion passes (see the module docstring); returns the new step list."""
+    steps = _fuse_bias_residual(steps, constants, graph_outputs)
+    steps = _fuse_siblings(steps, graph_outputs)
+    steps = _fuse_silu(steps, graph_outputs)
+    steps = _fuse_rope_attention(steps, constants, graph_outputs)
+    for s in steps:
+        if isinstance(s.impl, LinearStep) and not s.impl._prepared:
+            s.impl.prepare()
+    return steps
+
+
+def _fuse_bias_residual(steps, constants, protected):
+    changed = True
+    while changed:
+        changed = False
+        g = _Graph(steps)
+        pos = _position(steps)
+        for s in steps:
+            if s.kind != "Linear" or len(s.outputs) != 1:
+                continue
+            lin: LinearStep = s.impl
+            y = s.outputs[0]
+            add = g.sole_consumer(y, protected)
+            if add is None or add.kind != "Add" or len(add.inputs) != 2:
+                continue
+            other = add.inputs[1] if add.inputs[0] == y else add.inputs[0]
+            if other == y:
+                continue
+            c = constants.get(other)
+            if (isinstance(c, np.ndarray) and c.dtype == np.float32 and c.shape == (lin.n,)
+                    and len(lin.weights) == 1 and lin.biases[0] is None and not lin.residual):
+                lin.biases[0] = c
+            elif (c is None and not lin.residual and other in g.producer
+                  and pos[id(g.producer[other])] < pos[id(s)]):
+                lin.residual = True
+                s.inputs = s.inputs + (other,)
+            else:
+                continue
+            s.outputs = add.outputs
+            steps = [t for t in steps if t is not add]
+            changed = True
+            break
+    return steps
+
+
+def _fuse_siblings(steps, protected):
+    g = _Graph(steps)
+    out = []
+    merged: set[int] = set()
+    for s in steps:
+        if id(s) in merged:
+            continue
+        if s.kind == "Linear" and not s.impl.residual:
+            group = [t for t in g.consumers.get(s.inputs[0], [])
+                     if t is not s and t.kind == "Linear" and id(t) not in merged
+                     and s.impl.can_merge(t.impl)]
+            if group:
+                lin: LinearStep = s.impl
+                outputs = list(s.outputs)
+                for t in group:
+                    lin.weights += t.impl.weights
+                    lin.biases += t.impl.biases
+                    lin.ns += t.impl.ns
+                    outputs += list(t.outputs)
+                    merged.add(id(t))
+                lin.n = sum(lin.ns)
+                s.outputs = tuple(outputs)
+                s.name = s.name + "+" + "+".join(t.name for t in group)
+        out.append(s)
+    return out
+
+
+def _fuse_silu(steps, protected):
+    g = _Graph(steps)
+    drop: set[int] = set()
+    for s in steps:
+        if s.kind != "Sigmoid":
+            continue
+        gate = s.inputs[0]
+        sig = s.outputs[0]
+        m1 = g.sole_consumer(sig, protected)
+        if m1 is None or m1.kind != "Mul" or set(m1.inputs) != {gate, sig}:
+            continue
+        act = m1.outputs[0]
+        m2 = g.sole_consumer(act, protected)
+        if m2 is None or m2.kind != "Mul" or act not in m2.inputs:
+            continue
+        up = m2.inputs[1] if m2.inputs[0] == act else m2.inputs[0]
+        if up == act:
+            continue
+        fused = SiluMul(m2.name)
+        m2.kind, m2.fn, m2.impl, m2.inputs = "SiluMul", fused, fused, (gate, up)
+        drop.update((id(s), id(m1)))
+    return [s for s in steps if id(s) not in drop]
+
+
+def _fuse_rope_attention(steps, constants, protected):
+    g = _Graph(steps)
+    drop: set[int] = set()
+    for s in steps:
+        if s.kind != "Attention" or len(s.inputs) < 6 or not s.inputs[4]:
+            continue
+        if len(s.inputs) > 3 and s.inputs[3]:
+            continue
+        rq = g.producer.get(s.inputs[0])
+        rk = g.producer.get(s.inputs[1])
+        if rq is None or rk is None or rq.kind != "RotaryEmbedding" or rk.kind != "RotaryEmbedding":
+            continue
+        if any(len(r.inputs) > 3 and r.inputs[3] for r in (rq, rk)):
+            continue  # position_ids form: keep unfused
+        if any(g.sole_consumer(r.outputs[0], protected) is not s for r in (rq, rk)):
+            continue
+        # the rotated inputs must be intermediates this step may overwrite
+        if any(r.inputs[0] in constants or r.inputs[0] not in g.producer or
+               len(g.consumers.get(r.inputs[0], [])) != 1 or r.inputs[0] in protected
+               for r in (rq, rk)):
+            continue
+        if any(r.impl.attrs["num_heads"] <= 0 for r in (rq, rk)):
+            continue
+        fused = RopeAttention(s.name, rq.impl, rk.impl, s.impl)
+        s.kind, s.fn, s.impl = "RopeAttention", fused, fused
+        s.inputs = (rq.inputs[0], rk.inputs[0], s.inputs[2], s.inputs[4], s.inputs[5],
+                    rq.inputs[1], rq.inputs[2], rk.inputs[1], rk.inputs[2])
+        drop.update((id(rq), id(rk)))
+    return [s for s in steps if id(s) not in drop]

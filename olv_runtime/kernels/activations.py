@@ -1,0 +1,62 @@
+"""Elementwise activations fused for the SiLU-gated MLP.
+
+``silu_mul(g, u) = (g * sigmoid(g)) * u`` with ``sigmoid(x) = 1 / (1 + exp(-x))`` in float32 —
+the ONNX subgraph ``Mul(Mul(g, Sigmoid(g)), u)`` evaluated in one pass (results agree with the
+unfused numpy evaluation to ~1 ulp: ``exp`` implementations differ in the last bit).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_out
+
+__all__ = ["silu_mul"]
+
+
+@njit(**JIT)
+def _silu_mul_range(g, u, out, lo, hi):
+    one = np.float32(1.0)
+    for i in range(lo, hi):
+        x = g[i]
+        sig = one / (one + np.exp(-x))
+        out[i] = (x * sig) * u[i]
+
+
+@njit(**JIT)
+def _silu_mul_ser(g, u, out):
+    _silu_mul_range(g, u, out, 0, g.shape[0])
+
+
+@njit(**PJIT)
+def _silu_mul_par(g, u, out, chunk):
+    n = g.shape[0]
+    nchunks = (n + chunk - 1) // chunk
+    for c in prange(nchunks):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        _silu_mul_range(g, u, out, lo, hi)
+
+
+def silu_mul(g: np.ndarray, u: np.ndarray, out=None) -> np.ndarray:
+    """``(g * sigmoid(g)) * u`` elementwise.
+
+    Parameters
+    ----------
+    g, u : ndarray of float32, same shape, C-contiguous
+        Gate and up projections of the MLP.
+    out : ndarray of float32, same shape, optional (may be ``g`` or ``u``)
+
+    Returns
+    -------
+    ndarray of float32
+    """
+    check_array(g, "g", dtype=np.float32)
+    check_array(u, "u", dtype=np.float32, shape=g.shape)
+    out = check_out(out, "out", np.float32, g.shape)
+    gf, uf, of = g.reshape(-1), u.reshape(-1), out.reshape(-1)
+    if gf.size >= PARALLEL_MIN_WORK:
+        _silu_mul_par(gf, uf, of, 16384)
+    elif gf.size:
+        _silu_mul_ser(gf, uf, of)
+    return out
