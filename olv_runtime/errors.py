@@ -49,3 +49,60 @@ class BindingError(ValidationError):
 
 class ConversionError(OlvError, ValueError):
     """A checkpoint cannot be converted (unsupported architecture, missing tensor, bad config)."""
+
+
+# -- seed 000 representation contract (olv_runtime.structs) -------------------------------------
+class CatalogueError(ValidationError):
+    """The struct catalogue breaks the identity contract (seed 000 "Catalogue and identity"):
+    a zero or missing type_id, a type_ref carrying more than the ID, an inline declaration with a
+    type_id, a declaration without a kind."""
+
+
+class DuplicateTypeIdError(CatalogueError):
+    """Two declarations in ``ModelProto.struct_types`` share one type_id."""
+
+
+class UnresolvedTypeRefError(CatalogueError):
+    """A ``type_ref`` names a type_id that has no declaration in the catalogue."""
+
+
+class TypeRefCycleError(CatalogueError):
+    """Declarations reference each other in a cycle (directly or through nested types)."""
+
+
+class DeclarationError(ValidationError):
+    """A StructTypeProto declaration is malformed: structural, naming, type or count errors
+    (missing kind/content, empty or duplicate names, bad bit width, missing dimension, bad
+    constant)."""
+
+
+class LayoutError(EncodingError):
+    """A struct type cannot be the byte-encoded layout of a value (seed 000 "Byte-encoding
+    rules"): non-fixed-size field, unsupported leaf, root size zero or not a whole number of
+    bytes, unconstrained category used as a layout."""
+
+
+class SizeOverflowError(LayoutError):
+    """The record size in bits does not fit the checked uint64 arithmetic of seed 000."""
+
+
+class RecordCountError(PayloadError):
+    """The payload is not a whole number of records (payload bytes % record bytes != 0)."""
+
+
+class AffineLayoutError(EncodingError):
+    """The built-in affine branch is violated (storage type, scale/zero_point types and shapes,
+    axis/block_size, logical type, payload size, unused final bits)."""
+
+
+class DuplicateNameError(ValidationError):
+    """Initializer names are not unique across dense, sparse and encoded initializers."""
+
+
+class DecoderError(ValidationError):
+    """A struct decoder is malformed (FunctionProto inputs/outputs/ops) or its result is not
+    exactly the value's logical_type."""
+
+
+class DecoderBindingError(DecoderError):
+    """A native decoder registered for a type_id rejected the resolved declaration."""

@@ -24,7 +24,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+import math
+
 from olv_runtime import kernels
+from olv_runtime.state import kv
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.values import AffineValue
 
@@ -66,6 +69,29 @@ def _packable(w) -> bool:
     return isinstance(w, AffineValue) and w.is_int4_rows_blocked() and w.block_size == 32
 
 
+class SharedWorkspace:
+    """One :class:`~olv_runtime.kernels.packed.PackedWorkspace` for every packed linear of a
+    session (steps run one after another), grown when a call has more rows than it serves.
+    Its size is reported to the ``workspace_peak`` counter."""
+
+    def __init__(self, k_max: int, counters=None):
+        self.k_max = k_max
+        self.ws = None
+        self.counters = counters
+
+    def get(self, m: int):
+        ws = self.ws
+        if ws is None or ws.m_max < m:
+            from olv_runtime.kernels.packed import make_workspace
+
+            ws = self.ws = make_workspace(max(m, 1), self.k_max)
+            if self.counters is not None:
+                self.counters.add("arrays_allocated", 9)
+                self.counters.add("bytes_allocated", ws.nbytes)
+                self.counters.set_max("workspace_peak", ws.nbytes)
+        return ws
+
+
 class LinearStep:
     """Fused ``y_i = x @ W_i.T (+ b_i) (+ residual)`` over stored ``[N_i, K]`` weights.
 
@@ -85,6 +111,8 @@ class LinearStep:
         self.n = sum(self.ns)
         self.packed = None
         self.dense = None
+        self.workspace: SharedWorkspace | None = None
+        self.quantize = bool(getattr(options, "quantize_activations", False))
         self._prepared = False
 
     # -- preparation (once, at session creation) ---------------------------------------------
@@ -133,9 +161,9 @@ class LinearStep:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, self.k)
         if self.packed is not None:
-            y = self._linear_packed(
-                x2, self.packed,
-                quantize_activations=getattr(self.options, "quantize_activations", False))
+            ws = self.workspace.get(x2.shape[0]) if self.workspace is not None else None
+            y = self._linear_packed(x2, self.packed, quantize_activations=self.quantize,
+                                    workspace=ws)
         elif self.dense is not None:
             y = kernels.linear_f32(x2, self.dense)
         else:
@@ -218,33 +246,72 @@ class SiluMul:
 
 
 class RopeAttention:
-    """``Attention(RotaryEmbedding(q), RotaryEmbedding(k), v, past...)`` with q, k rotated in place."""
+    """``Attention(RotaryEmbedding(q), RotaryEmbedding(k), v, past...)`` in two kernel calls.
+
+    q and k are intermediates no other step reads, so they are rotated in place; the new keys and
+    values go straight into the KV capacity buffers (:func:`olv_runtime.state.kv.reserve`).
+    Falls back to the unfused ops for layouts the fused kernel does not take (4-D inputs,
+    different cos/sin for q and k).
+    """
 
     def __init__(self, name: str, rope_q, rope_k, attention):
         self.name = name
         self.rope_q = rope_q
         self.rope_k = rope_k
         self.attention = attention
+        at = attention.attrs
+        self.h, self.kvh = at["q_num_heads"], at["kv_num_heads"]
+        self.causal = bool(at["is_causal"])
+        self.scale_attr = at["scale"]
+        self.interleaved = bool(rope_q.attrs["interleaved"])
+        self.fast = (rope_q.attrs["num_heads"] == self.h and rope_k.attrs["num_heads"] == self.kvh
+                     and self.h > 0 and self.kvh > 0
+                     and rope_q.attrs["interleaved"] == rope_k.attrs["interleaved"]
+                     and rope_q.attrs["rotary_embedding_dim"] == rope_k.attrs["rotary_embedding_dim"])
 
     def __call__(self, q, k, v, past_key, past_value, cos_q, sin_q, cos_k, sin_k):
+        if (self.fast and q.ndim == 3 and cos_q is cos_k and sin_q is sin_k
+                and q.dtype == k.dtype == v.dtype == np.float32):
+            res = self._fused(q, k, v, past_key, past_value, cos_q, sin_q)
+            if res is not None:
+                return res
         q = self._rotate(self.rope_q, q, cos_q, sin_q)
         k = self._rotate(self.rope_k, k, cos_k, sin_k)
         return self.attention.run(q, k, v, None, past_key, past_value)
 
+    def _fused(self, q, k, v, past_key, past_value, cos, sin):
+        b, s, hq = q.shape
+        h, kvh = self.h, self.kvh
+        if hq % h or h % kvh:
+            return None
+        d = hq // h
+        r = self.rope_q.attrs["rotary_embedding_dim"] or d
+        if (k.shape != (b, s, kvh * d) or v.shape != (b, s, kvh * d) or r > d or r % 2
+                or past_key.ndim != 4 or past_key.shape[:2] != (b, kvh) or past_key.shape[3] != d
+                or past_value.shape != past_key.shape or past_key.dtype != np.float32
+                or past_value.dtype != np.float32
+                or cos.shape != (b, s, r // 2) or sin.shape != cos.shape
+                or cos.dtype != np.float32 or sin.dtype != np.float32
+                or not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
+                        and cos.flags.c_contiguous and sin.flags.c_contiguous)
+                or not (q.flags.writeable and k.flags.writeable)):
+            return None
+        att = self.attention
+        kbuf, t = kv.reserve(past_key, s, **att.kv_opts)
+        vbuf, _ = kv.reserve(past_value, s, **att.kv_opts)
+        scale = self.scale_attr if self.scale_attr is not None else 1.0 / math.sqrt(d)
+        out = np.empty((b, s, h, d), np.float32)
+        kernels.rope_attention(q.reshape(b, s, h, d), k.reshape(b, s, kvh, d),
+                               v.reshape(b, s, kvh, d), cos, sin, self.interleaved, r, kbuf, vbuf,
+                               t, float(np.float32(scale)), self.causal, out)
+        counters = att.kv_opts.get("counters")
+        if counters is not None:
+            counters.add("bytes_copied_kv_append", k.nbytes + v.nbytes)
+        return out.reshape(b, s, h * d), kv.present(kbuf, t + s), kv.present(vbuf, t + s)
+
     @staticmethod
     def _rotate(op, x, cos, sin):
-        from olv_runtime.ops.nn import _cos_sin
-
-        nh = op.attrs["num_heads"]
-        b, s, hd = x.shape
-        d = hd // nh
-        r = op.attrs["rotary_embedding_dim"] or d
-        c, sn = _cos_sin(op, cos, sin, None, b, s, r // 2)
-        x4 = x.reshape(b, s, nh, d)
-        if not x4.flags.c_contiguous or not x4.flags.writeable:
-            x4 = np.ascontiguousarray(x4)
-        kernels.rotary_embedding(x4, c, sn, bool(op.attrs["interleaved"]), r, out=x4)
-        return x4.reshape(b, s, hd)
+        return op.run(x, cos, sin)[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -283,10 +350,21 @@ def optimize(steps: list[Step], constants: dict, graph_outputs: set[str], option
     steps = _fuse_siblings(steps, graph_outputs)
     steps = _fuse_silu(steps, graph_outputs)
     steps = _fuse_rope_attention(steps, constants, graph_outputs)
-    for s in steps:
-        if isinstance(s.impl, LinearStep) and not s.impl._prepared:
-            s.impl.prepare()
+    prepare_linears(steps, counters)
     return steps
+
+
+def prepare_linears(steps: list[Step], counters=None) -> None:
+    """Prepack every linear step's weights and give the packed ones one shared workspace."""
+    linears = [s.impl for s in steps if isinstance(s.impl, LinearStep)]
+    for lin in linears:
+        if not lin._prepared:
+            lin.prepare()
+    packed = [lin for lin in linears if lin.packed is not None]
+    if packed:
+        shared = SharedWorkspace(max(lin.packed.k_padded for lin in packed), counters)
+        for lin in packed:
+            lin.workspace = shared
 
 
 def _fuse_bias_residual(steps, constants, protected):

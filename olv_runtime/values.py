@@ -13,7 +13,12 @@ import math
 
 import numpy as np
 
-from olv_runtime.errors import EncodingError, MissingDecoderError, ValidationError
+from olv_runtime.errors import (
+    AffineLayoutError,
+    EncodingError,
+    MissingDecoderError,
+    ValidationError,
+)
 from olv_runtime.proto import EncodedValueProto, TensorProto, TypeProto
 
 #: ONNX TensorProto.DataType → numpy dtype for dense tensors the runtime reads.
@@ -184,21 +189,22 @@ def param_tensor(t: TensorProto, payload: np.ndarray | None = None) -> np.ndarra
     return codes.reshape(dims)
 
 
-def tensor_type_shape(tp: TypeProto, what: str) -> tuple[int, tuple[int, ...]]:
-    """(elem_type, concrete dims) of a tensor TypeProto; EncodingError if not concrete."""
+def tensor_type_shape(tp: TypeProto, what: str,
+                      error: type = EncodingError) -> tuple[int, tuple[int, ...]]:
+    """(elem_type, concrete dims) of a tensor TypeProto; ``error`` (EncodingError) if not concrete."""
     if tp.WhichOneof("value") != "tensor_type":
-        raise EncodingError(f"{what}: logical_type must be a tensor type, got {tp.WhichOneof('value')}")
+        raise error(f"{what}: logical_type must be a tensor type, got {tp.WhichOneof('value')}")
     tt = tp.tensor_type
     dims = []
     for i, d in enumerate(tt.shape.dim):
         if d.WhichOneof("value") != "dim_value" or d.dim_value < 0:
-            raise EncodingError(
+            raise error(
                 f"{what}: logical_type dimension {i} must be a concrete non-negative integer, "
                 f"got {d.dim_param or d.WhichOneof('value')!r}"
             )
         dims.append(int(d.dim_value))
     if not tt.HasField("shape"):
-        raise EncodingError(f"{what}: logical_type has no shape (the affine branch needs one)")
+        raise error(f"{what}: logical_type has no shape (the affine branch needs one)")
     return tt.elem_type, tuple(dims)
 
 
@@ -266,12 +272,37 @@ class AffineValue:
 
     def decode(self, out: np.ndarray | None = None) -> np.ndarray:
         """Decode the whole logical tensor (ONNX DequantizeLinear); see kernels.affine."""
-        from olv_runtime.kernels.affine import dequantize_affine
+        from olv_runtime.kernels.affine import dequantize_affine, unpack_codes
 
-        return dequantize_affine(
+        if self.elem_type == TensorProto.DOUBLE:
+            # DequantizeLinear with a DOUBLE scale: float32(q - zp) * scale in float64 (the
+            # onnx reference order); the float32 kernel does not take float64 scales.
+            q = unpack_codes(self.codes, self.bits, self.signed, self.size).astype(np.int64)
+            q = q.reshape(self.shape)
+            zp = 0 if self.zero_point is None else self._expand(self.zero_point).astype(np.int64)
+            y = (q - zp).astype(np.float32).astype(np.float64) * self._expand(self.scale)
+            if out is not None:
+                out[...] = y
+                return out
+            return y
+        y = dequantize_affine(
             self.codes, self.bits, self.signed, self.shape, self.scale, self.zero_point,
             self.axis, self.block_size, out=out,
         )
+        if self.elem_type == TensorProto.FLOAT16:  # exactly logical_type (bit-identical, see kernel)
+            return y.astype(np.float16)
+        return y
+
+    def _expand(self, p: np.ndarray) -> np.ndarray:
+        """A scale/zero_point broadcast to the logical shape (DequantizeLinear rules)."""
+        if self.axis is None:
+            return np.broadcast_to(p.reshape(()), self.shape)
+        if self.block_size is None:
+            dims = [1] * len(self.shape)
+            dims[self.axis] = p.size
+            return np.broadcast_to(p.reshape(dims), self.shape)
+        rep = np.repeat(p, self.block_size, axis=self.axis)
+        return np.take(rep, np.arange(self.shape[self.axis]), axis=self.axis)
 
 
 def affine_value(ev: EncodedValueProto, codes: np.ndarray, scale: np.ndarray,
@@ -299,25 +330,25 @@ def affine_value(ev: EncodedValueProto, codes: np.ndarray, scale: np.ndarray,
     a = ev.affine
     st = a.storage_type
     if st not in AFFINE_STORAGE:
-        raise EncodingError(
+        raise AffineLayoutError(
             f"{what}: affine storage_type must be one of INT8, UINT8, INT4, UINT4, INT2, UINT2; "
             f"got {dtype_name(st)}"
         )
     bits, signed = AFFINE_STORAGE[st]
     if not ev.HasField("logical_type"):
-        raise EncodingError(f"{what}: the affine branch needs a logical_type with concrete dims")
-    elem_type, shape = tensor_type_shape(ev.logical_type, what)
+        raise AffineLayoutError(f"{what}: the affine branch needs a logical_type with concrete dims")
+    elem_type, shape = tensor_type_shape(ev.logical_type, what, AffineLayoutError)
     if a.scale.data_type not in _FLOAT_TYPES:
-        raise EncodingError(
+        raise AffineLayoutError(
             f"{what}: scale must be FLOAT, FLOAT16 or DOUBLE, got {dtype_name(a.scale.data_type)}"
         )
     if elem_type != a.scale.data_type:
-        raise EncodingError(
+        raise AffineLayoutError(
             f"{what}: logical element type {dtype_name(elem_type)} differs from the scale's "
             f"{dtype_name(a.scale.data_type)} (DequantizeLinear output type is the scale's type)"
         )
     if zero_point is not None and a.zero_point.data_type != st:
-        raise EncodingError(
+        raise AffineLayoutError(
             f"{what}: zero_point must have storage_type {dtype_name(st)}, got "
             f"{dtype_name(a.zero_point.data_type)}"
         )
@@ -325,25 +356,25 @@ def affine_value(ev: EncodedValueProto, codes: np.ndarray, scale: np.ndarray,
     axis = None
     block = None
     if a.HasField("block_size") and not a.HasField("axis"):
-        raise EncodingError(f"{what}: block_size {a.block_size} is only valid with an axis")
+        raise AffineLayoutError(f"{what}: block_size {a.block_size} is only valid with an axis")
     if a.HasField("axis"):
         axis = int(a.axis)
         if not -rank <= axis < rank:
-            raise EncodingError(f"{what}: axis {axis} out of range for rank {rank}")
+            raise AffineLayoutError(f"{what}: axis {axis} out of range for rank {rank}")
         axis %= rank
         if a.HasField("block_size"):
             block = int(a.block_size)
             if block <= 0:
-                raise EncodingError(f"{what}: block_size must be positive, got {block}")
+                raise AffineLayoutError(f"{what}: block_size must be positive, got {block}")
     # parameter shapes (DequantizeLinear)
     if axis is None:
         if scale.size != 1 or scale.ndim > 1:
-            raise EncodingError(
+            raise AffineLayoutError(
                 f"{what}: per-tensor scale must be a scalar, got shape {list(scale.shape)}"
             )
     elif block is None:
         if scale.shape != (shape[axis],):
-            raise EncodingError(
+            raise AffineLayoutError(
                 f"{what}: per-axis scale must have shape [{shape[axis]}] (dim {axis}), got "
                 f"{list(scale.shape)}"
             )
@@ -351,24 +382,24 @@ def affine_value(ev: EncodedValueProto, codes: np.ndarray, scale: np.ndarray,
         want = list(shape)
         want[axis] = -(-shape[axis] // block)
         if list(scale.shape) != want:
-            raise EncodingError(
+            raise AffineLayoutError(
                 f"{what}: blocked scale must have shape {want} (block_size {block} along axis "
                 f"{axis}), got {list(scale.shape)}"
             )
     if zero_point is not None and zero_point.shape != scale.shape:
-        raise EncodingError(
+        raise AffineLayoutError(
             f"{what}: zero_point shape {list(zero_point.shape)} differs from scale shape "
             f"{list(scale.shape)}"
         )
     n = math.prod(shape)
     need = -(-n * bits // 8)
     if codes.size != need:
-        raise EncodingError(
+        raise AffineLayoutError(
             f"{what}: payload must be exactly ceil({n} * {bits} / 8) = {need} bytes, got {codes.size}"
         )
     used = (n * bits) % 8
     if used and int(codes[-1]) >> used:
-        raise EncodingError(
+        raise AffineLayoutError(
             f"{what}: unused final high bits of the last payload byte must be zero "
             f"(byte 0x{int(codes[-1]):02x}, {8 - used} unused bits)"
         )

@@ -8,15 +8,17 @@ the jitted code. Compilation flags and the threading layer live in :mod:`.config
 from .config import JIT, PJIT, get_num_threads, set_num_threads, threading_layer
 from .affine import dequantize_affine, gather_rows_int4, unpack_codes
 from .linear import linear_f32, linear_int4
+from .packed import PackedInt4, PackedWorkspace, linear_packed, make_workspace, prepack_int4
 from .norm import rms_norm
 from .rope import rotary_embedding
-from .attention import append_kv, attention, kv_write
+from .attention import append_kv, attention, kv_write, rope_attention
 from .activations import silu_mul
 
 __all__ = [
     "JIT", "PJIT", "set_num_threads", "get_num_threads", "threading_layer",
     "unpack_codes", "dequantize_affine", "gather_rows_int4",
     "linear_int4", "linear_f32",
+    "PackedInt4", "PackedWorkspace", "prepack_int4", "make_workspace", "linear_packed",
     "rms_norm", "rotary_embedding",
-    "attention", "append_kv", "kv_write", "silu_mul",
+    "attention", "append_kv", "kv_write", "rope_attention", "silu_mul",
 ]

@@ -20,9 +20,10 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
+from .rope import _rope_token
 from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_int, check_out
 
-__all__ = ["attention", "append_kv", "kv_write"]
+__all__ = ["attention", "append_kv", "kv_write", "rope_attention"]
 
 
 @njit(**JIT)
@@ -242,3 +243,58 @@ def kv_write(cache: np.ndarray, new: np.ndarray, start: int) -> np.ndarray:
     if new.shape[1]:
         _kv_write_ser(cache, new, start)
     return cache
+
+
+@njit(**JIT)
+def _rope_kv_ser(q, k, v, cos, sin, interleaved, rdim, kbuf, vbuf, start):
+    """Rotate q [B,S,H,D] and k [B,S,KVH,D] in place, then write k, v into the KV buffers."""
+    b_n, s_n = q.shape[0], q.shape[1]
+    kvh, d = k.shape[2], k.shape[3]
+    for b in range(b_n):
+        for s in range(s_n):
+            _rope_token(q[b, s], cos[b, s], sin[b, s], interleaved, rdim, q[b, s])
+            _rope_token(k[b, s], cos[b, s], sin[b, s], interleaved, rdim, k[b, s])
+            for g in range(kvh):
+                for i in range(d):
+                    kbuf[b, g, start + s, i] = k[b, s, g, i]
+                    vbuf[b, g, start + s, i] = v[b, s, g, i]
+
+
+def rope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                   interleaved: bool, rotary_dim: int, kbuf: np.ndarray, vbuf: np.ndarray,
+                   past_len: int, scale: float, is_causal: bool, out: np.ndarray) -> np.ndarray:
+    """Decode/prefill attention block: RoPE on q and k (in place), KV append, attention.
+
+    The same arithmetic as :func:`~.rope.rotary_embedding` + :func:`kv_write` +
+    :func:`attention` in sequence, in two kernel calls. Shapes are checked by the caller
+    (the fused session step validates them against the graph once per call shape).
+
+    Parameters
+    ----------
+    q : float32 [B, S, H, D], C-contiguous, writeable (rotated in place)
+    k : float32 [B, S, KVH, D], C-contiguous, writeable (rotated in place)
+    v : float32 [B, S, KVH, D], C-contiguous
+    cos, sin : float32 [B, S, rotary_dim/2], C-contiguous
+    interleaved : bool
+    rotary_dim : int
+        Rotated features per head (even, <= D).
+    kbuf, vbuf : float32 [B, KVH, CAP, D], C-contiguous
+        Capacity buffers; slots ``[past_len, past_len + S)`` are written.
+    past_len : int
+    scale : float
+    is_causal : bool
+    out : float32 [B, S, H, D], C-contiguous
+
+    Returns
+    -------
+    ndarray
+        ``out``.
+    """
+    _rope_kv_ser(q, k, v, cos, sin, bool(interleaved), int(rotary_dim), kbuf, vbuf, int(past_len))
+    b, s, h, d = q.shape
+    sc = np.float32(scale)
+    if b * s * h * (past_len + s) * d >= PARALLEL_MIN_WORK and b * s * h > 1:
+        _attention_par(q, kbuf, vbuf, int(past_len), sc, bool(is_causal), out)
+    else:
+        _attention_ser(q, kbuf, vbuf, int(past_len), sc, bool(is_causal), out)
+    return out

@@ -68,6 +68,56 @@ def _prefix_owner(past: np.ndarray):
     return owner, entry
 
 
+def reserve(past: np.ndarray, s: int, *, initial_capacity: int = 256, growth: float = 2.0,
+            counters: Counters | None = None) -> tuple[np.ndarray, int]:
+    """Find or make the capacity buffer that ``S`` new tokens after ``past`` are written into.
+
+    Parameters
+    ----------
+    past : ndarray of float32, shape [B, KVH, T, D]
+        The past cache (any strides).
+    s : int
+        New tokens.
+    initial_capacity, growth, counters
+        As :func:`append`.
+
+    Returns
+    -------
+    buffer : ndarray of float32, shape [B, KVH, CAP, D], C-contiguous, ``CAP >= T + S``
+        ``past``'s own buffer when it is an exclusive prefix view with room (in place), else a
+        new buffer holding a copy of the ``T`` past tokens. Slots ``[T, T+S)`` are claimed for
+        the caller (the committed length is ``T + S``).
+    t : int
+        ``T``, the slot of the first new token.
+    """
+    b, kvh, t, d = past.shape
+    with _lock:
+        owner, entry = _prefix_owner(past)
+        if owner is not None and entry[1] == t and owner.shape[2] >= t + s:
+            entry[1] = t + s  # claim the slots before writing them
+            return owner, t
+    old_cap = owner.shape[2] if owner is not None else 0
+    cap = max(t + s, int(initial_capacity), int(math.ceil(old_cap * growth)))
+    buf = np.empty((b, kvh, cap, d), np.float32)
+    if t:
+        buf[:, :, :t] = past
+    with _lock:
+        _register(buf, t + s)
+    if counters is not None:
+        counters.add("arrays_allocated", 1)
+        counters.add("bytes_allocated", buf.nbytes)
+        counters.add("kv_reallocations", 1)
+        counters.add("bytes_copied_kv_prefix", past.nbytes)
+    return buf, t
+
+
+def present(buffer: np.ndarray, length: int) -> np.ndarray:
+    """The read-only ``[B, KVH, length, D]`` prefix view of a capacity buffer."""
+    view = buffer[:, :, :length]
+    view.flags.writeable = False
+    return view
+
+
 def append(past: np.ndarray, new: np.ndarray, *, initial_capacity: int = 256,
            growth: float = 2.0, counters: Counters | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Append ``S`` new tokens to a past K (or V) cache.
@@ -94,30 +144,9 @@ def append(past: np.ndarray, new: np.ndarray, *, initial_capacity: int = 256,
     buffer : ndarray, shape [B, KVH, CAP, D]
         The capacity buffer (contiguous), for kernels that read the cache.
     """
-    b, kvh, t, d = past.shape
-    s = new.shape[1]
-    with _lock:
-        owner, entry = _prefix_owner(past)
-        in_place = owner is not None and entry[1] == t and owner.shape[2] >= t + s
-        if in_place:
-            entry[1] = t + s  # claim the slots before writing them
-    if not in_place:
-        old_cap = owner.shape[2] if owner is not None else 0
-        cap = max(t + s, int(initial_capacity), int(math.ceil(old_cap * growth)))
-        buf = np.empty((b, kvh, cap, d), np.float32)
-        if t:
-            buf[:, :, :t] = past
-        with _lock:
-            _register(buf, t + s)
-        owner = buf
-        if counters is not None:
-            counters.add("arrays_allocated", 1)
-            counters.add("bytes_allocated", buf.nbytes)
-            counters.add("kv_reallocations", 1)
-            counters.add("bytes_copied_kv_prefix", past.nbytes)
-    kernels.kv_write(owner, new, t)
+    buf, t = reserve(past, new.shape[1], initial_capacity=initial_capacity, growth=growth,
+                     counters=counters)
+    kernels.kv_write(buf, new, t)
     if counters is not None:
         counters.add("bytes_copied_kv_append", new.nbytes)
-    present = owner[:, :, : t + s]
-    present.flags.writeable = False
-    return present, owner
+    return present(buf, t + new.shape[1]), buf
