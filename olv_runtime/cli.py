@@ -161,7 +161,10 @@ def cmd_demo(args) -> int:
 
 def cmd_inspect(args) -> int:
     import olv_runtime
-    from olv_runtime.values import dtype_name
+    from olv_runtime.errors import LayoutError
+    from olv_runtime.structs import StructValue, resolve
+    from olv_runtime.structs.catalogue import describe
+    from olv_runtime.values import AffineValue, dtype_name
 
     model = olv_runtime.load(args.model)
     p = model.proto
@@ -172,8 +175,34 @@ def cmd_inspect(args) -> int:
         print(f"  meta {k} = {v}")
     print(f"nodes {len(g.node)}, dense initializers {len(g.initializer)}, encoded initializers "
           f"{len(g.encoded_initializer)}, struct types {len(p.struct_types)}")
-    for st in p.struct_types:
-        print(f"  struct type_id {st.type_id} {st.name!r} kind {st.WhichOneof('kind')}")
+    resolved = resolve(model)  # validates; OlvError -> "olv inspect: error: ..."
+    cat = resolved.catalogue
+
+    def show_layout(layout, indent):
+        for lf in layout.leaves:
+            shape = "".join(f"[{d}]" for d in lf.shape)
+            strides = f" strides {list(lf.strides)}" if lf.shape else ""
+            print(f"{indent}{lf.path}: {dtype_name(lf.elem_type)}{shape} ({lf.bits} bits each, "
+                  f"{'signed' if lf.signed else 'unsigned' if lf.kind != 'float' else lf.kind}) "
+                  f"at bit {lf.offset}{strides}")
+        for c in layout.constants:
+            vals = c.value.reshape(-1)[:8].tolist()
+            more = " ..." if c.value.size > 8 else ""
+            print(f"{indent}{c.path}: constant {dtype_name(c.elem_type)}{list(c.value.shape)} = "
+                  f"{vals}{more}")
+
+    print("struct catalogue:")
+    for tid in cat.ids():
+        decl = cat.get(tid)
+        dec = f", decoder {decl.decoder.name!r}" if decl.HasField("decoder") else ""
+        try:
+            layout = cat.layout(tid)
+            size = f"record {layout.bits // 8} bytes" if layout.bits % 8 == 0 else f"{layout.bits} bits"
+        except LayoutError as exc:
+            layout, size = None, f"not byte-encodable ({exc})"
+        print(f"  type_id {tid} {decl.name!r}: {decl.WhichOneof('kind')}, {size}{dec}")
+        if layout is not None:
+            show_layout(layout, "      ")
     for vi in g.input:
         print(f"  input  {vi.name}")
     for vi in g.output:
@@ -181,18 +210,25 @@ def cmd_inspect(args) -> int:
     for b in g.persistent_bindings:
         print(f"  binding {b.input_name} <- {b.output_name}")
     total = 0
-    for ev in g.encoded_initializer:
-        n = model.payload(ev).size
+    print("encoded values:")
+    for name, v in resolved.values.items():
+        if isinstance(v, AffineValue):
+            n = v.codes.size
+            desc = (f"affine {dtype_name(v.storage_type)} axis={v.axis} block_size={v.block_size}")
+            logical = f"{dtype_name(v.elem_type)}{list(v.shape)}"
+            recs = ""
+        else:
+            assert isinstance(v, StructValue)
+            n = v.nbytes
+            desc = f"struct {describe(v.root.declaration)}"
+            logical = (f"{dtype_name(v.logical[0])}{list(v.logical[1])}" if v.logical else "none")
+            dec = v.decoder.kind if v.decoder is not None else "NO DECODER"
+            recs = f", {v.records} records of {v.record_bytes} bytes, decoder {dec}"
         total += n
-        if args.verbose:
-            lay = ev.WhichOneof("layout")
-            desc = lay
-            if lay == "affine":
-                a = ev.affine
-                desc = (f"affine {dtype_name(a.storage_type)} axis={a.axis if a.HasField('axis') else None} "
-                        f"block_size={a.block_size if a.HasField('block_size') else None}")
-            dims = [d.dim_value for d in ev.logical_type.tensor_type.shape.dim]
-            print(f"  encoded {ev.name}: {desc}, payload {n} bytes, logical {dims}")
+        if args.verbose or len(resolved.values) <= 64:
+            print(f"  {name}: {desc}, payload {n} bytes{recs}, logical {logical}")
+            if args.verbose and isinstance(v, StructValue) and v.type_id is None:
+                show_layout(v.layout, "      ")
     print(f"encoded payload bytes: {total}")
     return 0
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.counters import Counters
-from olv_runtime.fusion import EncodedGather, LinearStep, Step, optimize
+from olv_runtime.fusion import EncodedGather, LinearStep, Step, optimize, prepare_linears
 from olv_runtime.errors import (
     InvalidArgument,
     MissingDecoderError,
@@ -33,15 +33,15 @@ from olv_runtime.errors import (
     ValidationError,
 )
 from olv_runtime.io import Model, as_model
-from olv_runtime.ops import lookup
+from olv_runtime.ops import control, lookup  # noqa: F401  (control: If, local functions)
 from olv_runtime.ops.registry import canonical_domain
 from olv_runtime.proto import EncodedValueProto, TensorProto, ValueInfoProto
+from olv_runtime.structs import StructValue
+from olv_runtime.structs import resolve as resolve_encoded
 from olv_runtime.values import (
     NP_DTYPE,
     AffineValue,
-    affine_value,
     dtype_name,
-    param_tensor,
     tensor_from_proto,
 )
 
@@ -155,6 +155,7 @@ class InferenceSession:
         if "" not in self._opsets:
             raise ValidationError("model has no opset_import for the standard ONNX domain")
         self._constants: dict[str, Any] = {}
+        self._encoded_values = resolve_encoded(self.model, self.counters).values  # seed 000 layer
         self._load_constants(graph)
         self._inputs = [vi for vi in graph.input if vi.name not in self._constants]
         self._input_infos = {vi.name: vi for vi in graph.input}
@@ -193,21 +194,8 @@ class InferenceSession:
             self._constants[ev.name] = self._encoded(ev)
 
     def _encoded(self, ev: EncodedValueProto):
-        layout = ev.WhichOneof("layout")
-        if layout == "affine":
-            a = ev.affine
-            for part in (a.scale, a.zero_point):
-                if part.data_location == TensorProto.EXTERNAL:
-                    raise ValidationError(
-                        f"encoded value {ev.name!r}: external scale/zero_point tensors are not "
-                        "supported (store quantization parameters inline)"
-                    )
-            scale = param_tensor(a.scale)
-            zp = param_tensor(a.zero_point) if a.HasField("zero_point") else None
-            return affine_value(ev, self.model.payload(ev), scale, zp)
-        if layout == "struct_type":
-            return _UnsupportedEncoded(ev.name, "struct-typed encoded value")
-        raise ValidationError(f"encoded value {ev.name!r}: no layout (affine or struct_type) set")
+        """The validated AffineValue / StructValue (olv_runtime.structs.resolve, decoders bound)."""
+        return self._encoded_values[ev.name]
 
     def _plan(self, graph) -> list[Step]:
         nodes = list(graph.node)
@@ -231,18 +219,23 @@ class InferenceSession:
                     f"node {node.name!r} ({node.op_type}) uses domain {node.domain!r}, which the "
                     "model does not import (opset_import)"
                 )
-            cls = lookup(domain, node.op_type, self._opsets[domain])
+            cls = control.resolve(self, domain, node.op_type)  # model-local functions first
             for name in node.input:
-                if name and isinstance(self._constants.get(name), (AffineValue, _UnsupportedEncoded)):
+                enc = self._constants.get(name) if name else None
+                structured = (name in self._input_infos and name not in self._constants
+                              and self._input_infos[name].type.WhichOneof("value") == "struct_type")
+                if isinstance(enc, (AffineValue, StructValue)) or structured:
+                    what = "an encoded value" if enc is not None else "a structured graph input"
                     if (domain, node.op_type) not in ENCODED_CONSUMERS:
                         raise MissingDecoderError(
                             f"node {node.name!r} ({node.op_type}) is a tensor-only operator but "
-                            f"input {name!r} is an encoded value; decode it explicitly with "
+                            f"input {name!r} is {what}; decode it explicitly with "
                             "olv.Decode (seed 000: no implicit decoding)"
                         )
-                    if isinstance(self._constants[name], _UnsupportedEncoded):
+                    if isinstance(enc, StructValue) and enc.decoder is None:
                         raise MissingDecoderError(
-                            f"node {node.name!r} ({node.op_type}): {self._constants[name].describe()}"
+                            f"node {node.name!r} ({node.op_type}): {enc.describe()}: "
+                            f"{enc.decoder_error}"
                         )
             impls[i] = cls(node, self)
         consumers: dict[str, list[tuple[int, int]]] = {}
@@ -264,16 +257,15 @@ class InferenceSession:
                 steps.append(fused[i])
                 continue
             impl = impls[i]
-            steps.append(Step(impl.name, node.op_type, impl.run, node.input, node.output, impl))
+            steps.append(Step(impl.name, node.op_type, impl.run,  # If: + outer-scope inputs
+                              getattr(impl, "step_inputs", node.input), node.output, impl))
         for name in graph_outputs:
             if name not in producers and name not in self._constants and name not in self._input_infos:
                 raise ValidationError(f"graph output {name!r} is not produced by any node")
         if self.options.enable_fusion:
             steps = optimize(steps, self._constants, graph_outputs, self.options, self.counters)
         else:
-            for st in steps:
-                if isinstance(st.impl, LinearStep):
-                    st.impl.prepare()
+            prepare_linears(steps, self.counters)
         self._set_lifetimes(steps, graph_outputs)
         return steps
 
@@ -488,6 +480,7 @@ class InferenceSession:
         env = dict(self._constants)
         env.update(feeds)
         self.counters.add("runs", 1)
+        meter = self.counters.run_meter()  # arrays allocated, workspace peak
         for step in self._steps:
             args = [env[n] if n else None for n in step.inputs]
             try:
@@ -503,20 +496,11 @@ class InferenceSession:
             for n, v in zip(step.outputs, results):
                 if n:
                     env[n] = v
+            meter.step(args, results)
             for n in step.release:
                 env.pop(n, None)
+        meter.finish()
         return {n: env[n] for n in self._output_names}
-
-
-class _UnsupportedEncoded:
-    """Placeholder for an encoded value whose layout has no decoder in this runtime yet."""
-
-    def __init__(self, name: str, what: str):
-        self.name = name
-        self.what = what
-
-    def describe(self) -> str:
-        return f"encoded value {self.name!r} ({self.what}) has no decoder or registered consumer"
 
 
 def as_array(name: str, value: Any) -> np.ndarray:

@@ -1,4 +1,6 @@
-"""Request-local persistent state bound by ``GraphProto.persistent_bindings`` (seed 000 PR04).
+"""Request-local persistent state bound by ``GraphProto.persistent_bindings`` (seed 000 PR04a,
+PR04b; "Persistent state from model inputs and outputs", "Minimal rules", "Zero-copy ownership
+from the first state implementation").
 
 Equivalent to the stateless loop of seed 000::
 
@@ -6,21 +8,42 @@ Equivalent to the stateless loop of seed 000::
     outputs = run(model, feeds)
     state.values = {inp: outputs[out] for inp, out in bindings}
 
-but the retained values are the output arrays themselves (zero payload copies), published
-atomically after a successful call, and guarded against concurrent use.
+but
+
+* the retained values are the arrays themselves — the caller's initial arrays (numpy, or torch
+  CPU tensors viewed through DLPack) and then the output arrays of each call — never payload
+  copies. Every retained value's data pointer is compared with the pointer of the array it came
+  from; a difference would be counted in ``bytes_copied_state`` (it stays 0);
+* the next values are built and validated before they are published, in one assignment, after
+  the call succeeded: a failed or interrupted call (kernel error, ``KeyboardInterrupt``)
+  publishes nothing and the previous values and buffers stay valid;
+* a second ``run``/``reset``/``close`` while a call is in flight raises :class:`StateError` at
+  once (never blocks);
+* retained values and the bound outputs returned by ``run`` are read-only views: a returned view
+  stays valid after ``reset``, ``close`` and later calls (KV appends only write slots no view
+  covers, :mod:`olv_runtime.state.kv`);
+* the model is never serialized, cloned or compared (``model_serializations`` stays 0; see
+  :func:`olv_runtime.counters.install_model_guard`).
+
+Counters: ``state.last_counters`` (the last call, reset or the construction),
+``state.counters`` (cumulative for this state), ``state.construction_counters``; the session's
+``session.counters`` sum every state and stateless run on it.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
 import types
+import weakref
 from typing import Any, Mapping
 
 import numpy as np
 
+from olv_runtime.counters import Counters, recording
+from olv_runtime.counters import _owner as _buffer_owner
 from olv_runtime.errors import BindingError, InvalidArgument, StateError
 from olv_runtime.io import Model, as_model
-from olv_runtime.proto import TensorProto
+from olv_runtime.proto import TensorProto, TypeProto
 from olv_runtime.session import InferenceSession, SessionOptions, _shape_of, check_tensor
 
 
@@ -37,83 +60,194 @@ class StateOptions:
     session_options: SessionOptions | None = None
 
 
+# -- binding validation ------------------------------------------------------------------------
 def resolve_bindings(model: Model) -> list[tuple[str, str]]:
     """Validate ``graph.persistent_bindings`` of the root graph; return (input, output) pairs.
+
+    Names are exact whole input/output names: dots and backslashes are literal characters, not
+    field paths (seed 000 "Graph-level persistence declaration"). Only metadata is read: the
+    model is not serialized or copied.
+
+    Parameters
+    ----------
+    model : Model
+
+    Returns
+    -------
+    list of (str, str)
+        (input_name, output_name) in declaration order.
 
     Raises
     ------
     BindingError
-        Unknown input/output name, an input that is an initializer, duplicate input or output
-        selections, element type or rank mismatch between the pair, string tensors, bindings
-        declared inside a control-flow subgraph.
+        An empty or unknown input/output name (the message lists the graph's names), an input
+        that is an initializer, duplicate input or output selections, type kinds that differ,
+        element type / rank / fixed dimension mismatches, struct types that differ, a string
+        tensor anywhere in the selected type (nested struct fields, constant fields, sequence
+        elements, following ``type_ref`` through ``ModelProto.struct_types``), bindings
+        declared inside a control-flow subgraph or a local function's subgraph.
     """
-    g = model.proto.graph
+    proto = model.proto
+    g = proto.graph
     inputs = {vi.name: vi for vi in g.input}
     outputs = {vi.name: vi for vi in g.output}
     inits = {t.name for t in g.initializer} | {e.name for e in g.encoded_initializer}
-    _reject_nested_bindings(g)
+    for node in g.node:
+        _reject_nested_bindings(node)
+    for fn in proto.functions:
+        for node in fn.node:
+            _reject_nested_bindings(node, f"function {fn.domain}::{fn.name} ")
+    catalogue = {int(st.type_id): st for st in proto.struct_types if st.type_id}
     pairs: list[tuple[str, str]] = []
-    seen_in: set[str] = set()
-    seen_out: set[str] = set()
+    seen_in: dict[str, str] = {}
+    seen_out: dict[str, str] = {}
     for b in g.persistent_bindings:
         i, o = b.input_name, b.output_name
+        what = f"persistent binding {i!r} <- {o!r}"
         if i not in inputs:
-            raise BindingError(f"persistent binding {i!r} <- {o!r}: {i!r} is not a graph input")
+            raise BindingError(
+                f"{what}: {i!r} is not an input of the root graph; inputs are {sorted(inputs)} "
+                "(names are exact: dots and backslashes are literal)"
+            )
         if i in inits:
-            raise BindingError(
-                f"persistent binding {i!r} <- {o!r}: {i!r} is an initializer, not a free input"
-            )
+            raise BindingError(f"{what}: {i!r} is an initializer, not a free input")
         if o not in outputs:
-            raise BindingError(f"persistent binding {i!r} <- {o!r}: {o!r} is not a graph output")
-        if i in seen_in:
-            raise BindingError(f"input {i!r} is selected by more than one persistent binding")
-        if o in seen_out:
-            raise BindingError(f"output {o!r} is selected by more than one persistent binding")
-        seen_in.add(i)
-        seen_out.add(o)
-        ti, to = inputs[i].type, outputs[o].type
-        if ti.WhichOneof("value") != to.WhichOneof("value"):
             raise BindingError(
-                f"persistent binding {i!r} <- {o!r}: input is {ti.WhichOneof('value')}, output is "
-                f"{to.WhichOneof('value')}"
+                f"{what}: {o!r} is not an output of the root graph; outputs are "
+                f"{sorted(outputs)} (names are exact: dots and backslashes are literal)"
             )
-        if ti.WhichOneof("value") == "tensor_type":
-            ei, eo = ti.tensor_type.elem_type, to.tensor_type.elem_type
-            if TensorProto.STRING in (ei, eo):
-                raise BindingError(f"persistent binding {i!r} <- {o!r}: string tensors cannot persist")
-            if ei != eo:
-                raise BindingError(
-                    f"persistent binding {i!r} <- {o!r}: element types differ "
-                    f"({TensorProto.DataType.Name(ei)} vs {TensorProto.DataType.Name(eo)})"
-                )
-            si, so = _shape_of(inputs[i]), _shape_of(outputs[o])
-            if si is not None and so is not None:
-                if len(si) != len(so):
-                    raise BindingError(
-                        f"persistent binding {i!r} <- {o!r}: ranks differ ({si} vs {so})"
-                    )
-                for k, (a, c) in enumerate(zip(si, so)):
-                    if isinstance(a, int) and isinstance(c, int) and a != c:
-                        raise BindingError(
-                            f"persistent binding {i!r} <- {o!r}: dimension {k} differs ({a} vs {c})"
-                        )
+        if i in seen_in:
+            raise BindingError(
+                f"{what}: input {i!r} is already selected (by <- {seen_in[i]!r}); an input is "
+                "bound at most once"
+            )
+        if o in seen_out:
+            raise BindingError(
+                f"{what}: output {o!r} is already selected (by {seen_out[o]!r} <-); an output "
+                "is bound at most once"
+            )
+        seen_in[i] = o
+        seen_out[o] = i
+        _check_pair(what, inputs[i], outputs[o], catalogue)
         pairs.append((i, o))
     return pairs
 
 
-def _reject_nested_bindings(graph) -> None:
-    for node in graph.node:
-        for attr in node.attribute:
-            subs = list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
-            for sub in subs:
-                if len(sub.persistent_bindings):
-                    raise BindingError(
-                        f"node {node.name!r} ({node.op_type}) attribute {attr.name!r}: persistent "
-                        "bindings inside control-flow subgraphs are not supported (root graph only)"
-                    )
-                _reject_nested_bindings(sub)
+def _check_pair(what: str, vin, vout, catalogue: dict) -> None:
+    ti, to = vin.type, vout.type
+    ki, ko = ti.WhichOneof("value"), to.WhichOneof("value")
+    if ki is None or ko is None:
+        raise BindingError(f"{what}: the input and output must both declare a type")
+    if ki != ko:
+        raise BindingError(f"{what}: input is {ki}, output is {ko}")
+    for side, t in ((vin.name, ti), (vout.name, to)):
+        path = _string_path(t, catalogue, side, set())
+        if path is not None:
+            raise BindingError(f"{what}: {path} is a string tensor; strings cannot persist")
+    if ki == "tensor_type":
+        ei, eo = ti.tensor_type.elem_type, to.tensor_type.elem_type
+        if ei != eo:
+            raise BindingError(
+                f"{what}: element types differ ({TensorProto.DataType.Name(ei)} vs "
+                f"{TensorProto.DataType.Name(eo)})"
+            )
+        si, so = _shape_of(vin), _shape_of(vout)
+        if si is not None and so is not None:
+            if len(si) != len(so):
+                raise BindingError(f"{what}: ranks differ ({si} vs {so})")
+            for k, (a, c) in enumerate(zip(si, so)):
+                if isinstance(a, int) and isinstance(c, int) and a != c:
+                    raise BindingError(f"{what}: dimension {k} differs ({a} vs {c})")
+    elif ki == "struct_type":
+        di = _deref(ti.struct_type, catalogue, what)
+        do = _deref(to.struct_type, catalogue, what)
+        if di is not do and di != do:
+            raise BindingError(
+                f"{what}: the input and output struct types differ "
+                f"({_struct_name(ti.struct_type)} vs {_struct_name(to.struct_type)})"
+            )
+    elif ti != to:  # sequence, optional, map: the same declared type
+        raise BindingError(f"{what}: the input and output {ki} types differ")
 
 
+def _struct_name(st) -> str:
+    if st.WhichOneof("kind") == "type_ref":
+        return f"type_ref {st.type_ref}"
+    return st.name or f"inline {st.WhichOneof('kind')}"
+
+
+def _deref(st, catalogue: dict, what: str):
+    seen = set()
+    while st.WhichOneof("kind") == "type_ref":
+        ref = int(st.type_ref)
+        if ref in seen or ref not in catalogue:
+            raise BindingError(f"{what}: type_ref {ref} does not resolve in ModelProto.struct_types")
+        seen.add(ref)
+        st = catalogue[ref]
+    return st
+
+
+def _string_path(t: TypeProto, catalogue: dict, path: str, refs: set) -> str | None:
+    """Path of the first string tensor inside type ``t`` (None if there is none)."""
+    kind = t.WhichOneof("value")
+    if kind == "tensor_type":
+        return path if t.tensor_type.elem_type == TensorProto.STRING else None
+    if kind == "sparse_tensor_type":
+        return path if t.sparse_tensor_type.elem_type == TensorProto.STRING else None
+    if kind == "sequence_type":
+        return _string_path(t.sequence_type.elem_type, catalogue, path + "[]", refs)
+    if kind == "optional_type":
+        return _string_path(t.optional_type.elem_type, catalogue, path, refs)
+    if kind == "map_type":
+        if t.map_type.key_type == TensorProto.STRING:
+            return path + " (map key)"
+        return _string_path(t.map_type.value_type, catalogue, path + "[value]", refs)
+    if kind == "struct_type":
+        return _struct_string_path(t.struct_type, catalogue, path, refs)
+    return None
+
+
+def _struct_string_path(st, catalogue: dict, path: str, refs: set) -> str | None:
+    kind = st.WhichOneof("kind")
+    if kind == "type_ref":
+        ref = int(st.type_ref)
+        if ref in refs:
+            return None
+        if ref not in catalogue:
+            raise BindingError(f"{path}: type_ref {ref} does not resolve in ModelProto.struct_types")
+        return _struct_string_path(catalogue[ref], catalogue, path, refs | {ref})
+    if kind == "structure":
+        for f in st.structure.field:
+            sub = f"{path}.{f.name}"
+            if f.HasField("constant"):
+                if f.constant.data_type == TensorProto.STRING:
+                    return sub + " (constant)"
+            elif f.HasField("type"):
+                found = _string_path(f.type, catalogue, sub, refs)
+                if found is not None:
+                    return found
+        return None
+    if kind == "array":
+        return _string_path(st.array.element_type, catalogue, path + "[]", refs)
+    return None
+
+
+def _reject_nested_bindings(node, where: str = "") -> None:
+    for attr in node.attribute:
+        subs = list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
+        for sub in subs:
+            if len(sub.persistent_bindings):
+                b = sub.persistent_bindings[0]
+                raise BindingError(
+                    f"{where}node {node.name!r} ({node.op_type}) attribute {attr.name!r}: "
+                    f"persistent binding {b.input_name!r} <- {b.output_name!r} is declared inside "
+                    "a control-flow subgraph; bindings are supported on the root graph only"
+                )
+            for inner in sub.node:
+                _reject_nested_bindings(inner, where)
+
+
+# -- the state -------------------------------------------------------------------------------
 def _readonly(arr: np.ndarray) -> np.ndarray:
     """A read-only view of ``arr`` (same buffer, no copy)."""
     view = arr.view()
@@ -121,41 +255,140 @@ def _readonly(arr: np.ndarray) -> np.ndarray:
     return view
 
 
-class State:
-    """Request-local state of one model: retained values of the bound inputs.
+def _data_ptr(value) -> int | None:
+    """Address of the first element of a numpy array or torch-like tensor (None if unknown)."""
+    if isinstance(value, np.ndarray):
+        return value.__array_interface__["data"][0]
+    ptr = getattr(value, "data_ptr", None)
+    if callable(ptr):
+        return int(ptr())
+    return None
 
-    Create with :func:`make_state`. Use ``run`` per call, ``values`` for read-only views of the
-    retained values, ``reset(initial)`` to start over, ``close()`` to release; usable as a
-    context manager.
+
+class _Binding:
+    """One resolved binding: input/output names, the input's ValueInfo, stride permission."""
+
+    __slots__ = ("input", "output", "info", "strided")
+
+    def __init__(self, inp: str, out: str, info, strided: bool):
+        self.input, self.output, self.info, self.strided = inp, out, info, strided
+
+
+def _release_level(counters: Counters, level: list) -> None:
+    counters.add("retained_state_bytes", -level[0], propagate=False)
+    counters.add("retained_state_buffer_bytes", -level[1], propagate=False)
+    level[0] = level[1] = 0
+
+
+class State:
+    """Request-local state of one model: the retained values of its persistently bound inputs.
+
+    Create with :func:`make_state`. ``run(feeds)`` per call, ``values`` for read-only shared
+    views of the retained values, ``reset(initial)`` to start over, ``close()`` to release;
+    usable as a context manager (``with make_state(...) as state:``).
+
+    Attributes
+    ----------
+    counters : Counters
+        Cumulative figures of this state (construction, every call and reset).
+    last_counters : dict
+        Figures of the last call, reset or the construction (see :mod:`olv_runtime.counters`).
+    construction_counters : dict
+        Figures of ``make_state`` (session creation when it made one, binding resolution,
+        initial values). ``model_serializations`` and ``bytes_copied_state`` are 0.
     """
 
     def __init__(self, session: InferenceSession, bindings: list[tuple[str, str]],
                  initial: Mapping[str, Any]):
         self._session = session
-        self._bindings = bindings
-        self._bound_inputs = {i for i, _ in bindings}
+        self._bindings = list(bindings)
+        infos = session._input_infos
+        self._resolved = [_Binding(i, o, infos[i], session.accepts_strided(i)) for i, o in bindings]
+        self._by_input = {b.input: b for b in self._resolved}
         self._lock = threading.Lock()
         self._closed = False
-        self._values = self._check_initial(initial)
+        self._level = [0, 0]  # retained bytes (logical, buffers) counted in the session
+        self._finalizer = weakref.finalize(self, _release_level, session.counters, self._level)
+        self.counters = Counters()
+        self.last_counters: dict[str, int] = {}
+        self.construction_counters: dict[str, int] = {}
+        self._values: Mapping[str, np.ndarray] = types.MappingProxyType({})
+        with self._call():
+            self._publish(self._check_initial(initial, "initial"))
 
     # -- helpers ---------------------------------------------------------------------------
-    def _check_initial(self, initial: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def _call(self):
+        """Record one call's counters into ``last_counters`` and ``counters`` (also on error)."""
+        state = self
+
+        class _Rec:
+            def __enter__(self):
+                self._cm = recording()
+                self.rec = self._cm.__enter__()
+                return self.rec
+
+            def __exit__(self, *exc):
+                self._cm.__exit__(*exc)
+                rec = self.rec
+                rec.set("retained_state_bytes", state._level[0], propagate=False)
+                rec.set("retained_state_buffer_bytes", state._level[1], propagate=False)
+                state.last_counters = rec.snapshot()
+                state.counters.merge(state.last_counters)
+                return False
+
+        return _Rec()
+
+    def _retain(self, b: _Binding, value: Any, what: str) -> np.ndarray:
+        """Validate ``value`` for bound input ``b`` and return the read-only view to retain."""
+        if b.info.type.WhichOneof("value") != "tensor_type":
+            raise InvalidArgument(
+                f"{what} for {b.input!r}: the input is a "
+                f"{b.info.type.WhichOneof('value')}; only tensor state values are supported"
+            )
+        try:
+            arr = check_tensor(b.input, value, b.info, b.strided)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{what} for persistent input {b.input!r}: {exc}") from None
+        view = _readonly(arr)
+        src = _data_ptr(value)
+        if src is not None and view.nbytes and src != view.__array_interface__["data"][0]:
+            self._session.counters.add("bytes_copied_state", view.nbytes)  # never expected
+        return view
+
+    def _check_initial(self, initial: Mapping[str, Any], what: str) -> dict[str, np.ndarray]:
         if not isinstance(initial, Mapping):
-            raise InvalidArgument(f"initial must be a dict of input name -> array, got {type(initial).__name__}")
-        infos = self._session._input_infos
-        values = {}
+            raise InvalidArgument(
+                f"{what} must be a dict of input name -> array, got {type(initial).__name__}"
+            )
         for name in initial:
-            if name not in self._bound_inputs:
+            if name not in self._by_input:
                 raise InvalidArgument(
-                    f"initial value {name!r} is not a persistently bound input; bound inputs: "
-                    f"{sorted(self._bound_inputs)}"
+                    f"{what} value {name!r} is not a persistently bound input; bound inputs: "
+                    f"{sorted(self._by_input)}"
                 )
-        for name in sorted(self._bound_inputs):
-            if name not in initial:
-                raise StateError(f"missing initial value for persistent input {name!r}")
-            values[name] = _readonly(check_tensor(name, initial[name], infos[name],
-                                                  self._session.accepts_strided(name)))
+        values = {}
+        for b in self._resolved:
+            if b.input not in initial:
+                raise StateError(
+                    f"missing {what} value for persistent input {b.input!r} (bound to output "
+                    f"{b.output!r}); every bound input needs one"
+                )
+            values[b.input] = self._retain(b, initial[b.input], f"{what} value")
         return values
+
+    def _publish(self, values: dict[str, np.ndarray]) -> None:
+        """Make ``values`` the retained state (one assignment) and update the level counters."""
+        logical = sum(v.nbytes for v in values.values())
+        owners = {}
+        for v in values.values():
+            own = _buffer_owner(v)
+            owners[id(own)] = own.nbytes
+        buffers = sum(owners.values())
+        self._values = types.MappingProxyType(values)
+        c = self._session.counters
+        c.add("retained_state_bytes", logical - self._level[0], propagate=False)
+        c.add("retained_state_buffer_bytes", buffers - self._level[1], propagate=False)
+        self._level[0], self._level[1] = logical, buffers
 
     def _enter(self, what: str) -> None:
         if not self._lock.acquire(blocking=False):
@@ -177,10 +410,19 @@ class State:
 
     @property
     def values(self) -> Mapping[str, np.ndarray]:
-        """Read-only views of the retained values, keyed by input name (shared, not copies)."""
+        """The retained values by input name: read-only views sharing the retained buffers.
+
+        The mapping is a snapshot: a later call publishes a new mapping, it does not change
+        this one. Available during a call on another thread (the previous values).
+
+        Raises
+        ------
+        StateError
+            The state is closed.
+        """
         if self._closed:
             raise StateError("State.values: the state is closed")
-        return types.MappingProxyType(dict(self._values))
+        return self._values
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run one call with ``feeds`` plus the retained values; retain the bound outputs.
@@ -188,87 +430,128 @@ class State:
         Parameters
         ----------
         feeds : dict
-            The non-persistent inputs (e.g. ``{"input_ids": ids}``).
+            The non-persistent inputs (e.g. ``{"input_ids": ids}``): numpy arrays or DLPack
+            CPU tensors, entered without copies.
 
         Returns
         -------
         dict
-            Every graph output by name. Bound outputs are read-only views of the retained arrays.
+            Every graph output by name. Bound outputs are read-only views of the newly retained
+            arrays (the arrays the kernels produced, not copies).
 
         Raises
         ------
         StateError
-            Closed state, a concurrent call, a feed naming a retained input.
+            Closed state; another run/reset/close in progress; a feed naming a retained input.
         InvalidArgument
-            Unknown/missing/badly typed feed, or a kernel failure. The previous values stay
-            retained and valid after any failure.
+            Unknown, missing or badly typed/laid-out feed; a kernel failure; an output that
+            cannot be retained as its bound input (dtype, rank, fixed dims, layout).
+            After any failure (also ``KeyboardInterrupt``) nothing is published: the previous
+            values and their buffers stay valid and the state keeps working.
         """
         self._enter("run")
         try:
-            if not isinstance(feeds, Mapping):
-                raise InvalidArgument(f"feeds must be a dict of name -> array, got {type(feeds).__name__}")
-            for name in feeds:
-                if name in self._bound_inputs:
-                    raise StateError(
-                        f"feed {name!r} would override a retained persistent input; reset the "
-                        "state to change it"
+            with self._call():
+                if not isinstance(feeds, Mapping):
+                    raise InvalidArgument(
+                        f"feeds must be a dict of name -> array, got {type(feeds).__name__}"
                     )
-            all_feeds = dict(feeds)
-            all_feeds.update(self._values)
-            prepared = self._session.prepare_feeds(all_feeds)
-            outputs = self._session.run_env(prepared)
-            new_values = {}
-            infos = self._session._input_infos
-            for inp, out in self._bindings:
-                new_values[inp] = _readonly(check_tensor(inp, outputs[out], infos[inp],
-                                                         self._session.accepts_strided(inp)))
-            result = dict(outputs)
-            for inp, out in self._bindings:
-                result[out] = new_values[inp]
-            self._values = new_values  # atomic publication
+                for name in feeds:
+                    if name in self._by_input:
+                        raise StateError(
+                            f"feed {name!r} would override the retained persistent input "
+                            f"{name!r} (bound to output {self._by_input[name].output!r}); "
+                            "reset the state to change it"
+                        )
+                retained = self._values
+                all_feeds = dict(feeds)
+                all_feeds.update(retained)
+                sess = self._session
+                prepared = sess.prepare_feeds(all_feeds)
+                for name, v in retained.items():
+                    p = prepared[name]
+                    if p is not v and p.nbytes and _data_ptr(p) != _data_ptr(v):
+                        sess.counters.add("bytes_copied_state", p.nbytes)  # never expected
+                outputs = sess.run_env(prepared)
+                new_values = {}
+                for b in self._resolved:
+                    new_values[b.input] = self._retain(
+                        b, outputs[b.output], f"output {b.output!r} retained as next value")
+                result = dict(outputs)
+                for b in self._resolved:
+                    result[b.output] = new_values[b.input]
+                self._publish(new_values)  # atomic publication
             return result
         finally:
             self._lock.release()
 
     def reset(self, initial: Mapping[str, Any]) -> None:
-        """Replace the retained values with caller-supplied initial values (validated first)."""
+        """Replace the retained values with caller-supplied initial values.
+
+        The new values are validated first (same rules as :func:`make_state`); on an error the
+        previous values stay retained. Views handed out earlier stay valid.
+
+        Raises
+        ------
+        StateError
+            Closed; a call in progress; a missing initial value.
+        InvalidArgument
+            An unbound name, a value of the wrong type/rank/layout.
+        """
         self._enter("reset")
         try:
-            self._values = self._check_initial(initial)
+            with self._call():
+                self._publish(self._check_initial(initial, "reset"))
         finally:
             self._lock.release()
 
     def close(self) -> None:
-        """Release the retained values. Views handed out earlier stay valid."""
-        self._enter("close")
+        """Release the retained values (idempotent). Views handed out earlier stay valid.
+
+        Raises
+        ------
+        StateError
+            A call is in progress on this state.
+        """
+        if not self._lock.acquire(blocking=False):
+            raise StateError("State.close: another call is in progress on this state")
         try:
-            self._values = {}
-            self._closed = True
+            if not self._closed:
+                self._values = types.MappingProxyType({})
+                self._closed = True
+                _release_level(self._session.counters, self._level)
         finally:
             self._lock.release()
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._closed
 
     def __enter__(self) -> "State":
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self._closed:
-            self.close()
+        self.close()
+
+    def __repr__(self) -> str:
+        status = "closed" if self._closed else f"{len(self._values)} retained values"
+        return f"State({status}, bindings={self._bindings})"
 
 
 def make_state(model, initial: Mapping[str, Any], options: StateOptions | None = None) -> State:
-    """Bind a state to a model's persistent bindings (seed 000 ``make_state``).
+    """Bind a request-local state to a model's persistent bindings (seed 000 ``make_state``).
+
+    The bindings and types are resolved once here; the model is not serialized, cloned or
+    compared (neither here nor in later calls).
 
     Parameters
     ----------
     model : Model, ModelProto, path or InferenceSession
-        The model (an existing session is reused as is).
+        The model (an existing session is reused as is, so several states can share it).
     initial : dict
-        Initial value for every bound input (e.g. :func:`empty_cache`). Arrays are retained,
-        not copied.
+        Initial value for every bound input (e.g. :func:`empty_cache`): numpy arrays or DLPack
+        CPU tensors (torch). They are retained, not copied.
     options : StateOptions, optional
 
     Returns
@@ -282,15 +565,24 @@ def make_state(model, initial: Mapping[str, Any], options: StateOptions | None =
     StateError
         A bound input has no initial value.
     InvalidArgument
-        An initial value of the wrong type/rank/layout, or for an unbound name.
+        An initial value of the wrong type/rank/layout (byte-swapped, or non-contiguous where
+        a kernel needs contiguous), or for an unbound name.
     """
     options = options or StateOptions()
-    if isinstance(model, InferenceSession):
-        session = model
-    else:
-        session = InferenceSession(as_model(model), options.session_options)
-    bindings = resolve_bindings(session.model)
-    return State(session, bindings, initial)
+    with recording() as rec:
+        if isinstance(model, InferenceSession):
+            session = model
+        else:
+            session = InferenceSession(as_model(model), options.session_options)
+        bindings = resolve_bindings(session.model)
+        state = State(session, bindings, initial)
+    rec.set("retained_state_bytes", state._level[0], propagate=False)
+    rec.set("retained_state_buffer_bytes", state._level[1], propagate=False)
+    state.construction_counters = rec.snapshot()
+    state.last_counters = dict(state.construction_counters)
+    state.counters = Counters()
+    state.counters.merge(state.construction_counters)
+    return state
 
 
 def empty_cache(model, batch_size: int = 1) -> dict[str, np.ndarray]:
