@@ -145,9 +145,12 @@ class Counters:
         """Per-call figures: ``after - before`` for sums; levels and peaks as in ``after``."""
         return {k: after[k] if k in LEVELS else after[k] - before[k] for k in NAMES}
 
-    def run_meter(self) -> "RunMeter | _NoMeter":
-        """A :class:`RunMeter` for one run (a no-op one when ``track_allocations`` is False)."""
-        return RunMeter(self) if self.track_allocations else _NO_METER
+    def run_meter(self, pool=None) -> "RunMeter | _NoMeter":
+        """A :class:`RunMeter` for one run (a no-op one when ``track_allocations`` is False).
+
+        Buffers of ``pool`` (an :class:`olv_runtime.pool.BufferPool`) are not counted here: the
+        pool counts the ones it allocates and reuses the rest."""
+        return RunMeter(self, pool) if self.track_allocations else _NO_METER
 
     def __getitem__(self, name: str) -> int:
         return self._values[name]
@@ -200,12 +203,14 @@ class RunMeter:
     once; scratch arrays private to a kernel are not visible here.
     """
 
-    __slots__ = ("counters", "_seen", "_live", "_peak", "_count", "_bytes", "_kv", "__weakref__")
+    __slots__ = ("counters", "_seen", "_live", "_peak", "_count", "_bytes", "_kv", "_pool",
+                 "__weakref__")
 
-    def __init__(self, counters: Counters):
+    def __init__(self, counters: Counters, pool=None):
         from olv_runtime.state.kv import committed_length  # lazy: kv imports this module
 
         self.counters = counters
+        self._pool = pool
         self._seen: dict[int, weakref.ref] = {}
         self._live = 0
         self._peak = 0
@@ -233,6 +238,8 @@ class RunMeter:
             n = own.nbytes
             if n == 0 or (own.ndim == 4 and self._kv(r) is not None):
                 continue
+            if self._pool is not None and self._pool.owns(own):
+                continue  # pool buffer: counted by the pool when it was first allocated
             seen[key] = weakref.ref(own, self._callback(n))
             self._count += 1
             self._bytes += n

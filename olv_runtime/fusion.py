@@ -25,10 +25,12 @@ from typing import Any, Sequence
 import numpy as np
 
 import math
+import threading
 
 from olv_runtime import kernels
 from olv_runtime.state import kv
 from olv_runtime.errors import InvalidArgument
+from olv_runtime.pool import empty
 from olv_runtime.values import AffineValue
 
 
@@ -76,15 +78,15 @@ class SharedWorkspace:
 
     def __init__(self, k_max: int, counters=None):
         self.k_max = k_max
-        self.ws = None
+        self._local = threading.local()  # one workspace per thread running the session
         self.counters = counters
 
     def get(self, m: int):
-        ws = self.ws
+        ws = getattr(self._local, "ws", None)
         if ws is None or ws.m_max < m:
             from olv_runtime.kernels.packed import make_workspace
 
-            ws = self.ws = make_workspace(max(m, 1), self.k_max)
+            ws = self._local.ws = make_workspace(max(m, 1), self.k_max)
             if self.counters is not None:
                 self.counters.add("arrays_allocated", 9)
                 self.counters.add("bytes_allocated", ws.nbytes)
@@ -160,18 +162,24 @@ class LinearStep:
             )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, self.k)
+        m = x2.shape[0]
+        y = empty((m, self.n), np.float32)
         if self.packed is not None:
-            ws = self.workspace.get(x2.shape[0]) if self.workspace is not None else None
-            y = self._linear_packed(x2, self.packed, quantize_activations=self.quantize,
-                                    workspace=ws)
+            ws = self.workspace.get(m) if self.workspace is not None else None
+            self._linear_packed(x2, self.packed, y, quantize_activations=self.quantize,
+                                workspace=ws)
         elif self.dense is not None:
-            y = kernels.linear_f32(x2, self.dense)
+            kernels.linear_f32(x2, self.dense, out=y)
         else:
-            ys = []
+            start = 0
             for w in self.weights:
                 n, k = w.shape
-                ys.append(kernels.linear_int4(x2, w.codes, w.scale, w.zero_point, n, k, w.block_size))
-            y = ys[0] if len(ys) == 1 else np.concatenate(ys, axis=1)
+                part = y if len(self.weights) == 1 else np.empty((m, n), np.float32)
+                kernels.linear_int4(x2, w.codes, w.scale, w.zero_point, n, k, w.block_size,
+                                    out=part)
+                if part is not y:
+                    y[:, start:start + n] = part
+                start += n
         if self.bias is not None:
             np.add(y, self.bias, out=y)
         if self.residual:
@@ -222,10 +230,11 @@ class EncodedGather:
             )
         w = self.w
         n, k = w.shape
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
         return (
             kernels.gather_rows_int4(
-                w.codes, w.scale, w.zero_point, n, k, w.block_size,
-                np.ascontiguousarray(ids, dtype=np.int64),
+                w.codes, w.scale, w.zero_point, n, k, w.block_size, ids,
+                out=empty(ids.shape + (k,), np.float32),
             ),
         )
 
@@ -242,7 +251,8 @@ class SiluMul:
                 f"node {self.name!r} (SiluMul): expected float32 g and u of one shape, got "
                 f"{g.dtype}{list(g.shape)} and {u.dtype}{list(u.shape)}"
             )
-        return (kernels.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u)),)
+        return (kernels.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u),
+                                 out=empty(g.shape, np.float32)),)
 
 
 class RopeAttention:
@@ -300,7 +310,7 @@ class RopeAttention:
         kbuf, t = kv.reserve(past_key, s, **att.kv_opts)
         vbuf, _ = kv.reserve(past_value, s, **att.kv_opts)
         scale = self.scale_attr if self.scale_attr is not None else 1.0 / math.sqrt(d)
-        out = np.empty((b, s, h, d), np.float32)
+        out = empty((b, s, h, d), np.float32)
         kernels.rope_attention(q.reshape(b, s, h, d), k.reshape(b, s, kvh, d),
                                v.reshape(b, s, kvh, d), cos, sin, self.interleaved, r, kbuf, vbuf,
                                t, float(np.float32(scale)), self.causal, out)

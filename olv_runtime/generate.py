@@ -164,6 +164,7 @@ def generate(
             if len(out) >= max_new_tokens or tok in eos:
                 break
             step_ids[0, 0] = tok
+            session.recycle(logits)  # consumed: its buffer serves the next call (no allocation)
             logits = state.run({"input_ids": step_ids})["logits"]
             tok = sample_token(logits[0, -1], temperature, top_k, top_p, rng)
         stats.decode_seconds = time.perf_counter() - t1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -32,7 +33,9 @@ from olv_runtime.errors import (
     UnsupportedOperatorError,
     ValidationError,
 )
+from olv_runtime import pool as pool_mod
 from olv_runtime.io import Model, as_model
+from olv_runtime.pool import BufferPool
 from olv_runtime.ops import control, lookup  # noqa: F401  (control: If, local functions)
 from olv_runtime.ops.registry import canonical_domain
 from olv_runtime.proto import EncodedValueProto, TensorProto, ValueInfoProto
@@ -147,6 +150,7 @@ class InferenceSession:
         self.model: Model = as_model(model)
         self.options = options or SessionOptions()
         self.counters = Counters()
+        self._pools = threading.local()
         if self.options.num_threads is not None:
             kernels.set_num_threads(int(self.options.num_threads))
         proto = self.model.proto
@@ -475,32 +479,58 @@ class InferenceSession:
                 raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {_shape_of(vi)})")
         return out
 
+    def buffer_pool(self) -> BufferPool:
+        """This thread's activation buffer pool for this session (see :mod:`olv_runtime.pool`)."""
+        pool = getattr(self._pools, "pool", None)
+        if pool is None:
+            pool = self._pools.pool = BufferPool(self.counters)
+        return pool
+
+    def recycle(self, array) -> bool:
+        """Hand a returned output array back for reuse (the caller must not use it again).
+
+        Returns True when ``array`` was an output buffer of this thread's pool (taken back),
+        False otherwise (ignored). ``generate`` recycles the logits so decode allocates nothing.
+        """
+        return self.buffer_pool().recycle(array)
+
     def run_env(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """Execute the plan on prepared feeds; returns the graph outputs by name."""
         env = dict(self._constants)
         env.update(feeds)
         self.counters.add("runs", 1)
-        meter = self.counters.run_meter()  # arrays allocated, workspace peak
-        for step in self._steps:
-            args = [env[n] if n else None for n in step.inputs]
-            try:
-                results = step.fn(*args)
-            except (InvalidArgument, ValidationError):
-                raise
-            except Exception as exc:
-                if isinstance(exc, (KeyboardInterrupt,)):
+        pool = self.buffer_pool()
+        meter = self.counters.run_meter(pool)  # arrays allocated, workspace peak
+        prev = pool_mod.activate(pool)
+        ok = False
+        try:
+            for step in self._steps:
+                args = [env[n] if n else None for n in step.inputs]
+                try:
+                    results = step.fn(*args)
+                except (InvalidArgument, ValidationError):
                     raise
-                raise InvalidArgument(
-                    f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}"
-                ) from exc
-            for n, v in zip(step.outputs, results):
-                if n:
-                    env[n] = v
-            meter.step(args, results)
-            for n in step.release:
-                env.pop(n, None)
+                except Exception as exc:
+                    raise InvalidArgument(
+                        f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}"
+                    ) from exc
+                for n, v in zip(step.outputs, results):
+                    if n:
+                        env[n] = v
+                        pool.ref(v)
+                meter.step(args, results)
+                for n in step.release:
+                    pool.unref(env.pop(n, None))
+            outputs = {n: env[n] for n in self._output_names}
+            pool.escape(outputs.values())
+            pool.end_run()
+            ok = True
+        finally:
+            pool_mod.restore(prev)
+            if not ok:
+                pool.abort_run()
         meter.finish()
-        return {n: env[n] for n in self._output_names}
+        return outputs
 
 
 def as_array(name: str, value: Any) -> np.ndarray:

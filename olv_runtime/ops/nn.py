@@ -12,6 +12,7 @@ import numpy as np
 from olv_runtime import kernels
 from olv_runtime.errors import ValidationError
 from olv_runtime.ops.registry import Op, register
+from olv_runtime.pool import empty
 from olv_runtime.state import kv
 
 
@@ -23,6 +24,9 @@ class MatMul(Op):
         if a.dtype != b.dtype:
             raise self.fail(f"inputs must have the same element type, got {a.dtype} and {b.dtype}")
         try:
+            shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) if a.ndim > 1 and b.ndim > 1 else None
+            if shape is not None and a.shape[-1] == b.shape[-2]:
+                return (np.matmul(a, b, out=empty(shape + (a.shape[-2], b.shape[-1]), a.dtype)),)
             return (np.matmul(a, b),)
         except ValueError:
             raise self.fail(
@@ -37,6 +41,7 @@ class RMSNormalization(Op):
     attributes = {"axis": -1, "epsilon": 1e-5, "stash_type": 1}
 
     def setup(self, info):
+        self.eps = float(np.float32(self.attrs["epsilon"]))
         if self.attrs["stash_type"] != 1:
             raise ValidationError(
                 f"node {self.name!r} (RMSNormalization): only stash_type 1 (FLOAT) is supported, "
@@ -53,8 +58,9 @@ class RMSNormalization(Op):
         if scale.shape != (d,):
             raise self.fail(f"scale must have shape [{d}], got {list(scale.shape)}")
         x2 = np.ascontiguousarray(x).reshape(-1, d)
-        out = kernels.rms_norm(x2, scale, float(np.float32(self.attrs["epsilon"])))
-        return (out.reshape(x.shape),)
+        out = empty(x.shape, np.float32)
+        kernels.rms_norm(x2, scale, self.eps, out=out.reshape(-1, d))
+        return (out,)
 
 
 def _cos_sin(op: Op, cos_cache, sin_cache, position_ids, b: int, s: int, half: int):
@@ -108,7 +114,8 @@ class RotaryEmbedding(Op):
         if r > d or r % 2:
             raise self.fail(f"rotary_embedding_dim {r} must be even and <= head size {d}")
         cos, sin = _cos_sin(self, cos_cache, sin_cache, position_ids, b, s, r // 2)
-        out = kernels.rotary_embedding(x4, cos, sin, bool(self.attrs["interleaved"]), r)
+        out = kernels.rotary_embedding(x4, cos, sin, bool(self.attrs["interleaved"]), r,
+                                       out=empty(x4.shape, np.float32))
         if back is not None:
             return (np.ascontiguousarray(out.transpose(back)),)
         return (out.reshape(x.shape),)
@@ -221,7 +228,8 @@ class Attention(Op):
             scale = 1.0 / math.sqrt(d)
         causal = bool(self.attrs["is_causal"])
         # The causal frontier is aligned to the end of the past (ONNX Attention with cache).
-        out = kernels.attention(q4, buf_k, buf_v, past_len, float(np.float32(scale)), causal)
+        out = kernels.attention(q4, buf_k, buf_v, past_len, float(np.float32(scale)), causal,
+                                out=empty(q4.shape, np.float32))
         if three_d:
             y = out.reshape(b, s, h * d)
         else:

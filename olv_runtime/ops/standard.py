@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, ValidationError
+from olv_runtime.pool import empty
 from olv_runtime.ops.registry import Op, register
 from olv_runtime.values import NP_DTYPE, dtype_name
 
@@ -22,9 +23,10 @@ class _Binary(Op):
     def run(self, a, b):
         _same_dtype(self, a, b)
         try:
-            return (type(self).ufunc(a, b),)
+            shape = np.broadcast_shapes(a.shape, b.shape)
         except ValueError as exc:
             raise self.fail(f"shapes {list(a.shape)} and {list(b.shape)} do not broadcast ({exc})")
+        return (type(self).ufunc(a, b, out=empty(shape, a.dtype)),)
 
 
 @register("Add", 14)
@@ -63,7 +65,7 @@ class _Unary(Op):
     ufunc = None
 
     def run(self, x):
-        return (type(self).ufunc(x),)
+        return (type(self).ufunc(x, out=empty(x.shape, x.dtype)),)
 
 
 @register("Cos", 7)
@@ -105,8 +107,13 @@ class Reciprocal(_Unary):
 class Sigmoid(Op):
     def run(self, x):
         # ONNX Sigmoid: 1 / (1 + exp(-x)), evaluated without overflow warnings.
+        out = empty(x.shape, x.dtype)
         with np.errstate(over="ignore"):
-            return ((1.0 / (1.0 + np.exp(-x))).astype(x.dtype, copy=False),)
+            np.negative(x, out=out)
+            np.exp(out, out=out)
+            np.add(out, x.dtype.type(1.0), out=out)
+            np.divide(x.dtype.type(1.0), out, out=out)
+        return (out,)
 
 
 @register("Identity", 16)
@@ -128,7 +135,9 @@ class Cast(Op):
         self.dtype = NP_DTYPE[to].newbyteorder("=")
 
     def run(self, x):
-        return (x.astype(self.dtype),)
+        out = empty(x.shape, self.dtype)
+        np.copyto(out, x, casting="unsafe")
+        return (out,)
 
 
 @register("Shape", 21)
@@ -137,7 +146,9 @@ class Shape(Op):
 
     def run(self, x):
         dims = x.shape[self.attrs["start"] : self.attrs["end"]]
-        return (np.array(dims, dtype=np.int64),)
+        out = empty((len(dims),), np.int64)
+        out[...] = dims
+        return (out,)
 
 
 @register("Size", 21)
@@ -244,7 +255,10 @@ class Transpose(Op):
         if perm is not None and sorted(perm) != list(range(x.ndim)):
             raise self.fail(f"perm {perm} is not a permutation of rank {x.ndim}")
         # A transpose materialises (ONNX outputs are fresh tensors; kernels need contiguity).
-        return (np.ascontiguousarray(np.transpose(x, perm)),)
+        t = np.transpose(x, perm)
+        out = empty(t.shape, x.dtype)
+        np.copyto(out, t)
+        return (out,)
 
 
 @register("Concat", 13)
@@ -252,9 +266,13 @@ class Concat(Op):
     attributes = {"axis": Op.REQUIRED}
 
     def run(self, *xs):
+        axis = self.attrs["axis"]
         try:
-            return (np.concatenate(xs, axis=self.attrs["axis"]),)
-        except ValueError as exc:
+            ax = axis % xs[0].ndim
+            shape = list(xs[0].shape)
+            shape[ax] = sum(x.shape[ax] for x in xs)
+            return (np.concatenate(xs, axis=ax, out=empty(shape, xs[0].dtype)),)
+        except (ValueError, ZeroDivisionError, IndexError) as exc:
             raise self.fail(str(exc)) from None
 
 
@@ -266,7 +284,9 @@ class Expand(Op):
             out_shape = np.broadcast_shapes(x.shape, tuple(target))
         except ValueError:
             raise self.fail(f"cannot expand {list(x.shape)} to {target}") from None
-        return (np.ascontiguousarray(np.broadcast_to(x, out_shape)),)
+        out = empty(out_shape, x.dtype)
+        np.copyto(out, np.broadcast_to(x, out_shape))
+        return (out,)
 
 
 @register("Range", 11)
@@ -276,7 +296,13 @@ class Range(Op):
         if d == 0:
             raise self.fail("delta must be nonzero")
         n = max(int(np.ceil((l - s) / d)), 0)
-        return ((s + d * np.arange(n, dtype=s.dtype)).astype(s.dtype),)
+        out = empty((n,), s.dtype)
+        if n <= 64:  # ONNX Range: output[i] = start + i * delta
+            for i in range(n):
+                out[i] = s + i * d
+        else:
+            out[...] = s + d * np.arange(n, dtype=s.dtype)
+        return (out,)
 
 
 @register("Gather", 13)
@@ -293,7 +319,9 @@ class Gather(Op):
                 f"indices must lie in [{-n}, {n - 1}] (axis {axis} has {n}), got "
                 f"[{indices.min()}, {indices.max()}]"
             )
-        return (np.take(data, indices, axis=axis),)
+        ax = axis % data.ndim
+        shape = data.shape[:ax] + indices.shape + data.shape[ax + 1:]
+        return (np.take(data, indices, axis=axis, out=empty(shape, data.dtype)),)
 
 
 @register("Slice", 13)
