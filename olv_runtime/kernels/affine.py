@@ -27,7 +27,7 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
-from .config import JIT, PJIT, check_array, check_int, check_out
+from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_int, check_out
 
 __all__ = ["unpack_codes", "dequantize_affine", "gather_rows_int4"]
 
@@ -115,6 +115,15 @@ def _dequant_par(payload, bits, signed, inner, dim, bs,
 @njit(**PJIT)
 def _gather_int4_par(payload, scale, zp, has_zp, n_rows, k, bs, ids, out):
     for r in prange(ids.shape[0]):
+        n = ids[r]
+        if n < 0:
+            n += n_rows
+        _gather_row_int4(payload, scale, zp, has_zp, n, k, bs, out[r])
+
+
+@njit(**JIT)
+def _gather_int4_ser(payload, scale, zp, has_zp, n_rows, k, bs, ids, out):
+    for r in range(ids.shape[0]):
         n = ids[r]
         if n < 0:
             n += n_rows
@@ -334,6 +343,7 @@ def gather_rows_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndar
             raise InvalidArgument(f"ids: expected indices in [{-n_rows}, {n_rows}), got {bad}")
     out = check_out(out, "out", np.float32, tuple(ids.shape) + (k,))
     if ids_flat.size:
-        _gather_int4_par(payload, scale, zp, zero_point is not None, n_rows, k, block_size,
-                         ids_flat, out.reshape(ids_flat.size, k))
+        drv = _gather_int4_par if ids_flat.size * k >= PARALLEL_MIN_WORK else _gather_int4_ser
+        drv(payload, scale, zp, zero_point is not None, n_rows, k, block_size,
+            ids_flat, out.reshape(ids_flat.size, k))
     return out

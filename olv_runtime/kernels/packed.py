@@ -67,6 +67,7 @@ HALF = 16          # bytes per row per block
 QUADS = 8          # uint16 words (4 codes each) per row per block
 QDEC_MIN_M = 16    # quantized mode: M >= this decodes each block once to int16 before the M loop
 FDEC_MIN_M = 16    # exact mode: M >= this decodes each block once to float32 before the M loop
+SERIAL_MAX_WORK = 1 << 18  # M*N*Kp below this: the serial driver (a parallel region costs more)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,6 +425,30 @@ def _linear_q_par(x, m, k, codes, wscale, wzp, has_zp, n, out, ntasks, xq, xs, x
             _store_tile(facc[task], m, t, n, out)
 
 
+@njit(**JIT)
+def _linear_q_ser(x, m, k, codes, wscale, wzp, has_zp, n, out, xq, xs, xsum, iacc, facc, wdq):
+    """Serial twin of :func:`_linear_q_par` (one task) for layers too small to split."""
+    kb = codes.shape[1]
+    _quantize_rows(x, m, k, kb, xq, xs, xsum)
+    for t in range(codes.shape[0]):
+        if m >= QDEC_MIN_M:
+            _tile_q_dec(codes, wscale, wzp, has_zp, t, xq, xs, xsum, m, wdq[0], iacc[0], facc[0])
+        else:
+            _tile_q(codes, wscale, wzp, has_zp, t, xq, xs, xsum, m, iacc[0], facc[0])
+        _store_tile(facc[0], m, t, n, out)
+
+
+@njit(**JIT)
+def _linear_f_ser(x, m, codes, wscale, wzp, has_zp, n, out, bacc, facc, wdf):
+    """Serial twin of :func:`_linear_f_par` (one task) for layers too small to split."""
+    for t in range(codes.shape[0]):
+        if m >= FDEC_MIN_M:
+            _tile_f_dec(codes, wscale, wzp, has_zp, t, x, m, wdf[0], facc[0])
+        else:
+            _tile_f(codes, wscale, wzp, has_zp, t, x, m, bacc[0], facc[0])
+        _store_tile(facc[0], m, t, n, out)
+
+
 @njit(**PJIT)
 def _linear_f_par(x, m, codes, wscale, wzp, has_zp, n, out, ntasks, bacc, facc, wdf):
     n_tiles = codes.shape[0]
@@ -551,6 +576,18 @@ def linear_packed(x: np.ndarray, packed: PackedInt4, out: np.ndarray | None = No
                               f"m_max={ws.m_max}, k_max={ws.k_max}")
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_tiles)
     zp = packed.zero_point
+    if m * n * kp < SERIAL_MAX_WORK or ntasks == 1:  # too small to pay for a parallel region
+        if quantize_activations:
+            _linear_q_ser(x, m, k, packed.codes, packed.scale, zp, packed.has_zero_point, n, out,
+                          ws.xq, ws.xs, ws.xsum, ws.iacc, ws.facc, ws.wdq)
+        else:
+            xx = x
+            if k != kp:
+                _pad_rows(x, m, k, kp, ws.xpad)
+                xx = ws.xpad
+            _linear_f_ser(xx, m, packed.codes, packed.scale, zp, packed.has_zero_point, n, out,
+                          ws.bacc, ws.facc, ws.wdf)
+        return out
     if quantize_activations:
         _linear_q_par(x, m, k, packed.codes, packed.scale, zp, packed.has_zero_point, n, out,
                       ntasks, ws.xq, ws.xs, ws.xsum, ws.iacc, ws.facc, ws.wdq)
