@@ -163,6 +163,7 @@ class InferenceSession:
         self._load_constants(graph)
         self._inputs = [vi for vi in graph.input if vi.name not in self._constants]
         self._input_infos = {vi.name: vi for vi in graph.input}
+        self._specs = {name: tensor_spec(vi) for name, vi in self._input_infos.items()}
         self._outputs = list(graph.output)
         self._output_names = [o.name for o in self._outputs]
         self._steps = self._plan(graph)
@@ -473,7 +474,8 @@ class InferenceSession:
                 raise InvalidArgument(
                     f"unknown input {name!r}; the graph inputs are {[v.name for v in self._inputs]}"
                 )
-            out[name] = check_tensor(name, value, vi, allow_strided=name in self._strided_ok)
+            out[name] = check_tensor(name, value, self._specs[name],
+                                     allow_strided=name in self._strided_ok)
         for vi in self._inputs:
             if vi.name not in out:
                 raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {_shape_of(vi)})")
@@ -557,33 +559,59 @@ def as_array(name: str, value: Any) -> np.ndarray:
     )
 
 
-def check_tensor(name: str, value: Any, vi: ValueInfoProto, allow_strided: bool = False) -> np.ndarray:
-    """Validate one feed against its declared ValueInfoProto and return the numpy view.
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What a tensor input declares, parsed once from its ValueInfoProto."""
 
-    ``allow_strided`` accepts non-contiguous arrays (for inputs whose consumers read any
-    strides, such as KV past inputs)."""
-    arr = as_array(name, value)
-    if vi.type.WhichOneof("value") != "tensor_type":
-        raise InvalidArgument(f"input {name!r}: only tensor inputs can be fed, the graph declares {_type_string(vi)}")
-    et = vi.type.tensor_type.elem_type
+    kind: str                 # TypeProto 'value' oneof ('tensor_type', 'struct_type', ...)
+    type_string: str
+    elem_type: int
+    dtype: np.dtype | None    # native-order numpy dtype (None: unsupported element type)
+    shape: tuple | None       # ints for fixed dims, str/None for symbolic; None: no shape
+
+
+def tensor_spec(vi: ValueInfoProto) -> TensorSpec:
+    """Parse a ValueInfoProto's tensor type once (see :func:`check_tensor`)."""
+    kind = vi.type.WhichOneof("value") or ""
+    et = vi.type.tensor_type.elem_type if kind == "tensor_type" else 0
     want = NP_DTYPE.get(et)
+    shape = _shape_of(vi)
+    return TensorSpec(kind, _type_string(vi), et,
+                      want.newbyteorder("=") if want is not None else None,
+                      tuple(shape) if shape is not None else None)
+
+
+def check_tensor(name: str, value: Any, vi, allow_strided: bool = False) -> np.ndarray:
+    """Validate one feed against its declared type and return the numpy view (never a copy).
+
+    ``vi`` is the input's ValueInfoProto or its parsed :class:`TensorSpec`. ``allow_strided``
+    accepts non-contiguous arrays (for inputs whose consumers read any strides, such as KV past
+    inputs)."""
+    spec = vi if isinstance(vi, TensorSpec) else tensor_spec(vi)
+    arr = as_array(name, value)
+    if spec.kind != "tensor_type":
+        raise InvalidArgument(f"input {name!r}: only tensor inputs can be fed, the graph declares {spec.type_string}")
+    et = spec.elem_type
+    want = spec.dtype
     if want is None:
         raise InvalidArgument(f"input {name!r}: element type {dtype_name(et)} is not supported")
-    if not arr.dtype.isnative:
+    if arr.dtype is want or arr.dtype == want:
+        pass
+    elif not arr.dtype.isnative:
         raise InvalidArgument(
             f"input {name!r}: byte-swapped dtype {arr.dtype} is not supported (no silent copy); "
             "convert it to native byte order first"
         )
-    if arr.dtype != want.newbyteorder("="):
+    else:
         raise InvalidArgument(
-            f"input {name!r}: expected element type {dtype_name(et)} ({want.newbyteorder('=')}), got {arr.dtype}"
+            f"input {name!r}: expected element type {dtype_name(et)} ({want}), got {arr.dtype}"
         )
     if not allow_strided and not arr.flags.c_contiguous:
         raise InvalidArgument(
             f"input {name!r}: array is not C-contiguous (strides {arr.strides}); the runtime does "
             "not copy inputs silently — pass np.ascontiguousarray(x)"
         )
-    shape = _shape_of(vi)
+    shape = spec.shape
     if shape is not None:
         if arr.ndim != len(shape):
             raise InvalidArgument(

@@ -44,7 +44,13 @@ from olv_runtime.counters import _owner as _buffer_owner
 from olv_runtime.errors import BindingError, InvalidArgument, StateError
 from olv_runtime.io import Model, as_model
 from olv_runtime.proto import TensorProto, TypeProto
-from olv_runtime.session import InferenceSession, SessionOptions, _shape_of, check_tensor
+from olv_runtime.session import (
+    InferenceSession,
+    SessionOptions,
+    _shape_of,
+    check_tensor,
+    tensor_spec,
+)
 
 
 @dataclasses.dataclass
@@ -268,10 +274,11 @@ def _data_ptr(value) -> int | None:
 class _Binding:
     """One resolved binding: input/output names, the input's ValueInfo, stride permission."""
 
-    __slots__ = ("input", "output", "info", "strided")
+    __slots__ = ("input", "output", "info", "strided", "spec")
 
     def __init__(self, inp: str, out: str, info, strided: bool):
         self.input, self.output, self.info, self.strided = inp, out, info, strided
+        self.spec = tensor_spec(info)  # parsed once; check_tensor runs per call
 
 
 def _release_level(counters: Counters, level: list) -> None:
@@ -346,7 +353,7 @@ class State:
                 f"{b.info.type.WhichOneof('value')}; only tensor state values are supported"
             )
         try:
-            arr = check_tensor(b.input, value, b.info, b.strided)
+            arr = check_tensor(b.input, value, b.spec, b.strided)
         except InvalidArgument as exc:
             raise InvalidArgument(f"{what} for persistent input {b.input!r}: {exc}") from None
         view = _readonly(arr)
