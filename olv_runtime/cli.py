@@ -1,4 +1,4 @@
-"""The ``olv`` command line: convert, generate, bench, demo, inspect.
+"""The ``olv`` command line: convert, generate, bench, demo, inspect, export-standard.
 
 Run ``olv --help`` or ``olv COMMAND --help``.
 """
@@ -233,6 +233,17 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_export_standard(args) -> int:
+    from olv_runtime.builder.export import save_standard
+
+    ext = {"auto": None, "yes": True, "no": False}[args.external_data]
+    out = save_standard(args.model, args.output, feedback=args.feedback, external_data=ext)
+    note = " (persistent bindings lowered to caller-managed feedback, see metadata 'olv.feedback')" \
+        if args.feedback else ""
+    print(f"wrote standard ONNX {out}{note}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="olv",
@@ -285,6 +296,17 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model")
     i.add_argument("-v", "--verbose", action="store_true", help="one line per encoded value")
     i.set_defaults(func=cmd_inspect)
+
+    x = sub.add_parser("export-standard",
+                       help="write a model as standard ONNX (DequantizeLinear, decoder nodes)")
+    x.add_argument("model", help="olv model (.onnx)")
+    x.add_argument("output", help="output .onnx path")
+    x.add_argument("--feedback", action="store_true",
+                   help="lower persistent bindings to caller-managed past/present feedback "
+                        "(otherwise a model with bindings is rejected)")
+    x.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
+                   help="write payloads to OUTPUT.data (auto: when the model exceeds 256 MiB)")
+    x.set_defaults(func=cmd_export_standard)
     return p
 
 

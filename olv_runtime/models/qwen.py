@@ -3,6 +3,8 @@
 The graph is the contract of ``docs/qwen_graph.md``: standard ONNX (opset 23) plus the seed 000
 extensions -- INT4 weights as ``EncodedValueProto`` in ``graph.encoded_initializer`` decoded by
 ``olv.Decode`` nodes, and ``graph.persistent_bindings`` retaining the KV cache between calls.
+It is authored with :class:`olv_runtime.builder.GraphBuilder` (``docs/builder.md``): every node's
+output types are inferred as it is added and the bindings are validated against the final graph.
 """
 from __future__ import annotations
 
@@ -13,13 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from olv_runtime.builder import GraphBuilder
 from olv_runtime.errors import ConversionError
-from olv_runtime.helper import (
-    make_affine_encoded,
-    make_node,
-    make_tensor,
-    make_tensor_value_info,
-)
+from olv_runtime.helper import make_affine_encoded
 from olv_runtime.io import save
 from olv_runtime.models.checkpoint import Checkpoint
 from olv_runtime.proto import ModelProto, TensorProto
@@ -159,29 +157,23 @@ def compute_inv_freq(theta: float, head_dim: int) -> np.ndarray:
     return (np.float32(1.0) / power).astype(np.float32)
 
 
-class _GraphBuilder:
-    """Accumulates nodes, initializers and encoded initializers with unique node names."""
+class _QwenBuilder:
+    """The converter's helpers over :class:`~olv_runtime.builder.GraphBuilder`: checkpoint
+    tensors become dense or encoded initializers under their checkpoint names (each stored once),
+    and nodes are added with the names of ``docs/qwen_graph.md``. Every node's output types are
+    inferred as it is added, so a wrong wiring fails here, naming the node."""
 
-    def __init__(self, model: ModelProto, weights: str, ckpt: Checkpoint):
-        self.model = model
-        self.graph = model.graph
+    def __init__(self, graph: GraphBuilder, weights: str, ckpt: Checkpoint):
+        self.b = graph
         self.weights = weights
         self.ckpt = ckpt
-        self._names: set[str] = set()
-        self._consts: dict[tuple, str] = {}
-        self._stored: set[str] = set()
 
     def node(self, op_type, inputs, outputs, name, domain="", **attrs):
-        if name in self._names:
-            raise AssertionError(f"duplicate node name {name}")
-        self._names.add(name)
-        self.graph.node.append(make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs))
-        return outputs[0] if len(outputs) == 1 else outputs
+        return self.b.make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs)
 
     def initializer(self, name: str, array: np.ndarray) -> str:
-        if name not in self._stored:
-            self._stored.add(name)
-            self.graph.initializer.append(make_tensor(name, array))
+        if name not in self.b.initializer_names:
+            self.b.make_initializer(name, array)
         return name
 
     def const_i64(self, key: str, values) -> str:
@@ -189,36 +181,33 @@ class _GraphBuilder:
         name = f"const.{key}"
         return self.initializer(name, np.asarray(values, dtype=np.int64))
 
-    def dense(self, ckpt_name: str, expect_shape: tuple[int, ...]) -> str:
-        """A dense float32 initializer from the checkpoint under its checkpoint name."""
-        if ckpt_name in self._stored:
-            return ckpt_name
+    def _checked(self, ckpt_name: str, expect_shape: tuple[int, ...]) -> np.ndarray:
         arr = self.ckpt.get(ckpt_name)
         if tuple(arr.shape) != tuple(expect_shape):
             raise ConversionError(
                 f"tensor {ckpt_name!r} has shape {list(arr.shape)}, expected {list(expect_shape)}"
             )
+        return arr
+
+    def dense(self, ckpt_name: str, expect_shape: tuple[int, ...]) -> str:
+        """A dense float32 initializer from the checkpoint under its checkpoint name."""
+        if ckpt_name in self.b.initializer_names:
+            return ckpt_name
+        arr = self._checked(ckpt_name, expect_shape)
         return self.initializer(ckpt_name, np.ascontiguousarray(arr, dtype=np.float32))
 
     def weight(self, ckpt_name: str, expect_shape: tuple[int, int]) -> str:
         """Store a [N, K] matrix per the weight format; returns the stored value's name."""
         if self.weights == "float32":
             return self.dense(ckpt_name, expect_shape)
-        if ckpt_name in self._stored:
+        if ckpt_name in self.b.initializer_names:
             return ckpt_name
-        arr = self.ckpt.get(ckpt_name)
-        if tuple(arr.shape) != tuple(expect_shape):
-            raise ConversionError(
-                f"tensor {ckpt_name!r} has shape {list(arr.shape)}, expected {list(expect_shape)}"
-            )
+        arr = self._checked(ckpt_name, expect_shape)
         payload, scale = quantize_int4_blockwise(arr, BLOCK_SIZE)
-        ev = make_affine_encoded(
+        return self.b.make_encoded_initializer(make_affine_encoded(
             ckpt_name, payload.tobytes(), TensorProto.INT4, list(arr.shape), scale,
             None, axis=1, block_size=BLOCK_SIZE,
-        )
-        self.graph.encoded_initializer.append(ev)
-        self._stored.add(ckpt_name)
-        return ckpt_name
+        ))
 
     def matrix(self, ckpt_name: str, prefix: str, expect_shape: tuple[int, int]) -> str:
         """The float [N, K] matrix value: ``olv.Decode`` output (int4) or the initializer."""
@@ -245,7 +234,7 @@ class _GraphBuilder:
                          f"{prefix}/RMSNormalization", axis=-1, epsilon=eps)
 
 
-def _position_subgraph(b: _GraphBuilder, cfg: QwenConfig) -> tuple[str, str]:
+def _position_subgraph(b: _QwenBuilder, cfg: QwenConfig) -> tuple[str, str]:
     """cos/sin ``[B, S, D/2]`` from ``Range(past_len, past_len + S)`` and ``inv_freq``."""
     p = "rotary"
     inv_freq = b.initializer("model.rotary_emb.inv_freq",
@@ -279,7 +268,7 @@ def _position_subgraph(b: _GraphBuilder, cfg: QwenConfig) -> tuple[str, str]:
     return cos, sin
 
 
-def _qk_norm(b: _GraphBuilder, x: str, weight: str, heads: int, cfg: QwenConfig, prefix: str) -> str:
+def _qk_norm(b: _QwenBuilder, x: str, weight: str, heads: int, cfg: QwenConfig, prefix: str) -> str:
     d = cfg.head_dim
     split = b.const_i64(f"shape_heads_{heads}x{d}", [0, 0, heads, d])
     merge = b.const_i64(f"shape_flat_{heads * d}", [0, 0, heads * d])
@@ -317,35 +306,18 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
     cfg = QwenConfig(ckpt.config, ckpt.keys())
     report = progress or (lambda msg: None)
 
-    model = ModelProto()
-    model.ir_version = IR_VERSION
-    model.producer_name = "olv_runtime"
-    model.producer_version = "0.1.0"
-    for domain, version in (("", OPSET), (OLV_DOMAIN, OLV_OPSET)):
-        op = model.opset_import.add()
-        op.domain = domain
-        op.version = version
-    g = model.graph
-    g.name = f"{cfg.architecture}"
-    b = _GraphBuilder(model, weights, ckpt)
+    gb = GraphBuilder(cfg.architecture, opsets={"": OPSET, OLV_DOMAIN: OLV_OPSET},
+                      ir_version=IR_VERSION)
+    b = _QwenBuilder(gb, weights, ckpt)
 
     L, H, KVH, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     hidden, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
 
-    # Inputs / outputs.
-    g.input.append(make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]))
+    # Inputs (outputs and bindings are declared once their producers exist, at the end).
+    gb.add_input("input_ids", TensorProto.INT64, ["batch", "sequence"])
     for i in range(L):
         for kind in ("key", "value"):
-            g.input.append(make_tensor_value_info(
-                f"past_{kind}.{i}", TensorProto.FLOAT, ["batch", KVH, "past_sequence", D]))
-    g.output.append(make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", vocab]))
-    for i in range(L):
-        for kind in ("key", "value"):
-            g.output.append(make_tensor_value_info(
-                f"present_{kind}.{i}", TensorProto.FLOAT, ["batch", KVH, "total_sequence", D]))
-    for i in range(L):
-        for kind in ("key", "value"):
-            g.persistent_bindings.add(input_name=f"past_{kind}.{i}", output_name=f"present_{kind}.{i}")
+            gb.add_input(f"past_{kind}.{i}", TensorProto.FLOAT, ["batch", KVH, "past_sequence", D])
 
     # Embedding.
     report(f"embedding model.embed_tokens.weight [{vocab}, {hidden}] ({weights})")
@@ -399,6 +371,18 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         b.node("Add", [y, b.dense("lm_head.bias", (vocab,))], ["logits"], "lm_head/Add")
     else:
         b.node("MatMul", [x, wt], ["logits"], "lm_head/MatMul")
+
+    gb.add_output("logits", TensorProto.FLOAT, ["batch", "sequence", vocab])
+    for i in range(L):
+        for kind in ("key", "value"):
+            gb.add_output(f"present_{kind}.{i}", TensorProto.FLOAT,
+                          ["batch", KVH, "total_sequence", D])
+    for i in range(L):
+        for kind in ("key", "value"):
+            gb.add_binding(f"past_{kind}.{i}", f"present_{kind}.{i}")
+    model = gb.to_model(release=True)  # validates the bindings; hands over the payloads
+    model.producer_name = "olv_runtime"
+    model.producer_version = "0.1.0"
 
     meta = {
         "olv.architecture": cfg.architecture,
