@@ -15,6 +15,7 @@ from olv_runtime.io import Model, load, save  # noqa: F401
 from olv_runtime.session import InferenceSession, NodeArg, SessionOptions  # noqa: F401
 from olv_runtime.state import State, StateOptions, empty_cache, make_state  # noqa: F401
 from olv_runtime.structs import decode_value, to_decoded  # noqa: F401
+from olv_runtime.structs.runtime import RuntimeStruct  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -47,7 +47,7 @@ def cmd_convert(args) -> int:
     ext = {"auto": None, "yes": True, "no": False}[args.external_data]
     t0 = time.perf_counter()
     convert(args.checkpoint_dir, args.output, weights=args.weights, external_data=ext,
-            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True), kv=args.kv)
     out = pathlib.Path(args.output)
     size = out.stat().st_size
     data = out.with_name(out.name + ".data")
@@ -258,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="linear weight storage (default: int4-block32)")
     c.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
                    help="write payloads to OUTPUT.data (auto: when the model exceeds 256 MiB)")
+    c.add_argument("--kv", choices=["contiguous", "paged", "paged-int8", "paged-int4", "paged-mixed"],
+                   default="contiguous",
+                   help="KV cache: past/present tensors, or paged blocks (dense, INT8, INT4, "
+                        "mixed by age); see docs/kv_cache.md")
     c.set_defaults(func=cmd_convert)
 
     def add_run_opts(q):

@@ -36,6 +36,16 @@ Counter names (integers; bytes unless noted):
                                 :func:`install_model_guard`); 0 during state construction and runs
 ``payload_bytes_read`` /        encoded payload bytes read or copied while validating and
 ``payload_bytes_copied``        binding values at session creation (zero-copy views count nothing)
+``kv_blocks_allocated``         (count) paged KV block slots taken (K and V sides counted apart;
+                                :mod:`olv_runtime.state.paged`)
+``bytes_kv_converted``          payload bytes of paged KV block sides converted at sealing (the
+                                source slot's bytes)
+``kv_blocks_converted``         (count) block sides converted at sealing
+``bytes_read_kv_attention``     KV payload bytes (codes and scales) read by paged attention
+``kv_committed_bytes``          bytes of the block slots held by the present paged caches a call
+                                produced (summed over layers; per call, not meaningful summed)
+``attention_workspace_peak``    (level, max) bytes of the paged attention workspace (running
+                                max/sum/accumulator and row scratch); independent of context
 =============================== ==================================================================
 """
 from __future__ import annotations
@@ -65,10 +75,20 @@ NAMES = (
     "model_serializations",
     "payload_bytes_read",
     "payload_bytes_copied",
+    "kv_blocks_allocated",
+    "bytes_kv_converted",
+    "kv_blocks_converted",
+    "bytes_read_kv_attention",
+    "kv_committed_bytes",
+    "attention_workspace_peak",
 )
 
 #: Counters that are levels (a per-call figure is the value after the call, not a difference).
-LEVELS = frozenset({"workspace_peak", "retained_state_bytes", "retained_state_buffer_bytes"})
+LEVELS = frozenset({"workspace_peak", "retained_state_bytes", "retained_state_buffer_bytes",
+                    "attention_workspace_peak"})
+
+#: Level counters that merge as a maximum (peaks).
+PEAKS = frozenset({"workspace_peak", "attention_workspace_peak"})
 
 #: The Counters objects recording on the current thread / context (innermost last).
 _scopes: contextvars.ContextVar[tuple] = contextvars.ContextVar("olv_counters_scopes", default=())
@@ -128,7 +148,7 @@ class Counters:
         with self._lock:
             for k in NAMES:
                 v = int(values.get(k, 0))
-                if k == "workspace_peak":
+                if k in PEAKS:
                     self._values[k] = max(self._values[k], v)
                 elif k in LEVELS:
                     self._values[k] = v

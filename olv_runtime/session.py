@@ -231,7 +231,8 @@ class InferenceSession:
                               and self._input_infos[name].type.WhichOneof("value") == "struct_type")
                 if isinstance(enc, (AffineValue, StructValue)) or structured:
                     what = "an encoded value" if enc is not None else "a structured graph input"
-                    if (domain, node.op_type) not in ENCODED_CONSUMERS:
+                    if (domain, node.op_type) not in ENCODED_CONSUMERS and not (
+                            structured and getattr(cls, "accepts_structured", False)):
                         raise MissingDecoderError(
                             f"node {node.name!r} ({node.op_type}) is a tensor-only operator but "
                             f"input {name!r} is {what}; decode it explicitly with "
@@ -474,12 +475,24 @@ class InferenceSession:
                 raise InvalidArgument(
                     f"unknown input {name!r}; the graph inputs are {[v.name for v in self._inputs]}"
                 )
+            if self._specs[name].kind == "struct_type":  # a whole struct value (RuntimeStruct)
+                out[name] = self.check_struct(name, value)
+                continue
             out[name] = check_tensor(name, value, self._specs[name],
                                      allow_strided=name in self._strided_ok)
         for vi in self._inputs:
             if vi.name not in out:
                 raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {_shape_of(vi)})")
         return out
+
+    def check_struct(self, name: str, value: Any):
+        """Validate a whole struct value fed to struct-typed input ``name`` (no copy; memoised per
+        value, see :func:`olv_runtime.structs.runtime.check_struct_value`)."""
+        from olv_runtime.structs.runtime import check_struct_value
+
+        return check_struct_value(f"input {name}", value,
+                                  self._input_infos[name].type.struct_type,
+                                  resolve_encoded(self.model).catalogue)
 
     def buffer_pool(self) -> BufferPool:
         """This thread's activation buffer pool for this session (see :mod:`olv_runtime.pool`)."""

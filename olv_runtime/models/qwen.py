@@ -278,7 +278,8 @@ def _qk_norm(b: _QwenBuilder, x: str, weight: str, heads: int, cfg: QwenConfig, 
 
 
 def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4-block32",
-                *, progress: Callable[[str], None] | None = None) -> ModelProto:
+                *, progress: Callable[[str], None] | None = None,
+                kv: str = "contiguous") -> ModelProto:
     """Build the ``docs/qwen_graph.md`` model of a checkpoint.
 
     Parameters
@@ -289,6 +290,9 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         Linear/embedding weight format: encoded symmetric INT4 blocks of 32, or dense float32.
     progress : callable, optional
         Called with a short message before each layer (and the embedding / head).
+    kv : {"contiguous", "paged", "paged-int8", "paged-int4", "paged-mixed"}
+        KV cache kind: past/present tensors (default) or per-layer paged cache structs
+        (:func:`olv_runtime.models.paged.to_paged`, ``docs/kv_cache.md``).
 
     Returns
     -------
@@ -407,12 +411,16 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         entry = model.metadata_props.add()
         entry.key = key
         entry.value = str(value)
+    if kv != "contiguous":  # the paged graph is a rewrite of the contiguous one
+        from olv_runtime.models.paged import to_paged
+
+        to_paged(model, kv)
     return model
 
 
 def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
             progress: Callable[[str], None] | None = None,
-            external_data: bool | None = None) -> ModelProto:
+            external_data: bool | None = None, kv: str = "contiguous") -> ModelProto:
     """Convert a checkpoint directory to an ONNX file.
 
     Writes the model of :func:`build_model` to ``out_path`` with :func:`olv_runtime.io.save`
@@ -431,6 +439,8 @@ def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
         ``progress(msg)`` called per layer.
     external_data : bool, optional
         Passed to :func:`olv_runtime.io.save` (None: external data only above 256 MiB).
+    kv : str
+        KV cache kind, see :func:`build_model`.
 
     Returns
     -------
@@ -444,7 +454,7 @@ def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
     """
     out_path = os.fspath(out_path)
     with Checkpoint(checkpoint_dir) as ckpt:
-        model = build_model(ckpt, weights, progress=progress)
+        model = build_model(ckpt, weights, progress=progress, kv=kv)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
     if progress:

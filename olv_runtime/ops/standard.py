@@ -118,6 +118,8 @@ class Sigmoid(Op):
 
 @register("Identity", 16)
 class Identity(Op):
+    accepts_structured = True  # pure transport: a struct value passes through as it is
+
     def run(self, x):
         return (x,)
 

@@ -44,6 +44,7 @@ from olv_runtime.counters import _owner as _buffer_owner
 from olv_runtime.errors import BindingError, InvalidArgument, StateError
 from olv_runtime.io import Model, as_model
 from olv_runtime.proto import TensorProto, TypeProto
+from olv_runtime.structs.runtime import RuntimeStruct, field_arrays
 from olv_runtime.session import (
     InferenceSession,
     SessionOptions,
@@ -347,6 +348,14 @@ class State:
 
     def _retain(self, b: _Binding, value: Any, what: str) -> np.ndarray:
         """Validate ``value`` for bound input ``b`` and return the read-only view to retain."""
+        if b.info.type.WhichOneof("value") == "struct_type":
+            # A whole struct value: retained as it is, field by field (tensor, encoded and
+            # sequence fields keep their own buffers); arrays are exposed as read-only views.
+            try:
+                value = self._session.check_struct(b.input, value)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"{what} for persistent input {b.input!r}: {exc}") from None
+            return value.readonly()
         if b.info.type.WhichOneof("value") != "tensor_type":
             raise InvalidArgument(
                 f"{what} for {b.input!r}: the input is a "
@@ -388,8 +397,9 @@ class State:
         logical = sum(v.nbytes for v in values.values())
         owners = {}
         for v in values.values():
-            own = _buffer_owner(v)
-            owners[id(own)] = own.nbytes
+            for arr in (field_arrays(v) if isinstance(v, RuntimeStruct) else (v,)):
+                own = _buffer_owner(arr)
+                owners[id(own)] = own.nbytes
         buffers = sum(owners.values())
         self._values = types.MappingProxyType(values)
         c = self._session.counters
@@ -622,6 +632,13 @@ def empty_cache(model, batch_size: int = 1) -> dict[str, np.ndarray]:
     out = {}
     for inp, _ in bindings:
         vi = infos[inp]
+        if vi.type.WhichOneof("value") == "struct_type":
+            # a whole struct cache (e.g. the paged KV cache): empty sequences, zero lengths
+            from olv_runtime.structs import resolve as _resolve
+            from olv_runtime.structs.runtime import empty_value
+
+            out[inp] = empty_value(vi.type, _resolve(m).catalogue, batch_size)
+            continue
         shape = _shape_of(vi)
         if shape is None:
             raise BindingError(f"bound input {inp!r} has no declared tensor shape; build its initial value by hand")
