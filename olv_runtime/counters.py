@@ -59,6 +59,8 @@ from typing import Iterator
 
 import numpy as np
 
+from olv_runtime.pool import owner as _owner  # the array owning a view's memory
+
 NAMES = (
     "runs",
     "arrays_allocated",
@@ -203,14 +205,6 @@ PROCESS = Counters()
 
 
 # -- allocations and workspace of one run ------------------------------------------------------
-def _owner(arr: np.ndarray) -> np.ndarray:
-    """The array that owns ``arr``'s memory (numpy collapses view chains to it)."""
-    base = arr.base
-    while isinstance(base, np.ndarray):
-        arr, base = base, base.base
-    return arr
-
-
 class RunMeter:
     """Counts the arrays a run allocates and the peak of their live bytes.
 

@@ -20,7 +20,7 @@ import numpy as np
 _local = threading.local()
 
 
-def _owner(arr: np.ndarray) -> np.ndarray:
+def owner(arr: np.ndarray) -> np.ndarray:
     base = arr.base
     while isinstance(base, np.ndarray):
         arr, base = base, base.base
@@ -63,18 +63,18 @@ class BufferPool:
 
     def owns(self, arr: np.ndarray) -> bool:
         """True if ``arr`` (or the array owning its memory) is a buffer handed out by this pool."""
-        return id(_owner(arr)) in self._held
+        return id(owner(arr)) in self._held
 
     # -- reference counting by the executor -----------------------------------------------------
     def ref(self, value) -> None:
         if type(value) is np.ndarray:
-            entry = self._held.get(id(value if value.base is None else _owner(value)))
+            entry = self._held.get(id(value if value.base is None else owner(value)))
             if entry is not None:
                 entry[1] += 1
 
     def unref(self, value) -> None:
         if type(value) is np.ndarray:
-            key = id(value if value.base is None else _owner(value))
+            key = id(value if value.base is None else owner(value))
             entry = self._held.get(key)
             if entry is not None:
                 entry[1] -= 1
@@ -87,7 +87,7 @@ class BufferPool:
         """Forget the buffers behind ``values`` (graph outputs handed to the caller)."""
         for v in values:
             if type(v) is np.ndarray:
-                own = _owner(v)
+                own = owner(v)
                 if self._held.pop(id(own), None) is not None:
                     self._escaped[id(own)] = weakref.ref(own)
                     self.total_bytes -= own.nbytes
@@ -112,7 +112,7 @@ class BufferPool:
         """
         if type(arr) is not np.ndarray:
             return False
-        own = _owner(arr)
+        own = owner(arr)
         ref = self._escaped.pop(id(own), None)
         if ref is None or ref() is not own:
             return False

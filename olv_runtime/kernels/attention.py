@@ -66,36 +66,32 @@ def _attend_one(q, k, v, nkeys, scale, o):
         o[i] *= inv
 
 
+@njit(**JIT)
+def _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out):
+    """Task ``t`` of ``B*H*S``: one query row (b, h, s) over its visible keys."""
+    b_n, s_n, h_n, d = q.shape
+    group = h_n // k_cache.shape[1]
+    b = t // (h_n * s_n)
+    rem = t - b * (h_n * s_n)
+    h = rem // s_n
+    s = rem - h * s_n
+    nkeys = past_len + s + 1 if is_causal else past_len + s_n
+    _attend_one(q[b, s, h], k_cache[b, h // group], v_cache[b, h // group], nkeys, scale,
+                out[b, s, h])
+
+
 @njit(**PJIT)
 def _attention_par(q, k_cache, v_cache, past_len, scale, is_causal, out):
     b_n, s_n, h_n, d = q.shape
-    kvh = k_cache.shape[1]
-    group = h_n // kvh
-    total = past_len + s_n
     for t in prange(b_n * h_n * s_n):
-        b = t // (h_n * s_n)
-        rem = t - b * (h_n * s_n)
-        h = rem // s_n
-        s = rem - h * s_n
-        g = h // group
-        nkeys = past_len + s + 1 if is_causal else total
-        _attend_one(q[b, s, h], k_cache[b, g], v_cache[b, g], nkeys, scale, out[b, s, h])
+        _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out)
 
 
 @njit(**JIT)
 def _attention_ser(q, k_cache, v_cache, past_len, scale, is_causal, out):
     b_n, s_n, h_n, d = q.shape
-    kvh = k_cache.shape[1]
-    group = h_n // kvh
-    total = past_len + s_n
     for t in range(b_n * h_n * s_n):
-        b = t // (h_n * s_n)
-        rem = t - b * (h_n * s_n)
-        h = rem // s_n
-        s = rem - h * s_n
-        g = h // group
-        nkeys = past_len + s + 1 if is_causal else total
-        _attend_one(q[b, s, h], k_cache[b, g], v_cache[b, g], nkeys, scale, out[b, s, h])
+        _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out)
 
 
 @njit(**PJIT)

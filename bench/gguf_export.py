@@ -1,0 +1,164 @@
+"""Write a llama.cpp Q4_0 GGUF with the INT4 values of an olv model (for bench/decode.py's
+llama.cpp row; needs ``pip install gguf``).
+
+    python bench/gguf_export.py OLV_MODEL.onnx OUT.gguf [--check]
+
+Every INT4 linear weight (and the tied embedding, which llama.cpp also uses as the output
+matrix) goes to Q4_0 without re-quantizing: the olv block-32 codes ``q`` in [-8, 7] become the
+Q4_0 nibbles ``q + 8`` (llama.cpp order: byte j of a block holds elements j and j + 16) and the
+float32 block scale becomes Q4_0's float16 ``d`` — the only possible difference from the olv
+values is that scale rounding (relative error <= 2^-11; none for models from ``olv convert`` of a
+bf16 checkpoint, whose scales are float16-exact: ``--check`` reports 0). Norm weights and q/k/v biases stay float32.
+Architecture ``qwen2``; the random checkpoint has no tokenizer, so a placeholder BPE vocabulary of
+``vocab_size`` tokens is written (the benchmark feeds token ids, never text). ``--check`` reads
+the file back with gguf's reader and compares the dequantized weights with the olv values.
+
+Untested against llama.cpp itself here (llama-cpp-python is not installed on the benchmark
+machine); decode.py only runs it when ``llama_cpp`` imports.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _olv(olv_model):
+    sys.path.insert(0, str(HERE))
+    from ort_export import _olv_constants
+
+    return _olv_constants(olv_model)
+
+
+def signed_codes(w) -> np.ndarray:
+    """int8 [N, K] codes of a signed INT4 AffineValue (block 32 along K, no zero point)."""
+    n, k = w.shape
+    if w.block_size != 32 or k % 32 or w.zero_point is not None or w.axis != 1 or not w.signed:
+        raise ValueError(f"{w.name}: expected symmetric signed INT4, block 32 along K")
+    b = np.asarray(w.codes, np.uint8)[: n * k // 2]
+    nib = np.empty(n * k, np.int8)
+    nib[0::2] = (b & 15).astype(np.int8)
+    nib[1::2] = (b >> 4).astype(np.int8)
+    nib = ((nib ^ 8) - 8).astype(np.int8)  # sign-extend the 4-bit codes
+    return nib.reshape(n, k)
+
+
+def q4_0_bytes(w) -> np.ndarray:
+    """Q4_0 blocks (uint8 [N, K/32*18]) holding exactly the olv codes, scales as float16."""
+    n, k = w.shape
+    q = signed_codes(w).reshape(n, k // 32, 32).astype(np.int16) + 8  # 0..15
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).astype(np.uint8)          # [N, KB, 16]
+    d = np.asarray(w.scale, np.float32).astype(np.float16).view(np.uint8).reshape(n, k // 32, 2)
+    return np.concatenate([d, qs], axis=2).reshape(n, k // 32 * 18)
+
+
+def q4_0_weight_bytes(olv_model) -> int:
+    """Bytes of the Q4_0 linear weights read per token (lm_head = the tied embedding)."""
+    _, c = _olv(olv_model)
+    return sum(v.shape[0] * v.shape[1] // 32 * 18 for n, v in c.items()
+               if hasattr(v, "codes") and n.endswith(".weight"))
+
+
+NAMES = {  # olv (checkpoint) name suffix -> GGUF name suffix
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def export(olv_model, out_path, progress=print) -> pathlib.Path:
+    import gguf
+
+    t0 = time.perf_counter()
+    model, c = _olv(olv_model)
+    md = model.metadata()
+    L = int(md["olv.num_layers"])
+    V = int(md["olv.vocab_size"])
+    out = pathlib.Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out), "qwen2")
+    w.add_name("olv-bench-qwen2")
+    w.add_context_length(32768)
+    w.add_embedding_length(int(md["olv.hidden_size"]))
+    w.add_block_count(L)
+    w.add_feed_forward_length(int(md["olv.intermediate_size"]))
+    w.add_head_count(int(md["olv.num_heads"]))
+    w.add_head_count_kv(int(md["olv.num_kv_heads"]))
+    w.add_rope_freq_base(float(md["olv.rope_theta"]))
+    w.add_layer_norm_rms_eps(float(md["olv.rms_norm_eps"]))
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"<t{i}>" for i in range(V)])
+    w.add_token_types([gguf.TokenType.NORMAL] * V)
+    w.add_token_merges([])
+    eos = int(md.get("olv.eos_token_id", V - 1))
+    w.add_eos_token_id(eos)
+    w.add_bos_token_id(eos)
+    Q4 = gguf.GGMLQuantizationType.Q4_0
+
+    def put(name, src):
+        v = c[src]
+        if hasattr(v, "codes"):
+            w.add_tensor(name, q4_0_bytes(v), raw_dtype=Q4)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(v, np.float32))
+
+    put("token_embd.weight", "model.embed_tokens.weight")
+    if md.get("olv.tie_word_embeddings", "1") != "1":
+        put("output.weight", "lm_head.weight")
+    put("output_norm.weight", "model.norm.weight")
+    for i in range(L):
+        for src, dst in NAMES.items():
+            put(f"blk.{i}.{dst}", f"model.layers.{i}.{src}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    progress(f"wrote {out} ({out.stat().st_size / 1e6:.0f} MB, Q4_0) in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def check(olv_model, gguf_path, names=("token_embd.weight", "blk.0.attn_q.weight",
+                                       "blk.23.ffn_down.weight")) -> float:
+    """Max relative difference between dequantized GGUF tensors and the olv values."""
+    import gguf
+    from gguf.quants import dequantize
+
+    _, c = _olv(olv_model)
+    inv = {"token_embd.weight": "model.embed_tokens.weight"}
+    for src, dst in NAMES.items():
+        inv.update({f"blk.{i}.{dst}": f"model.layers.{i}.{src}" for i in range(64)})
+    worst = 0.0
+    reader = gguf.GGUFReader(str(gguf_path))
+    for t in reader.tensors:
+        if t.name not in names:
+            continue
+        v = c[inv[t.name]]
+        ref = signed_codes(v).astype(np.float32) * np.repeat(np.asarray(v.scale, np.float32), 32, 1)
+        got = dequantize(t.data, t.tensor_type).reshape(ref.shape)
+        rel = float(np.abs(got - ref).max() / np.abs(ref).max())
+        print(f"  {t.name}: {list(ref.shape)} max |diff| / max |w| = {rel:.2e}")
+        worst = max(worst, rel)
+    return worst
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("olv_model")
+    ap.add_argument("out")
+    ap.add_argument("--check", action="store_true")
+    ns = ap.parse_args()
+    export(ns.olv_model, ns.out)
+    if ns.check:
+        print(f"worst relative difference {check(ns.olv_model, ns.out):.2e}")
