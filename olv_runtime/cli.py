@@ -5,6 +5,7 @@ Run ``olv --help`` or ``olv COMMAND --help``.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
@@ -14,6 +15,10 @@ import time
 import numpy as np
 
 from olv_runtime.errors import OlvError
+
+
+class CliError(Exception):
+    """A bad command-line argument: printed as ``olv COMMAND: error: ...``, exit status 2."""
 
 
 def _tokenizer_for(model_path: pathlib.Path):
@@ -26,12 +31,18 @@ def _tokenizer_for(model_path: pathlib.Path):
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise SystemExit(f"olv: --prompt-ids must be comma-separated integers, got {text!r}")
-    if not ids:
-        raise SystemExit("olv: --prompt-ids is empty")
+    """Token ids from ``1,2,3`` (commas; spaces around them allowed)."""
+    parts = [t.strip() for t in text.split(",")]
+    if not text.strip():
+        raise CliError("--prompt-ids is empty")
+    ids = []
+    for t in parts:
+        if not t.lstrip("-").isdigit() or any(c.isspace() for c in t):
+            raise CliError(
+                f"--prompt-ids must be comma-separated integers such as 1,2,3; got item {t!r} "
+                f"in {text!r}"
+            )
+        ids.append(int(t))
     return ids
 
 
@@ -66,11 +77,19 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
     stats = olv_runtime.GenerationStats()
     printed = []
 
+    shown = [0]  # characters of the decoded text already printed
+
     def show(tok: int) -> None:
+        _midline[0] = True
         printed.append(tok)
         if tokenizer is not None:
-            text = tokenizer.decode(printed[-1:], skip_special_tokens=False)
-            print(text, end="", flush=True)
+            # decode the whole continuation and print what is new, holding back a trailing
+            # incomplete character (a byte-level token may end inside a UTF-8 sequence)
+            text = tokenizer.decode(printed, skip_special_tokens=False)
+            if text.endswith("\ufffd"):
+                return
+            print(text[shown[0]:], end="", flush=True)
+            shown[0] = len(text)
         else:
             print(tok, end=" ", flush=True)
 
@@ -80,7 +99,11 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
         top_p=args.top_p, seed=args.seed, callback=show, stats=stats,
         eos_token_id=int(eos) if (eos and args.stop_at_eos) else None,
     )
+    if tokenizer is not None and printed:
+        text = tokenizer.decode(printed, skip_special_tokens=False)
+        print(text[shown[0]:], end="")
     print()
+    _midline[0] = False
     print(
         f"prompt {stats.prompt_tokens} tokens: prefill {stats.prefill_tokens_per_second:.1f} tok/s; "
         f"generated {stats.new_tokens} tokens: decode {stats.decode_tokens_per_second:.1f} tok/s",
@@ -93,17 +116,18 @@ def cmd_generate(args) -> int:
     tokenizer = _tokenizer_for(path)
     if args.prompt is not None:
         if tokenizer is None:
-            raise SystemExit(
-                f"olv: --prompt needs tokenizer.json beside the model ({path.parent}); "
+            raise CliError(
+                f"--prompt needs tokenizer.json beside the model ({path.parent}); "
                 "use --prompt-ids instead"
             )
         ids = tokenizer.encode(args.prompt).ids
         if not ids:
-            raise SystemExit("olv: the prompt encodes to zero tokens")
+            raise CliError("the prompt encodes to zero tokens")
     else:
         ids = _parse_ids(args.prompt_ids)
     if tokenizer is not None and args.prompt is not None:
         print(args.prompt, end="", flush=True)
+        _midline[0] = True
     _run_generate(path, ids, args, tokenizer)
     return 0
 
@@ -138,6 +162,7 @@ def cmd_demo(args) -> int:
     from olv_runtime.models.qwen import convert
     from olv_runtime.models.random_checkpoint import write_random_qwen2
 
+    _session_options(args)  # validate --threads before building anything
     work = pathlib.Path(args.workdir) if args.workdir else pathlib.Path(tempfile.mkdtemp(prefix="olv-demo-"))
     ckpt = work / "checkpoint"
     print(f"[1/3] building a small random Qwen2 checkpoint in {ckpt} (no download)", flush=True)
@@ -145,17 +170,20 @@ def cmd_demo(args) -> int:
     out = work / "model.onnx"
     print(f"[2/3] converting to {out} (weights int4-block32)", flush=True)
     convert(ckpt, out, weights="int4-block32")
-    print(f"[3/3] generating {args.max_new_tokens} tokens (random weights: the text is noise)",
-          flush=True)
+    print(f"[3/3] generating {args.max_new_tokens} tokens (random weights: the text is noise; "
+          "the first run also compiles the numba kernels, cached afterwards)", flush=True)
     tokenizer = _tokenizer_for(out)
     prompt = "hello decode loop"
     ids = tokenizer.encode(prompt).ids
     print(prompt, end="", flush=True)
+    _midline[0] = True
     gen_args = argparse.Namespace(
         max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
         threads=args.threads, stop_at_eos=False,
     )
     _run_generate(out, ids, gen_args, tokenizer)
+    if not args.workdir:
+        print(f"(checkpoint and model left in {work}; remove it when done)", file=sys.stderr)
     return 0
 
 
@@ -191,7 +219,7 @@ def cmd_inspect(args) -> int:
             print(f"{indent}{c.path}: constant {dtype_name(c.elem_type)}{list(c.value.shape)} = "
                   f"{vals}{more}")
 
-    print("struct catalogue:")
+    print("struct catalogue:" if cat.ids() else "struct catalogue: (empty)")
     for tid in cat.ids():
         decl = cat.get(tid)
         dec = f", decoder {decl.decoder.name!r}" if decl.HasField("decoder") else ""
@@ -203,6 +231,7 @@ def cmd_inspect(args) -> int:
         print(f"  type_id {tid} {decl.name!r}: {decl.WhichOneof('kind')}, {size}{dec}")
         if layout is not None:
             show_layout(layout, "      ")
+    print("graph:")
     for vi in g.input:
         print(f"  input  {vi.name}")
     for vi in g.output:
@@ -244,14 +273,31 @@ def cmd_export_standard(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from olv_runtime import __version__
+
     p = argparse.ArgumentParser(
         prog="olv",
         description="olv_runtime: quantized LLM decode on the CPU (ONNX + encoded values + persistent state).",
     )
+    p.add_argument("--version", action="version", version=f"olv_runtime {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3 checkpoint directory to ONNX")
+    c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Llama checkpoint directory to ONNX")
     c.add_argument("checkpoint_dir", help="directory with config.json and *.safetensors")
     c.add_argument("output", help="output .onnx path")
     c.add_argument("--weights", choices=["int4-block32", "float32"], default="int4-block32",
@@ -265,39 +311,48 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     def add_run_opts(q):
-        q.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
+        q.add_argument("--threads", type=_positive, default=None,
+                       help="numba threads (default: all cores)")
 
     g = sub.add_parser("generate", help="generate tokens from a converted model")
     g.add_argument("model", help="converted .onnx model")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the model)")
-    src.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated, e.g. 1,2,3")
+    g.add_argument("--max-new-tokens", type=_non_negative, default=32,
+                   help="tokens to generate (default: 32)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--top-k", type=_non_negative, default=0,
+                   help="sample among the k most likely tokens (default: 0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass in (0, 1] (default: 1.0 = all)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--stop-at-eos", action="store_true", help="stop at the model's eos token")
     add_run_opts(g)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="measure prefill and decode tokens per second")
-    b.add_argument("model")
-    b.add_argument("--prompt-len", type=int, default=32)
-    b.add_argument("--new-tokens", type=int, default=64)
-    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("model", help="converted .onnx model")
+    b.add_argument("--prompt-len", type=_positive, default=32,
+                   help="random prompt tokens (default: 32)")
+    b.add_argument("--new-tokens", type=_positive, default=64,
+                   help="tokens generated per run (default: 64)")
+    b.add_argument("--runs", type=_positive, default=3,
+                   help="measured runs after one warm-up; the median is printed (default: 3)")
     add_run_opts(b)
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="build a small random Qwen2 model locally, convert it, generate")
     d.add_argument("--workdir", help="where to write the checkpoint and model (default: a temp dir)")
-    d.add_argument("--max-new-tokens", type=int, default=32)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--max-new-tokens", type=_non_negative, default=32,
+                   help="tokens to generate (default: 32)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     add_run_opts(d)
     d.set_defaults(func=cmd_demo)
 
     i = sub.add_parser("inspect", help="list a model's struct types, encoded values and bindings")
-    i.add_argument("model")
+    i.add_argument("model", help=".onnx model")
     i.add_argument("-v", "--verbose", action="store_true", help="one line per encoded value")
     i.set_defaults(func=cmd_inspect)
 
@@ -318,9 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except OlvError as exc:
-        print(f"olv {args.command}: error: {exc}", file=sys.stderr)
+    except (OlvError, CliError) as exc:
+        sys.stdout.flush()
+        print(f"\nolv {args.command}: error: {exc}" if _midline[0] else
+              f"olv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `olv inspect model.onnx | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+
+
+_midline = [False]  # generated text printed without its final newline yet
 
 
 if __name__ == "__main__":

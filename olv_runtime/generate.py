@@ -78,6 +78,17 @@ def sample_token(logits: np.ndarray, temperature: float = 0.0, top_k: int = 0, t
     return int(order[rng.choice(len(order), p=p)])
 
 
+def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not (np.isfinite(temperature) and temperature >= 0):
+        raise InvalidArgument(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise InvalidArgument(f"top_k must be an integer >= 0 (0 = all tokens), got {top_k!r}")
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidArgument(f"top_p must be in (0, 1], got {top_p!r}")
+
+
 def generate(
     model,
     prompt_ids: Sequence[int] | np.ndarray,
@@ -123,14 +134,23 @@ def generate(
         Empty prompt, non-integer ids, max_new_tokens < 0, a model without ``input_ids``/``logits``.
     """
     ids = np.asarray(prompt_ids)
-    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+    if ids.ndim != 1 or ids.size == 0:
         raise InvalidArgument(
-            f"prompt_ids must be a non-empty 1-D sequence of integers, got shape {list(ids.shape)} "
-            f"dtype {ids.dtype}"
+            f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {list(ids.shape)}"
         )
-    if max_new_tokens < 0:
-        raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if ids.dtype.kind not in "iu":
+        raise InvalidArgument(
+            "prompt_ids must be integers that fit in int64 (token ids), got "
+            + (f"dtype {ids.dtype}" if ids.dtype.kind != "O" else "values out of the int64 range")
+        )
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
     session = model if isinstance(model, InferenceSession) else InferenceSession(model, session_options)
+    vocab = session.get_modelmeta().get("olv.vocab_size")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (vocab is not None and hi >= int(vocab)):
+        bad = lo if lo < 0 else hi
+        limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+        raise InvalidArgument(f"prompt_ids: token ids must be in {limit}, got {bad}")
     in_names = [a.name for a in session.get_inputs()]
     out_names = [a.name for a in session.get_outputs()]
     if "input_ids" not in in_names or "logits" not in out_names:

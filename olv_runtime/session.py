@@ -85,8 +85,15 @@ class SessionOptions:
     kv_growth: float = 2.0
 
     def __post_init__(self):
-        if self.num_threads is not None and int(self.num_threads) < 1:
-            raise InvalidArgument(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.num_threads is not None:
+            import numba
+
+            most = int(numba.config.NUMBA_NUM_THREADS)
+            if not 1 <= int(self.num_threads) <= most:
+                raise InvalidArgument(
+                    f"num_threads must be in [1, {most}] (numba's thread pool on this machine), "
+                    f"got {self.num_threads}"
+                )
         if int(self.kv_initial_capacity) < 0:
             raise InvalidArgument(
                 f"kv_initial_capacity must be >= 0 tokens, got {self.kv_initial_capacity}"

@@ -183,12 +183,51 @@ def test_cli_convert_generate_inspect(tmp_path, tiny_qwen2_dir, capsys):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    assert captured.out == "".join(tok.decode([t]) for t in expected) + "\n"
+    assert captured.out == tok.decode(expected) + "\n"  # streamed pieces add up to the text
     assert cli_main(["generate", str(out), "--prompt", "a b c", "--max-new-tokens", "3"]) == 0
     assert cli_main(["inspect", str(out), "-v"]) == 0
     text = capsys.readouterr().out
     assert "binding past_key.0 <- present_key.0" in text and "affine INT4" in text
     assert cli_main(["bench", str(out), "--prompt-len", "4", "--new-tokens", "3", "--runs", "1"]) == 0
+
+
+def test_cli_argument_errors(tmp_path, tiny_qwen2_dir, capsys):
+    out = tmp_path / "m.onnx"
+    olv_runtime.convert(tiny_qwen2_dir, out)
+    capsys.readouterr()
+    cases = [
+        (["--prompt-ids", "1 2 3"], "comma-separated integers"),
+        (["--prompt-ids", "1,,2"], "got item ''"),
+        (["--prompt-ids=-1,2"], "token ids must be in [0, 128)"),
+        (["--prompt-ids", "1", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--prompt-ids", "1", "--temperature", "nan"], "temperature must be a finite"),
+        (["--prompt-ids", "1", "--threads", "999"], "num_threads must be in [1,"),
+    ]
+    for extra, msg in cases:
+        assert cli_main(["generate", str(out), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (extra, err)
+    with pytest.raises(SystemExit):
+        cli_main(["bench", str(out), "--runs", "0"])
+    assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_generate_streams_multibyte_text(tmp_path, capsys):
+    from olv_runtime.models.random_checkpoint import write_random_qwen2
+
+    ckpt = write_random_qwen2(tmp_path / "ck", hidden_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    olv_runtime.convert(ckpt, tmp_path / "m.onnx")
+    capsys.readouterr()
+    assert cli_main(["generate", str(tmp_path / "m.onnx"), "--prompt", "café ü",
+                     "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ids = olv_runtime.generate(olv_runtime.load(tmp_path / "m.onnx"), tok.encode("café ü").ids, 12)
+    # the streamed pieces add up to the decoded text: no character split across tokens is lost
+    assert out == "café ü" + tok.decode(ids.tolist()) + "\n"
 
 
 def test_cli_errors(tmp_path, capsys):

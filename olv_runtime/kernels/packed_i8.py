@@ -1,0 +1,635 @@
+"""INT4 x int8 GEMV/GEMM (quantized activations) with explicit AVX2 integer dot products.
+
+Same math as :func:`~.packed.linear_packed` with ``quantize_activations=True`` (symmetric weights,
+block 32): every 32-block of every activation row is quantized to int8 (``d = max|x| / 127``,
+``xq = rint(x / d)``, exactly as :func:`~.packed._quantize_rows`), and
+
+    y[i, n] = sum_b float32(S[i, n, b]) * (scale[n, b] * d[i, b])      (b = 0, 1, ... in order)
+    S[i, n, b] = sum_{j<32} q[n, 32b + j] * xq[i, 32b + j]             (exact int32)
+
+The integer sums are exact and the float operations per (row, block) are the same as in
+``linear_packed(quantize_activations=True)`` (one float32 multiply ``scale * d``, one multiply,
+one add, blocks in order from 0.0), so the two kernels give bitwise equal results.
+
+Instead of relying on LLVM's auto-vectoriser (which emits int16 ``vpmullw``/``vpaddw`` per nibble),
+the inner loop is written with numba intrinsics (:func:`numba.core.extending.intrinsic`) that emit
+LLVM IR on 256-bit vectors and call ``llvm.x86.avx2.pmadd.ub.sw`` (``vpmaddubsw``: u8 x s8 ->
+saturating s16 pair sums) and ``llvm.x86.avx2.pmadd.wd`` (``vpmaddwd``: s16 x s16 -> s32 pair
+sums), the way llama.cpp's Q4_0 x Q8_0 AVX2 dot product does.
+
+Packed layout (:class:`PackedInt4I8`)
+-------------------------------------
+``G = 8`` consecutive output rows form a group (the 8 int32 / float32 lanes of a ymm);
+``NG = ceil(N / 8)`` groups (padding rows: codes q = 0, scale 0); K is padded to ``Kp = 32 * KB``.
+
+* ``codes``: uint8 ``[NG, KB, 128]`` (64-byte aligned). For group ``g``, block ``b``, chunk
+  ``c = 0..3``, row ``r = 0..7`` and ``j = 0..3``::
+
+      codes[g, b, 32c + 4r + j] = u[8g + r, 32b + 4c + j] | u[8g + r, 32b + 16 + 4c + j] << 4
+
+  with ``u = q + 8`` in ``0..15`` (unsigned form of the signed code). One 32-byte load of chunk
+  ``c`` gives, after ``& 0x0F`` (low nibbles) or ``>> 4 & 0x0F`` (high nibbles), 8 rows x 4 codes
+  as unsigned bytes; the int32 lane ``r`` of ``vpmaddwd(vpmaddubsw(u, bcast32(xq[k..k+3])), 1)``
+  is then ``sum_{j<4} u[r, k+j] * xq[k+j]`` for row ``r`` -- no horizontal sums anywhere.
+* ``scale``: float32 ``[NG, KB, 8]`` (64-byte aligned) = the stored ``scale[8g + r, b]`` bits
+  (0 on padding rows).
+
+Inner loop per (group, block, activation row): 8 x (``vpbroadcastd`` of 4 int8 activations,
+``vpmaddubsw``), 7 ``vpaddw``, 1 ``vpmaddwd`` (with ones), ``vpsubd`` of ``8 * sum(xq)``
+(the symmetric offset: ``sum q*x = sum u*x - 8 sum x``), ``vcvtdq2ps``, 2 ``vmulps``, ``vaddps``;
+the 8 code vectors (4 loads, ``vpand``/``vpsrlw``) are decoded once and shared by the M rows.
+
+Overflow: each ``vpmaddubsw`` lane is ``u0*x0 + u1*x1`` with ``|.| <= 2*15*127 = 3810`` (never
+saturates); the 8 lanes summed with ``vpaddw`` per block give ``|.| <= 16*15*127 = 30480 < 32767``
+(int16 exact); ``vpmaddwd`` with ones widens to int32 (``|sum u*x| <= 60960``).
+
+Bytes read per call: ``packed.nbytes`` = ``16 * NG * Kp`` codes + ``32 * NG * KB`` scales.
+
+Zero points are not supported (:func:`prepack_int4_i8` raises
+:class:`~olv_runtime.errors.InvalidArgument`, so callers fall back to :mod:`.packed`).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic, models, register_model
+
+from olv_runtime.errors import InvalidArgument
+
+from .config import JIT, PJIT, check_array, check_int, check_out
+
+__all__ = ["PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
+           "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
+
+GROUP_ROWS = 8      # rows per group: the 8 lanes of one ymm of int32 / float32
+BLOCK = 32          # quantization block along K (the only block size supported)
+GROUP_BLOCK_BYTES = 128  # codes bytes per (group, block): 8 rows x 32 codes x 4 bits
+SERIAL_MAX_WORK = 1 << 18  # M*N*Kp below this: serial driver (a parallel region costs more)
+ALIGN = 64
+
+
+# ------------------------------------------------------------------------------------------------
+# 256-bit vector types and intrinsics
+# ------------------------------------------------------------------------------------------------
+class _Vec(types.Type):
+    """A 256-bit LLVM vector value (only created and consumed by the intrinsics below)."""
+
+    def __init__(self, bits, count, is_float):
+        self.bits, self.count, self.is_float = bits, count, is_float
+        super().__init__(name=f"olv_vec{count}x{'f' if is_float else 'i'}{bits}")
+
+
+@register_model(_Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        et = ir.FloatType() if fe_type.is_float else ir.IntType(fe_type.bits)
+        super().__init__(dmm, fe_type, ir.VectorType(et, fe_type.count))
+
+
+V32I8 = _Vec(8, 32, False)
+V16I16 = _Vec(16, 16, False)
+V8F32 = _Vec(32, 8, True)
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_LV32I8 = ir.VectorType(_I8, 32)
+_LV16I16 = ir.VectorType(_I16, 16)
+_LV8I32 = ir.VectorType(_I32, 8)
+_LV8F32 = ir.VectorType(ir.FloatType(), 8)
+
+
+def _elem_ptr(context, builder, aty, aval, off, vty):
+    """Pointer (as ``vty*``) to element ``off`` (linear, in elements) of a C-contiguous array."""
+    ary = context.make_array(aty)(context, builder, aval)
+    p = builder.gep(ary.data, [off])
+    return builder.bitcast(p, vty.as_pointer())
+
+
+def _splat(builder, val, vty):
+    undef = ir.Constant(vty, ir.Undefined)
+    v = builder.insert_element(undef, val, ir.Constant(_I32, 0))
+    mask = ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count)
+    return builder.shuffle_vector(v, undef, mask)
+
+
+def _check_array_arg(arr, dtype):
+    return isinstance(arr, types.Array) and arr.dtype == dtype
+
+
+@intrinsic
+def _nib_lo(typingctx, codes, off):
+    """32 bytes of ``codes`` (uint8 array) at byte ``off``, low nibbles as unsigned bytes."""
+    if not _check_array_arg(codes, types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV32I8)
+        v = builder.load(p, align=1)
+        return builder.and_(v, ir.Constant(_LV32I8, [0x0F] * 32))
+    return V32I8(codes, types.intp), codegen
+
+
+@intrinsic
+def _nib_hi(typingctx, codes, off):
+    """32 bytes of ``codes`` at byte ``off``, high nibbles as unsigned bytes (vpsrlw + vpand)."""
+    if not _check_array_arg(codes, types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV32I8)
+        v = builder.bitcast(builder.load(p, align=1), _LV16I16)
+        v = builder.bitcast(builder.lshr(v, ir.Constant(_LV16I16, [4] * 16)), _LV32I8)
+        return builder.and_(v, ir.Constant(_LV32I8, [0x0F] * 32))
+    return V32I8(codes, types.intp), codegen
+
+
+@intrinsic
+def _bcast4(typingctx, xq, off):
+    """The 4 int8 values ``xq[off:off+4]`` (linear byte offset) repeated 8 times (vpbroadcastd)."""
+    if not _check_array_arg(xq, types.int8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _I32)
+        v = builder.load(p, align=1)
+        return builder.bitcast(_splat(builder, v, _LV8I32), _LV32I8)
+    return V32I8(xq, types.intp), codegen
+
+
+@intrinsic
+def _maddubs(typingctx, u, x):
+    """vpmaddubsw: int16 lane l = u[2l]*x[2l] + u[2l+1]*x[2l+1] (u unsigned, x signed bytes)."""
+    if u != V32I8 or x != V32I8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.ub.sw")
+        return builder.call(fn, [args[0], args[1]])
+    return V16I16(V32I8, V32I8), codegen
+
+
+@intrinsic
+def _add16(typingctx, a, b):
+    """vpaddw (wrapping int16 add; the callers' bounds keep it exact)."""
+    if a != V16I16 or b != V16I16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return V16I16(V16I16, V16I16), codegen
+
+
+@intrinsic
+def _fzero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_LV8F32, [0.0] * 8)
+    return V8F32(), codegen
+
+
+@intrinsic
+def _fload(typingctx, arr, off):
+    """8 float32 of ``arr`` from linear element ``off``."""
+    if not _check_array_arg(arr, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV8F32)
+        return builder.load(p, align=4)
+    return V8F32(arr, types.intp), codegen
+
+
+@intrinsic
+def _fstore(typingctx, arr, off, v):
+    """Store 8 float32 to ``arr`` at linear element ``off``."""
+    if not _check_array_arg(arr, types.float32) or v != V8F32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV8F32)
+        builder.store(args[2], p, align=4)
+        return context.get_dummy_value()
+    return types.none(arr, types.intp, V8F32), codegen
+
+
+@intrinsic
+def _block_acc(typingctx, acc, s16, s8, scale, soff, d):
+    """``acc + float32(vpmaddwd(s16, 1) - s8) * (scale[soff:soff+8] * d)`` (lane = row).
+
+    ``s16``: per row two int16 partial sums of ``u * xq``; ``s8 = 8 * sum(xq)`` of the block, so
+    the int32 is the exact ``sum q * xq``. Separate multiply and add (no FMA), as in packed.py.
+    """
+    if acc != V8F32 or s16 != V16I16 or not _check_array_arg(scale, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, s, sx, sc, so, dd = args
+        fnty = ir.FunctionType(_LV8I32, [_LV16I16, _LV16I16])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
+        i32 = builder.call(fn, [s, ir.Constant(_LV16I16, [1] * 16)])
+        sx = context.cast(builder, sx, sig.args[2], types.int32)
+        i32 = builder.sub(i32, _splat(builder, sx, _LV8I32))
+        f = builder.sitofp(i32, _LV8F32)
+        p = _elem_ptr(context, builder, sig.args[3], sc, so, _LV8F32)
+        ws = builder.load(p, align=4)
+        dd = context.cast(builder, dd, sig.args[5], types.float32)
+        v = builder.fmul(ws, _splat(builder, dd, _LV8F32))
+        return builder.fadd(a, builder.fmul(f, v))
+    return V8F32(V8F32, V16I16, types.int32, scale, types.intp, types.float32), codegen
+
+
+# ------------------------------------------------------------------------------------------------
+# container and workspace
+# ------------------------------------------------------------------------------------------------
+def _aligned_empty(shape, dtype, align=ALIGN):
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+class PackedInt4I8:
+    """A symmetric INT4 ``[N, K]`` weight (block 32) repacked by :func:`prepack_int4_i8`.
+
+    Attributes
+    ----------
+    codes : ndarray of uint8, shape [NG, KB, 128]
+        See the module docstring (8-row groups, 4 chunks of 8 rows x 4 codes per byte nibble).
+    scale : ndarray of float32, shape [NG, KB, 8]
+        ``scale[g, b, r]`` = original ``scale[8g + r, b]`` (0 on padding rows).
+    n, k, k_padded, k_blocks, n_groups : int
+    """
+
+    __slots__ = ("codes", "scale", "n", "k", "k_padded", "k_blocks", "n_groups")
+
+    def __init__(self, codes, scale, n, k):
+        self.codes = codes
+        self.scale = scale
+        self.n = int(n)
+        self.k = int(k)
+        self.k_blocks = int(codes.shape[1])
+        self.k_padded = BLOCK * self.k_blocks
+        self.n_groups = int(codes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed arrays (what one call streams from memory)."""
+        return int(self.codes.nbytes + self.scale.nbytes)
+
+    def copy(self) -> "PackedInt4I8":
+        codes = _aligned_empty(self.codes.shape, np.uint8)
+        codes[...] = self.codes
+        scale = _aligned_empty(self.scale.shape, np.float32)
+        scale[...] = self.scale
+        return PackedInt4I8(codes, scale, self.n, self.k)
+
+    def __repr__(self) -> str:
+        return (f"PackedInt4I8(n={self.n}, k={self.k}, k_padded={self.k_padded}, "
+                f"n_groups={self.n_groups}, nbytes={self.nbytes})")
+
+
+class PackedI8Workspace:
+    """Preallocated buffers for :func:`linear_packed_i8` (made by :func:`make_workspace_i8`).
+
+    Valid for any packed weight with ``k_padded <= k_max`` and any ``M <= m_max``, with at most
+    ``n_tasks`` parallel tasks.
+    """
+
+    __slots__ = ("m_max", "k_max", "n_tasks", "xq", "xd", "xs8", "facc")
+
+    def __init__(self, m_max, k_max, n_tasks):
+        kp = BLOCK * (-(-k_max // BLOCK))
+        kb = kp // BLOCK
+        self.m_max, self.k_max, self.n_tasks = m_max, kp, n_tasks
+        self.xq = _aligned_empty((m_max, kp), np.int8)
+        self.xq[...] = 0
+        self.xd = np.zeros((m_max, kb), dtype=np.float32)
+        self.xs8 = np.zeros((m_max, kb), dtype=np.int32)
+        self.facc = np.zeros((n_tasks, 1, GROUP_ROWS), dtype=np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(getattr(self, a).nbytes for a in ("xq", "xd", "xs8", "facc")))
+
+
+def make_workspace_i8(m_max: int, k_max: int, n_tasks: int | None = None) -> PackedI8Workspace:
+    """Preallocate the buffers of :func:`linear_packed_i8`.
+
+    Sizes: ``xq`` int8 ``[m_max, Kp]``, ``xd`` float32 / ``xs8`` int32 ``[m_max, KB]``, ``facc``
+    float32 ``[n_tasks, 1, 8]`` (``Kp = 32 * ceil(k_max / 32)``). ``n_tasks`` defaults to
+    ``numba.config.NUMBA_NUM_THREADS``.
+    """
+    m_max = check_int(m_max, "m_max", lo=1)
+    k_max = check_int(k_max, "k_max", lo=1)
+    if n_tasks is None:
+        n_tasks = int(numba.config.NUMBA_NUM_THREADS)
+    n_tasks = check_int(n_tasks, "n_tasks", lo=1)
+    return PackedI8Workspace(m_max, k_max, n_tasks)
+
+
+# ------------------------------------------------------------------------------------------------
+# prepacking
+# ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def _code_u(payload, row, kk, n, k):
+    if row < n and kk < k:
+        e = row * k + kk
+        return np.uint8(((payload[e >> 1] >> ((e & 1) * 4)) & 15) ^ 8)
+    return np.uint8(8)
+
+
+@njit(**PJIT)
+def _prepack_par(payload, scale, n, k, codes, pscale):
+    ng = codes.shape[0]
+    kb = codes.shape[1]
+    for g in prange(ng):
+        for b in range(kb):
+            for r in range(GROUP_ROWS):
+                row = g * GROUP_ROWS + r
+                if row < n:
+                    pscale[g, b, r] = scale[row, b]
+                else:
+                    pscale[g, b, r] = np.float32(0.0)
+                for c in range(4):
+                    for j in range(4):
+                        kk = b * BLOCK + 4 * c + j
+                        lo = _code_u(payload, row, kk, n, k)
+                        hi = _code_u(payload, row, kk + 16, n, k)
+                        codes[g, b, 32 * c + 4 * r + j] = np.uint8(lo | (hi << 4))
+
+
+def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,
+                    n: int, k: int, block_size: int) -> PackedInt4I8:
+    """Repack a blocked symmetric INT4 ``[N, K]`` weight (block 32) for :func:`linear_packed_i8`.
+
+    Parameters
+    ----------
+    payload : ndarray of uint8, shape [>= ceil(N*K/2)]
+        Signed INT4 codes in ``[-8, 7]`` of ``W`` row-major, two per byte, low nibble first.
+    scale : ndarray of float32, shape [N, ceil(K/32)]
+    zero_point : None
+        Must be None (symmetric); anything else raises
+        :class:`~olv_runtime.errors.InvalidArgument` so the caller falls back to :mod:`.packed`.
+    n, k : int
+    block_size : int
+        Must be 32 (:class:`~olv_runtime.errors.InvalidArgument` otherwise).
+    """
+    n = check_int(n, "n", lo=1)
+    k = check_int(k, "k", lo=1)
+    block_size = check_int(block_size, "block_size")
+    if block_size != BLOCK:
+        raise InvalidArgument(f"block_size: expected {BLOCK} for the int8-dot packed INT4 "
+                              f"layout, got {block_size}")
+    if zero_point is not None:
+        raise InvalidArgument("zero_point: the int8-dot packed INT4 layout supports symmetric "
+                              "weights only (zero_point None), got an array")
+    check_array(payload, "payload", dtype=np.uint8, ndim=1)
+    need = (n * k + 1) // 2
+    if payload.shape[0] < need:
+        raise InvalidArgument(f"payload: expected at least {need} bytes for [{n}, {k}] INT4 "
+                              f"codes, got {payload.shape[0]}")
+    kb = -(-k // BLOCK)
+    check_array(scale, "scale", dtype=np.float32, shape=(n, kb))
+    ng = -(-n // GROUP_ROWS)
+    codes = _aligned_empty((ng, kb, GROUP_BLOCK_BYTES), np.uint8)
+    pscale = _aligned_empty((ng, kb, GROUP_ROWS), np.float32)
+    _prepack_par(payload, scale, n, k, codes, pscale)
+    return PackedInt4I8(codes, pscale, n, k)
+
+
+# ------------------------------------------------------------------------------------------------
+# activation quantization (same operations as packed._quantize_rows, int8 output)
+# ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def _quantize_rows_i8(x, m, k, kb, xq, xd, xs8):
+    for i in range(m):
+        for b in range(kb):
+            k0 = b * BLOCK
+            ln = min(BLOCK, k - k0)
+            amax = np.float32(0.0)
+            for p in range(ln):
+                a = abs(x[i, k0 + p])
+                if a > amax:
+                    amax = a
+            d = amax / np.float32(127.0)
+            xd[i, b] = d
+            tot = 0
+            if amax > np.float32(0.0):
+                for p in range(ln):
+                    v = np.rint(x[i, k0 + p] / d)
+                    if v > np.float32(127.0):
+                        v = np.float32(127.0)
+                    elif v < np.float32(-127.0):
+                        v = np.float32(-127.0)
+                    qv = np.int8(v)
+                    xq[i, k0 + p] = qv
+                    tot += np.int32(qv)
+                for p in range(ln, BLOCK):
+                    xq[i, k0 + p] = np.int8(0)
+            else:
+                for p in range(BLOCK):
+                    xq[i, k0 + p] = np.int8(0)
+            xs8[i, b] = np.int32(8 * tot)
+
+
+# ------------------------------------------------------------------------------------------------
+# serial group kernel
+# ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def _block_sum(codes, cb, xq, xo):
+    """int16 x 16: per row (lane pair) the partial sums of u * xq over one block."""
+    s = _maddubs(_nib_lo(codes, cb), _bcast4(xq, xo))
+    s = _add16(s, _maddubs(_nib_hi(codes, cb), _bcast4(xq, xo + 16)))
+    s = _add16(s, _maddubs(_nib_lo(codes, cb + 32), _bcast4(xq, xo + 4)))
+    s = _add16(s, _maddubs(_nib_hi(codes, cb + 32), _bcast4(xq, xo + 20)))
+    s = _add16(s, _maddubs(_nib_lo(codes, cb + 64), _bcast4(xq, xo + 8)))
+    s = _add16(s, _maddubs(_nib_hi(codes, cb + 64), _bcast4(xq, xo + 24)))
+    s = _add16(s, _maddubs(_nib_lo(codes, cb + 96), _bcast4(xq, xo + 12)))
+    s = _add16(s, _maddubs(_nib_hi(codes, cb + 96), _bcast4(xq, xo + 28)))
+    return s
+
+
+@njit(**JIT)
+def _store_group(acc, facc, g, i, n, out):
+    """Write the 8 rows of group g of activation row i (partial last group through facc)."""
+    r0 = g * GROUP_ROWS
+    if r0 + GROUP_ROWS <= n:
+        _fstore(out, i * n + r0, acc)
+    else:
+        _fstore(facc, 0, acc)
+        for r in range(n - r0):
+            out[i, r0 + r] = facc[0, r]
+
+
+@njit(**JIT)
+def _half(lo, hi, xq, xo):
+    """int16 x 16: u*xq pair sums of one 32-byte chunk (low nibbles: k = xo.., high: xo+16..)."""
+    return _add16(_maddubs(lo, _bcast4(xq, xo)), _maddubs(hi, _bcast4(xq, xo + 16)))
+
+
+@njit(**JIT)
+def _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
+    """Group g (8 output rows) of activation row i0; accumulator in a register."""
+    kb = codes.shape[1]
+    xr = i0 * xq.shape[1]
+    base = g * kb
+    acc = _fzero()
+    for b in range(kb):
+        s = _block_sum(codes, (base + b) * GROUP_BLOCK_BYTES, xq, xr + b * BLOCK)
+        acc = _block_acc(acc, s, xs8[i0, b], scale, (base + b) * GROUP_ROWS, xd[i0, b])
+    _store_group(acc, facc, g, i0, n, out)
+
+
+@njit(**JIT)
+def _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
+    """Group g of activation rows i0, i0+1: each code chunk decoded once, accumulators in
+    registers."""
+    kb = codes.shape[1]
+    kx = xq.shape[1]
+    x0 = i0 * kx
+    x1 = x0 + kx
+    base = g * kb
+    a0 = _fzero()
+    a1 = _fzero()
+    for b in range(kb):
+        cb = (base + b) * GROUP_BLOCK_BYTES
+        xo = b * BLOCK
+        lo = _nib_lo(codes, cb)
+        hi = _nib_hi(codes, cb)
+        s0 = _half(lo, hi, xq, x0 + xo)
+        s1 = _half(lo, hi, xq, x1 + xo)
+        for c in range(1, 4):
+            lo = _nib_lo(codes, cb + 32 * c)
+            hi = _nib_hi(codes, cb + 32 * c)
+            s0 = _add16(s0, _half(lo, hi, xq, x0 + xo + 4 * c))
+            s1 = _add16(s1, _half(lo, hi, xq, x1 + xo + 4 * c))
+        so = (base + b) * GROUP_ROWS
+        a0 = _block_acc(a0, s0, xs8[i0, b], scale, so, xd[i0, b])
+        a1 = _block_acc(a1, s1, xs8[i0 + 1, b], scale, so, xd[i0 + 1, b])
+    _store_group(a0, facc, g, i0, n, out)
+    _store_group(a1, facc, g, i0 + 1, n, out)
+
+
+@njit(**JIT)
+def _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
+    """Group g of activation rows i0..i0+3: each code chunk decoded once, accumulators in
+    registers."""
+    kb = codes.shape[1]
+    kx = xq.shape[1]
+    x0 = i0 * kx
+    x1 = x0 + kx
+    x2 = x1 + kx
+    x3 = x2 + kx
+    base = g * kb
+    a0 = _fzero()
+    a1 = _fzero()
+    a2 = _fzero()
+    a3 = _fzero()
+    for b in range(kb):
+        cb = (base + b) * GROUP_BLOCK_BYTES
+        xo = b * BLOCK
+        lo = _nib_lo(codes, cb)
+        hi = _nib_hi(codes, cb)
+        s0 = _half(lo, hi, xq, x0 + xo)
+        s1 = _half(lo, hi, xq, x1 + xo)
+        s2 = _half(lo, hi, xq, x2 + xo)
+        s3 = _half(lo, hi, xq, x3 + xo)
+        for c in range(1, 4):
+            lo = _nib_lo(codes, cb + 32 * c)
+            hi = _nib_hi(codes, cb + 32 * c)
+            s0 = _add16(s0, _half(lo, hi, xq, x0 + xo + 4 * c))
+            s1 = _add16(s1, _half(lo, hi, xq, x1 + xo + 4 * c))
+            s2 = _add16(s2, _half(lo, hi, xq, x2 + xo + 4 * c))
+            s3 = _add16(s3, _half(lo, hi, xq, x3 + xo + 4 * c))
+        so = (base + b) * GROUP_ROWS
+        a0 = _block_acc(a0, s0, xs8[i0, b], scale, so, xd[i0, b])
+        a1 = _block_acc(a1, s1, xs8[i0 + 1, b], scale, so, xd[i0 + 1, b])
+        a2 = _block_acc(a2, s2, xs8[i0 + 2, b], scale, so, xd[i0 + 2, b])
+        a3 = _block_acc(a3, s3, xs8[i0 + 3, b], scale, so, xd[i0 + 3, b])
+    _store_group(a0, facc, g, i0, n, out)
+    _store_group(a1, facc, g, i0 + 1, n, out)
+    _store_group(a2, facc, g, i0 + 2, n, out)
+    _store_group(a3, facc, g, i0 + 3, n, out)
+
+
+@njit(**JIT)
+def _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc):
+    """Groups g0..g1-1 of ``out[:m]``: activation rows in chunks of 4, 2, 1 per group (the
+    group's codes, <= 128 * KB bytes, are re-read from L1/L2 by later chunks, not from DRAM).
+    ``facc``: float32 [>= 1, 8] scratch of this task (partial last group)."""
+    for g in range(g0, g1):
+        i0 = 0
+        while m - i0 >= 4:
+            _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
+            i0 += 4
+        if m - i0 >= 2:
+            _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
+            i0 += 2
+        if m - i0 >= 1:
+            _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
+
+
+# ------------------------------------------------------------------------------------------------
+# drivers
+# ------------------------------------------------------------------------------------------------
+@njit(**PJIT)
+def _linear_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc):
+    kb = codes.shape[1]
+    _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
+    ng = codes.shape[0]
+    for task in prange(ntasks):
+        g0 = task * ng // ntasks
+        g1 = (task + 1) * ng // ntasks
+        _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc[task])
+
+
+@njit(**JIT)
+def _linear_ser(x, m, k, codes, scale, n, out, xq, xd, xs8, facc):
+    kb = codes.shape[1]
+    _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
+    _groups(codes, scale, 0, codes.shape[0], xq, xd, xs8, m, n, out, facc)
+
+
+def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,
+                     workspace: PackedI8Workspace | None = None) -> np.ndarray:
+    """``y = x @ W.T`` with int8-quantized activations for a weight from :func:`prepack_int4_i8`.
+
+    Results equal ``linear_packed(x, prepack_int4(...), quantize_activations=True)`` (same
+    quantization, exact integer block sums, same float operations per block).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape [M, K], C-contiguous (any M; tuned for M <= 8)
+    packed : PackedInt4I8
+    out : ndarray of float32, shape [M, N], C-contiguous, optional
+    workspace : PackedI8Workspace, optional
+        From :func:`make_workspace_i8` with ``m_max >= M`` and ``k_max >= K``. With ``out`` and
+        ``workspace`` given the call allocates no array data. One workspace per concurrent call.
+    """
+    if not isinstance(packed, PackedInt4I8):
+        raise InvalidArgument(f"packed: expected a PackedInt4I8, got {type(packed).__name__}")
+    k, n, kp = packed.k, packed.n, packed.k_padded
+    check_array(x, "x", dtype=np.float32, shape=(None, k))
+    m = x.shape[0]
+    out = check_out(out, "out", np.float32, (m, n))
+    if m == 0:
+        return out
+    ws = workspace
+    if ws is None:
+        ws = make_workspace_i8(m, kp, n_tasks=numba.get_num_threads())
+    elif not isinstance(ws, PackedI8Workspace):
+        raise InvalidArgument(f"workspace: expected a PackedI8Workspace, got {type(ws).__name__}")
+    elif ws.m_max < m or ws.k_max < kp:
+        raise InvalidArgument(f"workspace: expected m_max >= {m} and k_max >= {kp}, got "
+                              f"m_max={ws.m_max}, k_max={ws.k_max}")
+    ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
+    if m * n * kp < SERIAL_MAX_WORK or ntasks == 1:
+        _linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
+                    ws.facc[0])
+    else:
+        _linear_par(x, m, k, packed.codes, packed.scale, n, out, ntasks, ws.xq, ws.xd, ws.xs8,
+                    ws.facc)
+    return out

@@ -1,0 +1,210 @@
+"""Tests of olv_runtime.kernels.packed_i8 (int8-dot INT4 linear with explicit AVX2 intrinsics).
+
+Oracles: a numpy model of the same activation quantization and block math (independent of the
+numba code), and linear_packed(quantize_activations=True) of olv_runtime.kernels.packed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from olv_runtime.errors import InvalidArgument
+from olv_runtime.kernels import get_num_threads, set_num_threads
+from olv_runtime.kernels.packed import linear_packed, prepack_int4
+from olv_runtime.kernels.packed_i8 import (
+    GROUP_ROWS, PackedI8Workspace, PackedInt4I8, linear_packed_i8, make_workspace_i8,
+    prepack_int4_i8,
+)
+
+
+def _weight(n, k, rng, q=None):
+    """Random symmetric INT4 weight: signed codes q [n, k], payload (row-major, low nibble
+    first), scale [n, ceil(k/32)]."""
+    kb = -(-k // 32)
+    if q is None:
+        q = rng.integers(-8, 8, size=(n, k))
+    u = (q.reshape(-1) & 15).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(0))
+    payload = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    scale = (rng.random((n, kb), dtype=np.float32) * 0.05 + 1e-3).astype(np.float32)
+    return q, payload, scale
+
+
+def _model(x, q, scale):
+    """numpy model: int8 per-32-block activation quantization (d = max|x|/127, rint, half to
+    even), exact integer block sums, y = sum_b float32(S_b) * (scale_b * d_b) in block order."""
+    m, k = x.shape
+    n = q.shape[0]
+    kb = -(-k // 32)
+    kp = 32 * kb
+    xp = np.zeros((m, kp), np.float32)
+    xp[:, :k] = x
+    qp = np.zeros((n, kp), np.int64)
+    qp[:, :k] = q
+    xb = xp.reshape(m, kb, 32)
+    amax = np.abs(xb).max(axis=2)                        # float32 [m, kb]
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.rint(xb / d[:, :, None])
+    v = np.where(amax[:, :, None] > 0, np.clip(v, -127, 127), 0).astype(np.int64)
+    s = np.einsum("mbj,nbj->mnb", v, qp.reshape(n, kb, 32))  # exact int64 block sums
+    y = np.zeros((m, n), np.float32)
+    for b in range(kb):
+        y += s[:, :, b].astype(np.float32) * (scale[None, :, b] * d[:, None, b])
+    return y
+
+
+SHAPES = [(8, 32), (64, 64), (100, 40), (70, 80), (13, 33), (1, 32), (3, 7), (200, 256),
+          (130, 100), (24, 1000)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9])
+def test_matches_numpy_model_and_linear_packed(n, k, m):
+    rng = np.random.default_rng(n * 1000 + k * 10 + m)
+    q, payload, scale = _weight(n, k, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    pk8 = prepack_int4_i8(payload, scale, None, n, k, 32)
+    y = linear_packed_i8(x, pk8)
+    assert y.shape == (m, n) and y.dtype == np.float32
+    ref = _model(x, q, scale)
+    yq = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32), quantize_activations=True)
+    tol = 1e-5 * np.abs(yq).max()
+    assert np.abs(y - yq).max() <= tol
+    assert np.abs(y - ref).max() <= tol
+    # integer sums are exact and the float ops per block are the same: bitwise equal
+    np.testing.assert_array_equal(y, yq)
+    np.testing.assert_array_equal(y, ref)
+
+
+@pytest.mark.parametrize("m", [1, 4, 6])
+def test_qwen_shape_parallel_matches(m):
+    n, k = 1152, 896
+    rng = np.random.default_rng(7 + m)
+    q, payload, scale = _weight(n, k, rng)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    y = linear_packed_i8(x, prepack_int4_i8(payload, scale, None, n, k, 32))
+    yq = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32), quantize_activations=True)
+    assert np.abs(y - yq).max() <= 1e-5 * np.abs(yq).max()
+    np.testing.assert_array_equal(y, _model(x, q, scale))
+
+
+def test_int16_worst_case_no_overflow():
+    """All codes +7 (u = 15) or -8 (u = 0) against xq = +-127: the int16 block partial sums reach
+    16*15*127 = 30480 and the exact block sums +-8*127*32."""
+    rng = np.random.default_rng(3)
+    n, k = 16, 96
+    q = np.full((n, k), 7, np.int64)
+    q[8:] = -8
+    q[4, :] = np.where(np.arange(k) % 2, 7, -8)
+    _, payload, scale = _weight(n, k, rng, q=q)
+    x = np.ones((3, k), np.float32)
+    x[1] = -1.0
+    x[2, ::2] = -2.0
+    pk8 = prepack_int4_i8(payload, scale, None, n, k, 32)
+    y = linear_packed_i8(x, pk8)
+    np.testing.assert_array_equal(y, _model(x, q, scale))
+    s = scale.astype(np.float64).sum(axis=1)
+    np.testing.assert_allclose(y[0, :4], 7 * 127 * 32 * s[:4] / 127, rtol=1e-6)
+
+
+def test_zero_and_tiny_blocks():
+    rng = np.random.default_rng(5)
+    n, k = 40, 100
+    q, payload, scale = _weight(n, k, rng)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    x[0, :32] = 0.0           # amax = 0 block
+    x[1, 32:64] = 1e-30       # subnormal-ish scale
+    x[1, 96:] = 0.0           # partial last block all zero
+    y = linear_packed_i8(x, prepack_int4_i8(payload, scale, None, n, k, 32))
+    np.testing.assert_array_equal(y, _model(x, q, scale))
+    assert np.all(np.isfinite(y))
+
+
+def test_layout():
+    rng = np.random.default_rng(11)
+    n, k = 11, 70
+    q, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    ng, kb = 2, 3
+    assert isinstance(pk, PackedInt4I8)
+    assert pk.codes.shape == (ng, kb, 128) and pk.codes.dtype == np.uint8
+    assert pk.scale.shape == (ng, kb, GROUP_ROWS) and pk.scale.dtype == np.float32
+    assert pk.codes.ctypes.data % 64 == 0 and pk.scale.ctypes.data % 64 == 0
+    assert pk.nbytes == pk.codes.nbytes + pk.scale.nbytes
+    u = np.full((ng * 8, kb * 32), 8, np.int64)
+    u[:n, :k] = q + 8
+    for g in range(ng):
+        for b in range(kb):
+            for c in range(4):
+                for r in range(8):
+                    for j in range(4):
+                        row, kk = 8 * g + r, 32 * b + 4 * c + j
+                        assert pk.codes[g, b, 32 * c + 4 * r + j] == u[row, kk] | (u[row, kk + 16] << 4)
+    np.testing.assert_array_equal(pk.scale[0, :, :].T, scale[:8])
+    np.testing.assert_array_equal(pk.scale[1, :, :3].T, scale[8:])
+    assert np.all(pk.scale[1, :, 3:] == 0)
+
+
+def test_out_and_workspace_reuse():
+    rng = np.random.default_rng(2)
+    n, k = 300, 200
+    q, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    ws = make_workspace_i8(8, 1000, n_tasks=4)
+    assert isinstance(ws, PackedI8Workspace) and ws.nbytes > 0
+    for m in (1, 4, 8, 3):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        out = np.full((m, n), np.nan, np.float32)
+        r = linear_packed_i8(x, pk, out=out, workspace=ws)
+        assert r is out
+        np.testing.assert_array_equal(out, linear_packed_i8(x, pk))
+        np.testing.assert_array_equal(out, _model(x, q, scale))
+
+
+def test_rows_independent_of_m_and_threads():
+    rng = np.random.default_rng(9)
+    n, k = 4864 // 4, 896
+    q, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((7, k)).astype(np.float32)
+    y = linear_packed_i8(x, pk)
+    for i in range(7):
+        np.testing.assert_array_equal(linear_packed_i8(x[i:i + 1].copy(), pk)[0], y[i])
+    nt = get_num_threads()
+    try:
+        set_num_threads(1)
+        np.testing.assert_array_equal(linear_packed_i8(x, pk), y)
+    finally:
+        set_num_threads(nt)
+
+
+def test_invalid_arguments():
+    rng = np.random.default_rng(1)
+    n, k = 16, 64
+    q, payload, scale = _weight(n, k, rng)
+    zp = np.zeros((n, 2), np.int8)
+    with pytest.raises(InvalidArgument, match="zero_point"):
+        prepack_int4_i8(payload, scale, zp, n, k, 32)
+    with pytest.raises(InvalidArgument, match="block_size"):
+        prepack_int4_i8(payload, scale, None, n, k, 64)
+    with pytest.raises(InvalidArgument, match="payload"):
+        prepack_int4_i8(payload[:-1], scale, None, n, k, 32)
+    with pytest.raises(InvalidArgument, match="scale"):
+        prepack_int4_i8(payload, scale.astype(np.float64), None, n, k, 32)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    with pytest.raises(InvalidArgument, match="x"):
+        linear_packed_i8(x[:, :-1].copy(), pk)
+    with pytest.raises(InvalidArgument, match="x"):
+        linear_packed_i8(x.astype(np.float64), pk)
+    with pytest.raises(InvalidArgument, match="packed"):
+        linear_packed_i8(x, prepack_int4(payload, scale, None, n, k, 32))
+    with pytest.raises(InvalidArgument, match="workspace"):
+        linear_packed_i8(x, pk, workspace=make_workspace_i8(1, k))
+    with pytest.raises(InvalidArgument, match="workspace"):
+        linear_packed_i8(x, pk, workspace=make_workspace_i8(2, 32))
+    with pytest.raises(InvalidArgument, match="out"):
+        linear_packed_i8(x, pk, out=np.empty((2, n + 1), np.float32))
+    assert linear_packed_i8(np.empty((0, k), np.float32), pk).shape == (0, n)
