@@ -76,17 +76,18 @@ class SharedWorkspace:
     session (steps run one after another), grown when a call has more rows than it serves.
     Its size is reported to the ``workspace_peak`` counter."""
 
-    def __init__(self, k_max: int, counters=None):
+    def __init__(self, k_max: int, counters=None, factory=None):
         self.k_max = k_max
         self._local = threading.local()  # one workspace per thread running the session
         self.counters = counters
+        if factory is None:
+            from olv_runtime.kernels.packed import make_workspace as factory
+        self.factory = factory
 
     def get(self, m: int):
         ws = getattr(self._local, "ws", None)
         if ws is None or ws.m_max < m:
-            from olv_runtime.kernels.packed import make_workspace
-
-            ws = self._local.ws = make_workspace(max(m, 1), self.k_max)
+            ws = self._local.ws = self.factory(max(m, 1), self.k_max)
             if self.counters is not None:
                 self.counters.add("arrays_allocated", 9)
                 self.counters.add("bytes_allocated", ws.nbytes)
@@ -114,6 +115,7 @@ class LinearStep:
         self.packed = None
         self.dense = None
         self.workspace: SharedWorkspace | None = None
+        self.i8 = False
         self.quantize = bool(getattr(options, "quantize_activations", False))
         self._prepared = False
 
@@ -138,7 +140,18 @@ class LinearStep:
                         for z, w in zip(zps, ws)], axis=0)
                 else:
                     zp = None
-            self.packed = prepack_int4(payload, scale, zp, self.n, self.k, 32)
+            if self.quantize and zp is None:
+                # int8 activations: the AVX2 integer dot-product layout (kernels/packed_i8.py),
+                # bitwise equal to linear_packed(quantize_activations=True)
+                from olv_runtime.kernels.packed_i8 import linear_packed_i8, prepack_int4_i8
+
+                self.packed = prepack_int4_i8(payload, scale, None, self.n, self.k, 32)
+                self._linear_packed = (
+                    lambda x, p, out, quantize_activations, workspace:
+                    linear_packed_i8(x, p, out, workspace=workspace))
+                self.i8 = True
+            else:
+                self.packed = prepack_int4(payload, scale, zp, self.n, self.k, 32)
         elif len(ws) == 1 and isinstance(ws[0], np.ndarray):
             self.dense = np.ascontiguousarray(ws[0])
         biases = [b if b is not None else np.zeros(n, np.float32) for b, n in zip(self.biases, self.ns)]
@@ -370,11 +383,15 @@ def prepare_linears(steps: list[Step], counters=None) -> None:
     for lin in linears:
         if not lin._prepared:
             lin.prepare()
-    packed = [lin for lin in linears if lin.packed is not None]
-    if packed:
-        shared = SharedWorkspace(max(lin.packed.k_padded for lin in packed), counters)
-        for lin in packed:
-            lin.workspace = shared
+    for i8 in (False, True):
+        packed = [lin for lin in linears if lin.packed is not None and lin.i8 == i8]
+        if packed:
+            factory = None
+            if i8:
+                from olv_runtime.kernels.packed_i8 import make_workspace_i8 as factory
+            shared = SharedWorkspace(max(lin.packed.k_padded for lin in packed), counters, factory)
+            for lin in packed:
+                lin.workspace = shared
 
 
 def _fuse_bias_residual(steps, constants, protected):

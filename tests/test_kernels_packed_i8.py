@@ -208,3 +208,19 @@ def test_invalid_arguments():
     with pytest.raises(InvalidArgument, match="out"):
         linear_packed_i8(x, pk, out=np.empty((2, n + 1), np.float32))
     assert linear_packed_i8(np.empty((0, k), np.float32), pk).shape == (0, n)
+
+
+def test_wide_dynamic_range_activations():
+    """Vectorised full-block quantization = the scalar one (values over 1e-40 .. 1e6, ties)."""
+    rng = np.random.default_rng(13)
+    n, k, m = 72, 160, 5
+    q, payload, scale = _weight(n, k, rng)
+    x = (rng.standard_normal((m, k)) * 10.0 ** rng.integers(-6, 7, (m, k))).astype(np.float32)
+    x[1, 32:64] = 1e-40
+    x[2, :32] = np.arange(32, dtype=np.float32) - 15.5   # halves: round half to even
+    x[3, 64:96] = -3.0
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    y = linear_packed_i8(x, pk)
+    np.testing.assert_array_equal(y, _model(x, q, scale))
+    yq = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32), quantize_activations=True)
+    np.testing.assert_array_equal(y, yq)

@@ -115,3 +115,23 @@ def test_pool_reference_counting():
     pool.end_run()
     d = pool.take((4,), np.float32)
     assert d is b or d is c
+
+
+def test_quantized_activation_mode_against_exact_path(model):
+    """quantize_activations=True (int8 activations, explicit option) stays close to the exact path.
+
+    Tolerance: max |logit difference| <= 2 % of max |logit| over prefill + 8 decode steps
+    (activation quantization error, ~1/254 per element before averaging over K)."""
+    exact = olv_runtime.InferenceSession(model)
+    quant = olv_runtime.InferenceSession(model, olv_runtime.SessionOptions(quantize_activations=True))
+    assert any(getattr(s.impl, "i8", False) for s in quant._steps)  # the int8 dot-product kernel
+    se = olv_runtime.make_state(exact, olv_runtime.empty_cache(exact))
+    sq = olv_runtime.make_state(quant, olv_runtime.empty_cache(quant))
+    feed = np.array([[3, 1, 4, 1, 5, 9, 2, 6]], np.int64)
+    worst = 0.0
+    for _ in range(9):
+        le = se.run({"input_ids": feed})["logits"]
+        lq = sq.run({"input_ids": feed})["logits"]
+        worst = max(worst, float(np.max(np.abs(le - lq)) / np.max(np.abs(le))))
+        feed = np.array([[int(np.argmax(le[0, -1]))]], np.int64)
+    assert worst <= 0.02, worst
