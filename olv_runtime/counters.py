@@ -236,11 +236,14 @@ class RunMeter:
         """Record the outputs ``results`` of one step that read ``args``."""
         inputs = None
         seen = self._seen
+        held = self._pool._held if self._pool is not None else {}
         for r in results:
             if type(r) is not np.ndarray:
                 continue
             own = r if r.base is None else _owner(r)
             key = id(own)
+            if key in held:
+                continue  # pool buffer: counted by the pool when it was first allocated
             ref = seen.get(key)
             if ref is not None and ref() is own:
                 continue
@@ -252,8 +255,6 @@ class RunMeter:
             n = own.nbytes
             if n == 0 or (own.ndim == 4 and self._kv(r) is not None):
                 continue
-            if self._pool is not None and self._pool.owns(own):
-                continue  # pool buffer: counted by the pool when it was first allocated
             seen[key] = weakref.ref(own, self._callback(n))
             self._count += 1
             self._bytes += n

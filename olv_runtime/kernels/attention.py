@@ -25,6 +25,10 @@ from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_int, check_
 
 __all__ = ["attention", "append_kv", "kv_write", "rope_attention"]
 
+#: Query-row x key x head-dim products above which attention splits its (b, h, s) rows over the
+#: threads: each row's streaming softmax is serial scalar work, so even short contexts pay off.
+ATTENTION_PARALLEL_WORK = 1 << 14
+
 
 @njit(**JIT)
 def _attend_one(q, k, v, nkeys, scale, o):
@@ -155,7 +159,7 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, past_len:
     out = check_out(out, "out", np.float32, (b, s, h, d))
     if out.size:
         work = b * s * h * (past_len + s) * d
-        if work >= PARALLEL_MIN_WORK and b * s * h > 1:
+        if work >= ATTENTION_PARALLEL_WORK and b * s * h > 1:
             _attention_par(q, k_cache, v_cache, past_len, sc, bool(is_causal), out)
         else:
             _attention_ser(q, k_cache, v_cache, past_len, sc, bool(is_causal), out)
@@ -289,7 +293,7 @@ def rope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray,
     _rope_kv_ser(q, k, v, cos, sin, bool(interleaved), int(rotary_dim), kbuf, vbuf, int(past_len))
     b, s, h, d = q.shape
     sc = np.float32(scale)
-    if b * s * h * (past_len + s) * d >= PARALLEL_MIN_WORK and b * s * h > 1:
+    if b * s * h * (past_len + s) * d >= ATTENTION_PARALLEL_WORK and b * s * h > 1:
         _attention_par(q, kbuf, vbuf, int(past_len), sc, bool(is_causal), out)
     else:
         _attention_ser(q, kbuf, vbuf, int(past_len), sc, bool(is_causal), out)

@@ -11,6 +11,7 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.errors import ValidationError
+from olv_runtime.kernels.norm import _rms_norm_ser
 from olv_runtime.ops.registry import Op, register
 from olv_runtime.pool import empty
 from olv_runtime.state import kv
@@ -40,8 +41,17 @@ class RMSNormalization(Op):
 
     attributes = {"axis": -1, "epsilon": 1e-5, "stash_type": 1}
 
+    def last_axis(self, ndim: int) -> bool:
+        return ndim > 0 and self.attrs["axis"] % ndim == ndim - 1
+
     def setup(self, info):
         self.eps = float(np.float32(self.attrs["epsilon"]))
+        self.eps32 = np.float32(self.attrs["epsilon"])
+        if not (np.isfinite(self.eps32) and self.eps32 >= 0):
+            raise ValidationError(
+                f"node {self.name!r} (RMSNormalization): epsilon must be finite and >= 0, got "
+                f"{self.attrs['epsilon']}"
+            )
         if self.attrs["stash_type"] != 1:
             raise ValidationError(
                 f"node {self.name!r} (RMSNormalization): only stash_type 1 (FLOAT) is supported, "
@@ -49,6 +59,14 @@ class RMSNormalization(Op):
             )
 
     def run(self, x, scale):
+        d = x.shape[-1] if x.ndim else 0
+        if (x.dtype == np.float32 and scale.dtype == np.float32 and x.flags.c_contiguous
+                and scale.shape == (d,) and self.last_axis(x.ndim) and scale.flags.c_contiguous
+                and d and x.size <= 8 * d):
+            # decode-sized fast path: shapes checked here, serial kernel called directly
+            out = empty(x.shape, np.float32)
+            _rms_norm_ser(x.reshape(-1, d), scale, self.eps32, out.reshape(-1, d))
+            return (out,)
         axis = self.attrs["axis"] % x.ndim if x.ndim else 0
         if axis != x.ndim - 1:
             raise self.fail(f"only normalisation over the last axis is supported, got axis {axis}")
