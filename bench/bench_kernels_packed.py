@@ -15,6 +15,8 @@ import time
 
 import numba
 import numpy as np
+
+from _bandwidth import stream_sum
 from numba import njit, prange
 
 from olv_runtime.kernels import config  # noqa: F401  (threading layer selection)
@@ -27,21 +29,7 @@ SHAPES = {  # name: (N, K)
 }
 
 
-@njit(parallel=True, cache=True)
-def _stream_sum(a, nt):
-    n = a.shape[0]
-    out = np.zeros((nt, 16), np.uint64)
-    for t in prange(nt):
-        lo = t * n // nt
-        hi = (t + 1) * n // nt
-        for i in range(lo, hi):
-            for j in range(16):
-                out[t, j] += a[i, j]
-    s = np.uint64(0)
-    for t in range(nt):
-        for j in range(16):
-            s += out[t, j]
-    return s
+_stream_sum = stream_sum  # bench/_bandwidth.py
 
 
 def stream_bandwidth(nbytes=1 << 30, reps=7):

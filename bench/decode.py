@@ -96,25 +96,9 @@ def _median(xs):
 # ================================================================================================
 def phase_bandwidth(spec):
     import numba
-    from numba import njit, prange
+    from _bandwidth import stream_sum
 
-    from olv_runtime.kernels import config  # noqa: F401  (same threading layer as the runtime)
-
-    @njit(parallel=True)
-    def stream_sum(a, nt):
-        n = a.shape[0]
-        out = np.zeros((nt, 16), np.uint64)
-        for t in prange(nt):
-            lo = t * n // nt
-            hi = (t + 1) * n // nt
-            for i in range(lo, hi):
-                for j in range(16):
-                    out[t, j] += a[i, j]
-        s = np.uint64(0)
-        for t in range(nt):
-            for j in range(16):
-                s += out[t, j]
-        return s
+    from olv_runtime.kernels import config
 
     numba.set_num_threads(spec["threads"])
     nbytes = 1 << 30
