@@ -278,31 +278,39 @@ def _quantize_rows(x, m, k, kb, xq, xs, xsum):
     for i in range(m):
         for b in range(kb):
             k0 = b * BLOCK
-            ln = min(BLOCK, k - k0)
-            amax = np.float32(0.0)
-            for p in range(ln):
-                a = abs(x[i, k0 + p])
-                if a > amax:
-                    amax = a
-            d = amax / np.float32(127.0)
+            d, tot = _quantize_block(x, i, k0, min(BLOCK, k - k0), xq)
             xs[i, b] = d
-            tot = 0
-            if amax > np.float32(0.0):
-                for p in range(ln):
-                    v = np.rint(x[i, k0 + p] / d)
-                    if v > np.float32(127.0):
-                        v = np.float32(127.0)
-                    elif v < np.float32(-127.0):
-                        v = np.float32(-127.0)
-                    qv = np.int16(v)
-                    xq[i, k0 + p] = qv
-                    tot += np.int32(qv)
-                for p in range(ln, BLOCK):
-                    xq[i, k0 + p] = np.int16(0)
-            else:
-                for p in range(BLOCK):
-                    xq[i, k0 + p] = np.int16(0)
             xsum[i, b] = tot
+
+
+@njit(**JIT)
+def _quantize_block(x, i, k0, ln, xq):
+    """Symmetric int8 quantization of ``x[i, k0:k0+ln]`` into ``xq[i, k0:k0+32]`` (zero padded;
+    ``xq`` may be int8 or int16). Returns ``(d, sum of the codes)`` with ``d = max|x| / 127`` and
+    codes ``rint(x / d)`` (round half to even) clipped to [-127, 127]."""
+    amax = np.float32(0.0)
+    for p in range(ln):
+        a = abs(x[i, k0 + p])
+        if a > amax:
+            amax = a
+    d = amax / np.float32(127.0)
+    tot = 0
+    if amax > np.float32(0.0):
+        for p in range(ln):
+            v = np.rint(x[i, k0 + p] / d)
+            if v > np.float32(127.0):
+                v = np.float32(127.0)
+            elif v < np.float32(-127.0):
+                v = np.float32(-127.0)
+            qv = np.int32(v)
+            xq[i, k0 + p] = qv
+            tot += qv
+        for p in range(ln, BLOCK):
+            xq[i, k0 + p] = 0
+    else:
+        for p in range(BLOCK):
+            xq[i, k0 + p] = 0
+    return d, tot
 
 
 @njit(**JIT)

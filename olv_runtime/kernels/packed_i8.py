@@ -70,6 +70,7 @@ from numba.core.extending import intrinsic, models, register_model
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int, check_out
+from .packed import _quantize_block  # the scalar (partial-block) quantization, shared
 
 __all__ = ["PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
@@ -510,29 +511,8 @@ def _quantize_rows_i8(x, m, k, kb, xq, xd, xs8):
             if ln == BLOCK:  # full block: vector code (same operations)
                 _quant_block(x, i * k + k0, xq, i * kx + k0, xd, xs8, i * kbx + b)
                 continue
-            amax = np.float32(0.0)
-            for p in range(ln):
-                a = abs(x[i, k0 + p])
-                if a > amax:
-                    amax = a
-            d = amax / np.float32(127.0)
+            d, tot = _quantize_block(x, i, k0, ln, xq)
             xd[i, b] = d
-            tot = 0
-            if amax > np.float32(0.0):
-                for p in range(ln):
-                    v = np.rint(x[i, k0 + p] / d)
-                    if v > np.float32(127.0):
-                        v = np.float32(127.0)
-                    elif v < np.float32(-127.0):
-                        v = np.float32(-127.0)
-                    qv = np.int8(v)
-                    xq[i, k0 + p] = qv
-                    tot += np.int32(qv)
-                for p in range(ln, BLOCK):
-                    xq[i, k0 + p] = np.int8(0)
-            else:
-                for p in range(BLOCK):
-                    xq[i, k0 + p] = np.int8(0)
             xs8[i, b] = np.int32(8 * tot)
 
 
