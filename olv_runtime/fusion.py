@@ -203,10 +203,9 @@ class LinearStep:
         outs = []
         start = 0
         for n in self.ns:
-            part = y[:, start:start + n]
-            if part.shape[0] != 1:
-                part = np.ascontiguousarray(part)
-            outs.append(part.reshape(*lead, n))
+            # column block of the merged output: a view (strided when x has several rows;
+            # consumers that need contiguous rows copy into their own buffers)
+            outs.append(y[:, start:start + n].reshape(*lead, n))
             start += n
         return tuple(outs)
 
@@ -253,6 +252,7 @@ class EncodedGather:
 
 
 _F32 = np.dtype(np.float32)
+_SILU_CHUNK = 32768  # elements per pass of the SiLU step (128 KiB of float32)
 
 
 class SiluMul:
@@ -270,14 +270,25 @@ class SiluMul:
         # numpy's SIMD exp is several times faster than a scalar libm exp in a numba loop; the
         # operations are exactly those of the unfused Sigmoid (1 / (1 + exp(-g))) and two Muls.
         out = empty(g.shape, np.float32)
+        n = g.shape[-1] if g.ndim else 1
+        g2, u2, o2 = g.reshape(-1, n), u.reshape(-1, n), out.reshape(-1, n)
+        rows = max(1, _SILU_CHUNK // max(n, 1))  # row chunks that stay in L2 across the passes
         with np.errstate(over="ignore"):
-            np.negative(g, out=out)
-            np.exp(out, out=out)
-            np.add(out, np.float32(1.0), out=out)
-            np.divide(np.float32(1.0), out, out=out)
-        np.multiply(g, out, out=out)
-        np.multiply(out, u, out=out)
+            for r0 in range(0, g2.shape[0], rows):
+                gc, uc, oc = g2[r0:r0 + rows], u2[r0:r0 + rows], o2[r0:r0 + rows]
+                np.negative(gc, out=oc)
+                np.exp(oc, out=oc)
+                np.add(oc, np.float32(1.0), out=oc)
+                np.divide(np.float32(1.0), oc, out=oc)
+                np.multiply(gc, oc, out=oc)
+                np.multiply(oc, uc, out=oc)
         return (out,)
+
+
+def _contiguous_copy(x: np.ndarray) -> np.ndarray:
+    out = empty(x.shape, x.dtype)
+    np.copyto(out, x)
+    return out
 
 
 class RopeAttention:
@@ -315,6 +326,16 @@ class RopeAttention:
         return self.attention.run(q, k, v, None, past_key, past_value)
 
     def _fused(self, q, k, v, past_key, past_value, cos, sin):
+        if q.dtype is not _F32 or k.dtype is not _F32 or v.dtype is not _F32:
+            return None
+        # strided column blocks of a merged q/k/v projection (prefill): q and k are rotated in
+        # place, so give them (and v) contiguous pooled copies first
+        if not q.flags.c_contiguous:
+            q = _contiguous_copy(q)
+        if not k.flags.c_contiguous:
+            k = _contiguous_copy(k)
+        if not v.flags.c_contiguous:
+            v = _contiguous_copy(v)
         b, s, hq = q.shape
         h, kvh = self.h, self.kvh
         if hq % h or h % kvh:

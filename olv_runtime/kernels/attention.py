@@ -30,6 +30,17 @@ __all__ = ["attention", "append_kv", "kv_write", "rope_attention"]
 ATTENTION_PARALLEL_WORK = 1 << 14
 
 
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
+def _dot(a, b, n):
+    """sum(a[:n] * b[:n]) in float32, reassociated so LLVM vectorises it (the summation order is
+    fixed by the compiled code: deterministic, within float32 rounding of the sequential sum;
+    no FMA contraction)."""
+    s = np.float32(0.0)
+    for i in range(n):
+        s += a[i] * b[i]
+    return s
+
+
 @njit(**JIT)
 def _attend_one(q, k, v, nkeys, scale, o):
     """q: [D]; k, v: [T, D] (one kv head); first ``nkeys`` keys; o: [D] output."""
@@ -41,19 +52,7 @@ def _attend_one(q, k, v, nkeys, scale, o):
     mx = np.float32(-np.inf)
     l = np.float32(0.0)
     for j in range(nkeys):
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        d4 = d - d % 4
-        for i in range(0, d4, 4):
-            a0 += q[i] * k[j, i]
-            a1 += q[i + 1] * k[j, i + 1]
-            a2 += q[i + 2] * k[j, i + 2]
-            a3 += q[i + 3] * k[j, i + 3]
-        for i in range(d4, d):
-            a0 += q[i] * k[j, i]
-        sc = ((a0 + a1) + (a2 + a3)) * scale
+        sc = _dot(q, k[j], d) * scale
         if sc > mx:
             corr = np.exp(mx - sc)  # exp(-inf) = 0 on the first key
             l = l * corr + np.float32(1.0)
