@@ -521,6 +521,9 @@ class InferenceSession:
         env = dict(self._constants)
         env.update(feeds)
         self.counters.add("runs", 1)
+        if self.options.num_threads is not None:
+            # numba's thread count is per calling thread: apply this session's on every run
+            kernels.set_num_threads(int(self.options.num_threads))
         pool = self.buffer_pool()
         meter = self.counters.run_meter(pool)  # arrays allocated, workspace peak
         prev = pool_mod.activate(pool)
