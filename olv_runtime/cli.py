@@ -49,7 +49,8 @@ def _parse_ids(text: str) -> list[int]:
 def _session_options(args):
     from olv_runtime.session import SessionOptions
 
-    return SessionOptions(num_threads=args.threads)
+    return SessionOptions(num_threads=args.threads,
+                          quantize_activations=getattr(args, "quantize_activations", False))
 
 
 def cmd_convert(args) -> int:
@@ -141,7 +142,9 @@ def cmd_bench(args) -> int:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, size=args.prompt_len).tolist()
     print(f"bench {args.model}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"{args.runs} runs (+1 warm-up), threads={args.threads or 'default'}", file=sys.stderr)
+          f"{args.runs} runs (+1 warm-up), threads={args.threads or 'default'}, "
+          f"activations {'int8' if args.quantize_activations else 'float32 (exact)'}",
+          file=sys.stderr)
     prefill, decode = [], []
     for r in range(args.runs + 1):
         st = olv_runtime.GenerationStats()
@@ -179,7 +182,7 @@ def cmd_demo(args) -> int:
     _midline[0] = True
     gen_args = argparse.Namespace(
         max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-        threads=args.threads, stop_at_eos=False,
+        threads=args.threads, stop_at_eos=False, quantize_activations=args.quantize_activations,
     )
     _run_generate(out, ids, gen_args, tokenizer)
     if not args.workdir:
@@ -313,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     def add_run_opts(q):
         q.add_argument("--threads", type=_positive, default=None,
                        help="numba threads (default: all cores)")
+        q.add_argument("--quantize-activations", action="store_true",
+                       help="int8 activations per 32-block in the INT4 linears (faster, "
+                            "approximate; as llama.cpp / onnxruntime accuracy_level 4)")
 
     g = sub.add_parser("generate", help="generate tokens from a converted model")
     g.add_argument("model", help="converted .onnx model")
