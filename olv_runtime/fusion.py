@@ -140,16 +140,25 @@ class LinearStep:
                         for z, w in zip(zps, ws)], axis=0)
                 else:
                     zp = None
-            if self.quantize and zp is None:
-                # int8 activations: the AVX2 integer dot-product layout (kernels/packed_i8.py),
-                # bitwise equal to linear_packed(quantize_activations=True)
+            if zp is None:
+                # the 8-row group layout of kernels/packed_i8.py serves both modes: int8
+                # activations with vpmaddubsw (bitwise equal to linear_packed's quantized mode)
+                # or float32 activations with FMA (kernels/packed_f32.py, exact-mode tolerance)
                 from olv_runtime.kernels.packed_i8 import linear_packed_i8, prepack_int4_i8
 
                 self.packed = prepack_int4_i8(payload, scale, None, self.n, self.k, 32)
-                self._linear_packed = (
-                    lambda x, p, out, quantize_activations, workspace:
-                    linear_packed_i8(x, p, out, workspace=workspace))
-                self.i8 = True
+                if self.quantize:
+                    self._linear_packed = (
+                        lambda x, p, out, quantize_activations, workspace:
+                        linear_packed_i8(x, p, out, workspace=workspace))
+                    self.i8 = "int8"
+                else:
+                    from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact
+
+                    self._linear_packed = (
+                        lambda x, p, out, quantize_activations, workspace:
+                        linear_packed_i8_exact(x, p, out, workspace=workspace))
+                    self.i8 = "f32"
             else:
                 self.packed = prepack_int4(payload, scale, zp, self.n, self.k, 32)
         elif len(ws) == 1 and isinstance(ws[0], np.ndarray):
@@ -416,12 +425,14 @@ def prepare_linears(steps: list[Step], counters=None) -> None:
     for lin in linears:
         if not lin._prepared:
             lin.prepare()
-    for i8 in (False, True):
+    for i8 in (False, "int8", "f32"):
         packed = [lin for lin in linears if lin.packed is not None and lin.i8 == i8]
         if packed:
             factory = None
-            if i8:
+            if i8 == "int8":
                 from olv_runtime.kernels.packed_i8 import make_workspace_i8 as factory
+            elif i8 == "f32":
+                from olv_runtime.kernels.packed_f32 import make_workspace_f32 as factory
             shared = SharedWorkspace(max(lin.packed.k_padded for lin in packed), counters, factory)
             for lin in packed:
                 lin.workspace = shared

@@ -1,0 +1,221 @@
+"""Tests of olv_runtime.kernels.packed_f32 (exact-mode INT4 linear on the packed_i8 layout).
+
+Oracles: float64 ``x @ W.T`` of the dequantized weight (bound
+``1e-5 * sum_k |x_k W_nk| + 1e-6``, the bound of the existing exact path) and
+``linear_packed(quantize_activations=False)`` of olv_runtime.kernels.packed (same bound).
+"""
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from olv_runtime.errors import InvalidArgument
+from olv_runtime.kernels import get_num_threads, set_num_threads
+from olv_runtime.kernels.packed import linear_packed, prepack_int4
+from olv_runtime.kernels.packed_f32 import (
+    PackedF32Workspace, linear_packed_i8_exact, make_workspace_f32,
+)
+from olv_runtime.kernels.packed_i8 import linear_packed_i8, prepack_int4_i8
+
+
+def _weight(n, k, rng, q=None):
+    """Random symmetric INT4 weight: signed codes q [n, k], payload (row-major, low nibble
+    first), scale [n, ceil(k/32)]."""
+    kb = -(-k // 32)
+    if q is None:
+        q = rng.integers(-8, 8, size=(n, k))
+    u = (q.reshape(-1) & 15).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(0))
+    payload = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    scale = (rng.random((n, kb), dtype=np.float32) * 0.05 + 1e-3).astype(np.float32)
+    return q, payload, scale
+
+
+def _dequant64(q, scale):
+    k = q.shape[1]
+    return q.astype(np.float64) * np.repeat(scale.astype(np.float64), 32, axis=1)[:, :k]
+
+
+def _check_bound(y, x, w64, what=""):
+    x64 = x.astype(np.float64)
+    ref = x64 @ w64.T
+    bound = 1e-5 * (np.abs(x64) @ np.abs(w64).T) + 1e-6
+    err = np.abs(y.astype(np.float64) - ref)
+    assert np.all(err <= bound), f"{what}: max err/bound {np.max(err / bound):.3g}"
+
+
+SHAPES = [(8, 32), (64, 64), (100, 40), (70, 80), (13, 33), (1, 32), (3, 7), (200, 256),
+          (130, 100), (24, 1000), (40, 160)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 17])
+def test_matches_float64_and_linear_packed(n, k, m):
+    rng = np.random.default_rng(n * 1000 + k * 10 + m)
+    q, payload, scale = _weight(n, k, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    pk8 = prepack_int4_i8(payload, scale, None, n, k, 32)
+    y = linear_packed_i8_exact(x, pk8)
+    assert y.shape == (m, n) and y.dtype == np.float32
+    w64 = _dequant64(q, scale)
+    _check_bound(y, x, w64, "vs float64")
+    yo = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32))
+    _check_bound(yo, x, w64, "old vs float64")
+    # new vs old within the same bound (both are within it of the float64 reference)
+    x64 = x.astype(np.float64)
+    bound = 1e-5 * (np.abs(x64) @ np.abs(w64).T) + 1e-6
+    assert np.all(np.abs(y.astype(np.float64) - yo) <= bound)
+
+
+@pytest.mark.parametrize("n,k", [(4864 // 4, 896), (160, 4864), (1152, 896)])
+@pytest.mark.parametrize("m", [1, 4, 6, 16, 33])
+def test_qwen_shapes_parallel(n, k, m):
+    rng = np.random.default_rng(7 + m + n)
+    q, payload, scale = _weight(n, k, rng)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    y = linear_packed_i8_exact(x, prepack_int4_i8(payload, scale, None, n, k, 32))
+    w64 = _dequant64(q, scale)
+    _check_bound(y, x, w64)
+    yo = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32))
+    bound = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w64).T) + 1e-6
+    assert np.all(np.abs(y.astype(np.float64) - yo) <= bound)
+
+
+def test_decode_exact_every_code():
+    """One-hot activations pick single weights: y[i, n] = float32(q[n, i]) * scale[n, i // 32]
+    bitwise (one exact product per block, fma(s, scale, 0)), for every code -8..7 at every
+    nibble position of the layout."""
+    rng = np.random.default_rng(4)
+    n, k = 24, 96
+    q = (np.arange(n * k).reshape(n, k) * 7 + np.arange(n)[:, None]) % 16 - 8
+    _, payload, scale = _weight(n, k, rng, q=q)
+    pk8 = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = np.eye(k, dtype=np.float32)
+    y = linear_packed_i8_exact(x, pk8)
+    w32 = q.astype(np.float32) * np.repeat(scale, 32, axis=1)[:, :k]
+    np.testing.assert_array_equal(y, w32.T)
+    # extreme codes against large activations
+    q2 = np.full((16, 64), 7)
+    q2[8:] = -8
+    _, payload2, scale2 = _weight(16, 64, rng, q=q2)
+    x2 = np.full((2, 64), 1000.0, np.float32)
+    x2[1, ::2] = -1000.0
+    y2 = linear_packed_i8_exact(x2, prepack_int4_i8(payload2, scale2, None, 16, 64, 32))
+    _check_bound(y2, x2, _dequant64(q2, scale2))
+
+
+def test_zero_tiny_and_special_activations():
+    rng = np.random.default_rng(5)
+    n, k = 40, 100
+    q, payload, scale = _weight(n, k, rng)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, 32:64] = 1e-30
+    x[1, 96:] = 0.0
+    x[2, 5] = 3e30
+    y = linear_packed_i8_exact(x, prepack_int4_i8(payload, scale, None, n, k, 32))
+    assert np.all(np.isfinite(y))
+    _check_bound(y, x, _dequant64(q, scale))
+    x[0, 3] = np.nan
+    y = linear_packed_i8_exact(x, prepack_int4_i8(payload, scale, None, n, k, 32))
+    assert np.all(np.isnan(y[0])) and np.all(np.isfinite(y[1:]))
+
+
+def test_one_packed_copy_serves_both_modes():
+    rng = np.random.default_rng(8)
+    n, k = 96, 200
+    q, payload, scale = _weight(n, k, rng)
+    pk8 = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    ye = linear_packed_i8_exact(x, pk8)
+    yq = linear_packed_i8(x, pk8)
+    np.testing.assert_array_equal(
+        yq, linear_packed(x, prepack_int4(payload, scale, None, n, k, 32),
+                          quantize_activations=True))
+    _check_bound(ye, x, _dequant64(q, scale))
+    assert np.abs(yq - ye).max() <= 0.02 * np.abs(ye).max()
+
+
+def test_out_and_workspace_reuse():
+    rng = np.random.default_rng(2)
+    n, k = 300, 200
+    q, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    ws = make_workspace_f32(20, 1000, n_tasks=4)
+    assert isinstance(ws, PackedF32Workspace) and ws.nbytes > 0
+    for m in (1, 4, 8, 3, 20):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        out = np.full((m, n), np.nan, np.float32)
+        r = linear_packed_i8_exact(x, pk, out=out, workspace=ws)
+        assert r is out
+        np.testing.assert_array_equal(out, linear_packed_i8_exact(x, pk))
+        _check_bound(out, x, _dequant64(q, scale))
+
+
+@pytest.mark.parametrize("n,k,m", [(300, 200, 3), (1152, 896, 1), (1152, 896, 9)])
+def test_no_allocations_with_out_and_workspace(n, k, m):
+    rng = np.random.default_rng(12)
+    q, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    ws = make_workspace_f32(m, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    out = np.empty((m, n), np.float32)
+    linear_packed_i8_exact(x, pk, out=out, workspace=ws)  # compile / warm up
+    tracemalloc.start()
+    try:
+        linear_packed_i8_exact(x, pk, out=out, workspace=ws)
+        snap0 = tracemalloc.take_snapshot()
+        for _ in range(3):
+            linear_packed_i8_exact(x, pk, out=out, workspace=ws)
+        _, peak = tracemalloc.get_traced_memory()
+        snap1 = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    grown = sum(s.size_diff for s in snap1.compare_to(snap0, "filename") if s.size_diff > 0)
+    assert grown < 1024
+    assert peak < 2048  # no array data allocated during the calls (out alone is >= 3.6 KB)
+
+
+def test_rows_independent_of_m_and_threads():
+    rng = np.random.default_rng(9)
+    n, k = 4864 // 4, 896
+    q, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((23, k)).astype(np.float32)
+    y = linear_packed_i8_exact(x, pk)
+    for i in range(23):
+        np.testing.assert_array_equal(linear_packed_i8_exact(x[i:i + 1].copy(), pk)[0], y[i])
+    for a, b in ((0, 4), (3, 5), (8, 23), (1, 17)):
+        np.testing.assert_array_equal(linear_packed_i8_exact(x[a:b].copy(), pk), y[a:b])
+    nt = get_num_threads()
+    try:
+        set_num_threads(1)
+        np.testing.assert_array_equal(linear_packed_i8_exact(x, pk), y)
+    finally:
+        set_num_threads(nt)
+
+
+def test_invalid_arguments():
+    rng = np.random.default_rng(1)
+    n, k = 16, 64
+    q, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    with pytest.raises(InvalidArgument, match="packed"):
+        linear_packed_i8_exact(x, prepack_int4(payload, scale, None, n, k, 32))
+    with pytest.raises(InvalidArgument, match="x"):
+        linear_packed_i8_exact(x[:, :-1].copy(), pk)
+    with pytest.raises(InvalidArgument, match="x"):
+        linear_packed_i8_exact(x.astype(np.float64), pk)
+    with pytest.raises(InvalidArgument, match="out"):
+        linear_packed_i8_exact(x, pk, out=np.empty((2, n + 1), np.float32))
+    with pytest.raises(InvalidArgument, match="workspace"):
+        linear_packed_i8_exact(x, pk, workspace=make_workspace_f32(1, k))
+    with pytest.raises(InvalidArgument, match="workspace"):
+        linear_packed_i8_exact(x, pk, workspace=make_workspace_f32(2, k - 32))
+    with pytest.raises(InvalidArgument, match="workspace"):
+        linear_packed_i8_exact(x, pk, workspace=object())
+    assert linear_packed_i8_exact(np.empty((0, k), np.float32), pk).shape == (0, n)
