@@ -127,7 +127,7 @@ def test_four_interleaved_states_equal_each_alone(session):
 
 
 def test_torch_initial_cache_shares_memory(session):
-    torch = pytest.importorskip("torch")
+    import torch
     ref = olv_runtime.make_state(session, olv_runtime.empty_cache(session))
     ref.run({"input_ids": _ids(1, 2, 3)})
     prefix = {k: torch.from_numpy(np.array(v)) for k, v in ref.values.items()}  # caller-owned
