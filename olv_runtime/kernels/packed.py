@@ -154,6 +154,16 @@ class PackedWorkspace:
                        ("xq", "xs", "xsum", "xpad", "facc", "iacc", "bacc", "wdq", "wdf")))
 
 
+def workspace_args(m_max, k_max, n_tasks) -> tuple[int, int, int]:
+    """Validated (m_max, k_max, n_tasks) of a ``make_workspace*`` call; ``n_tasks`` defaults to
+    ``numba.config.NUMBA_NUM_THREADS`` (shared by every packed-kernel workspace)."""
+    m_max = check_int(m_max, "m_max", lo=1)
+    k_max = check_int(k_max, "k_max", lo=1)
+    if n_tasks is None:
+        n_tasks = int(numba.config.NUMBA_NUM_THREADS)
+    return m_max, k_max, check_int(n_tasks, "n_tasks", lo=1)
+
+
 def make_workspace(m_max: int, k_max: int, n_tasks: int | None = None) -> PackedWorkspace:
     """Preallocate the buffers of :func:`linear_packed` for ``M <= m_max`` and ``K <= k_max``.
 
@@ -173,11 +183,7 @@ def make_workspace(m_max: int, k_max: int, n_tasks: int | None = None) -> Packed
         Most parallel tasks a call may use (default ``numba.config.NUMBA_NUM_THREADS``, the
         largest thread count numba allows); calls use ``min(n_tasks, numba.get_num_threads())``.
     """
-    m_max = check_int(m_max, "m_max", lo=1)
-    k_max = check_int(k_max, "k_max", lo=1)
-    if n_tasks is None:
-        n_tasks = int(numba.config.NUMBA_NUM_THREADS)
-    n_tasks = check_int(n_tasks, "n_tasks", lo=1)
+    m_max, k_max, n_tasks = workspace_args(m_max, k_max, n_tasks)
     return PackedWorkspace(m_max, k_max, n_tasks)
 
 

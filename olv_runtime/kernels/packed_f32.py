@@ -55,6 +55,7 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int, check_out
+from .packed import _pad_rows, workspace_args
 from .packed_i8 import (
     BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, PackedInt4I8, _check_array_arg, _elem_ptr,
     _prefetch, _splat,
@@ -180,26 +181,13 @@ def make_workspace_f32(m_max: int, k_max: int, n_tasks: int | None = None) -> Pa
     """Preallocate the buffers of :func:`linear_packed_i8_exact` for ``M <= m_max``,
     ``K <= k_max``: ``xpad`` float32 ``[m_max, Kp]`` and ``facc`` float32 ``[n_tasks, 64]``.
     ``n_tasks`` defaults to ``numba.config.NUMBA_NUM_THREADS``."""
-    m_max = check_int(m_max, "m_max", lo=1)
-    k_max = check_int(k_max, "k_max", lo=1)
-    if n_tasks is None:
-        n_tasks = int(numba.config.NUMBA_NUM_THREADS)
-    n_tasks = check_int(n_tasks, "n_tasks", lo=1)
+    m_max, k_max, n_tasks = workspace_args(m_max, k_max, n_tasks)
     return PackedF32Workspace(m_max, k_max, n_tasks)
 
 
 # ------------------------------------------------------------------------------------------------
 # kernels
 # ------------------------------------------------------------------------------------------------
-@njit(**JIT)
-def _pad_rows(x, m, k, kp, xpad):
-    for i in range(m):
-        for p in range(k):
-            xpad[i, p] = x[i, p]
-        for p in range(k, kp):
-            xpad[i, p] = np.float32(0.0)
-
-
 @njit(**JIT)
 def _group_rows(codes, scale, g, x, i0, nr, facc):
     """facc[r*8:(r+1)*8] = y[i0 + r, 8g:8g+8] for r < nr (nr in 1, 2, 4, 8)."""

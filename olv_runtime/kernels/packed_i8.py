@@ -70,7 +70,7 @@ from numba.core.extending import intrinsic, models, register_model
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int, check_out
-from .packed import _quantize_block  # the scalar (partial-block) quantization, shared
+from .packed import _quantize_block, workspace_args  # shared with the tiled kernels
 
 __all__ = ["PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
@@ -419,11 +419,7 @@ def make_workspace_i8(m_max: int, k_max: int, n_tasks: int | None = None) -> Pac
     float32 ``[n_tasks, 1, 8]`` (``Kp = 32 * ceil(k_max / 32)``). ``n_tasks`` defaults to
     ``numba.config.NUMBA_NUM_THREADS``.
     """
-    m_max = check_int(m_max, "m_max", lo=1)
-    k_max = check_int(k_max, "k_max", lo=1)
-    if n_tasks is None:
-        n_tasks = int(numba.config.NUMBA_NUM_THREADS)
-    n_tasks = check_int(n_tasks, "n_tasks", lo=1)
+    m_max, k_max, n_tasks = workspace_args(m_max, k_max, n_tasks)
     return PackedI8Workspace(m_max, k_max, n_tasks)
 
 
