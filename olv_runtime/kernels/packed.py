@@ -546,6 +546,38 @@ def _tile_f_dec(codes, wscale, wzp, has_zp, t, x, m, wdf, facc):
 # ------------------------------------------------------------------------------------------------
 # public wrapper
 # ------------------------------------------------------------------------------------------------
+def prepare_call(x, packed, packed_cls, out, workspace, ws_cls, make_ws, ws_rows=None):
+    """Argument handling shared by the packed linear wrappers.
+
+    Checks ``packed`` is a ``packed_cls``, ``x`` is float32 ``[M, K]``, ``out`` is float32
+    ``[M, N]`` (allocated when None) and ``workspace`` is a ``ws_cls`` serving ``M`` rows and
+    ``Kp`` columns (made by ``make_ws(ws_rows or M, Kp, n_tasks=numba threads)`` when None).
+    Returns ``(M, out, workspace)``; the workspace is None when ``M == 0``.
+
+    Raises
+    ------
+    InvalidArgument
+        Any argument of the wrong type, dtype or shape (expected vs got).
+    """
+    if not isinstance(packed, packed_cls):
+        raise InvalidArgument(f"packed: expected a {packed_cls.__name__}, got {type(packed).__name__}")
+    k, n, kp = packed.k, packed.n, packed.k_padded
+    check_array(x, "x", dtype=np.float32, shape=(None, k))
+    m = x.shape[0]
+    out = check_out(out, "out", np.float32, (m, n))
+    if m == 0:
+        return m, out, None
+    ws = workspace
+    if ws is None:
+        ws = make_ws(ws_rows or m, kp, n_tasks=numba.get_num_threads())
+    elif not isinstance(ws, ws_cls):
+        raise InvalidArgument(f"workspace: expected a {ws_cls.__name__}, got {type(ws).__name__}")
+    elif ws.m_max < m or ws.k_max < kp:
+        raise InvalidArgument(f"workspace: expected m_max >= {m} and k_max >= {kp}, got "
+                              f"m_max={ws.m_max}, k_max={ws.k_max}")
+    return m, out, ws
+
+
 def linear_packed(x: np.ndarray, packed: PackedInt4, out: np.ndarray | None = None, *,
                   quantize_activations: bool = False,
                   workspace: PackedWorkspace | None = None) -> np.ndarray:
@@ -572,22 +604,11 @@ def linear_packed(x: np.ndarray, packed: PackedInt4, out: np.ndarray | None = No
         ``out`` if given. Each row's result depends only on that row of ``x`` (not on M or the
         thread count).
     """
-    if not isinstance(packed, PackedInt4):
-        raise InvalidArgument(f"packed: expected a PackedInt4, got {type(packed).__name__}")
-    k, n, kp = packed.k, packed.n, packed.k_padded
-    check_array(x, "x", dtype=np.float32, shape=(None, k))
-    m = x.shape[0]
-    out = check_out(out, "out", np.float32, (m, n))
+    m, out, ws = prepare_call(x, packed, PackedInt4, out, workspace, PackedWorkspace,
+                              make_workspace)
     if m == 0:
         return out
-    ws = workspace
-    if ws is None:
-        ws = make_workspace(m, kp, n_tasks=numba.get_num_threads())
-    elif not isinstance(ws, PackedWorkspace):
-        raise InvalidArgument(f"workspace: expected a PackedWorkspace, got {type(ws).__name__}")
-    elif ws.m_max < m or ws.k_max < kp:
-        raise InvalidArgument(f"workspace: expected m_max >= {m} and k_max >= {kp}, got "
-                              f"m_max={ws.m_max}, k_max={ws.k_max}")
+    k, n, kp = packed.k, packed.n, packed.k_padded
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_tiles)
     zp = packed.zero_point
     if m * n * kp < SERIAL_MAX_WORK or ntasks == 1:  # too small to pay for a parallel region

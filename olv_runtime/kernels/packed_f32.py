@@ -55,7 +55,7 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int, check_out
-from .packed import _pad_rows, workspace_args
+from .packed import _pad_rows, prepare_call, workspace_args
 from .packed_i8 import (
     BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, PackedInt4I8, _check_array_arg, _elem_ptr,
     _prefetch, _splat,
@@ -302,23 +302,12 @@ def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray 
         ``|y - y_ref| <= 1e-5 * sum_k |x_k W_nk| + 1e-6`` against float64; each row depends
         only on that row of ``x`` (not on M or the thread count).
     """
-    if not isinstance(packed, PackedInt4I8):
-        raise InvalidArgument(f"packed: expected a PackedInt4I8, got {type(packed).__name__}")
-    k, n, kp = packed.k, packed.n, packed.k_padded
-    check_array(x, "x", dtype=np.float32, shape=(None, k))
-    m = x.shape[0]
-    out = check_out(out, "out", np.float32, (m, n))
+    m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedF32Workspace,
+                              make_workspace_f32,
+                              ws_rows=1 if packed.k == packed.k_padded else None)
     if m == 0:
         return out
-    ws = workspace
-    if ws is None:
-        ws = make_workspace_f32(m if k != kp else 1, kp, n_tasks=numba.get_num_threads())
-    elif not isinstance(ws, PackedF32Workspace):
-        raise InvalidArgument(f"workspace: expected a PackedF32Workspace, got "
-                              f"{type(ws).__name__}")
-    elif ws.m_max < m or ws.k_max < kp:
-        raise InvalidArgument(f"workspace: expected m_max >= {m} and k_max >= {kp}, got "
-                              f"m_max={ws.m_max}, k_max={ws.k_max}")
+    k, n, kp = packed.k, packed.n, packed.k_padded
     xx = x
     if k != kp:
         _pad_rows(x, m, k, kp, ws.xpad)

@@ -70,7 +70,7 @@ from numba.core.extending import intrinsic, models, register_model
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int, check_out
-from .packed import _quantize_block, workspace_args  # shared with the tiled kernels
+from .packed import _quantize_block, prepare_call, workspace_args  # shared
 
 __all__ = ["PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
@@ -699,22 +699,11 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
         From :func:`make_workspace_i8` with ``m_max >= M`` and ``k_max >= K``. With ``out`` and
         ``workspace`` given the call allocates no array data. One workspace per concurrent call.
     """
-    if not isinstance(packed, PackedInt4I8):
-        raise InvalidArgument(f"packed: expected a PackedInt4I8, got {type(packed).__name__}")
-    k, n, kp = packed.k, packed.n, packed.k_padded
-    check_array(x, "x", dtype=np.float32, shape=(None, k))
-    m = x.shape[0]
-    out = check_out(out, "out", np.float32, (m, n))
+    m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedI8Workspace,
+                              make_workspace_i8)
     if m == 0:
         return out
-    ws = workspace
-    if ws is None:
-        ws = make_workspace_i8(m, kp, n_tasks=numba.get_num_threads())
-    elif not isinstance(ws, PackedI8Workspace):
-        raise InvalidArgument(f"workspace: expected a PackedI8Workspace, got {type(ws).__name__}")
-    elif ws.m_max < m or ws.k_max < kp:
-        raise InvalidArgument(f"workspace: expected m_max >= {m} and k_max >= {kp}, got "
-                              f"m_max={ws.m_max}, k_max={ws.k_max}")
+    k, n, kp = packed.k, packed.n, packed.k_padded
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
     if m * n * kp < SERIAL_MAX_WORK or ntasks == 1:
         _linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
