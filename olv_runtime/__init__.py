@@ -10,7 +10,10 @@ Main entry points::
     ids = olv_runtime.generate(model, prompt_ids, max_new_tokens=64)
 """
 from olv_runtime.errors import OlvError  # noqa: F401
-from olv_runtime.generate import GenerationStats, generate, sample_token  # noqa: F401
+from olv_runtime.generate import (  # noqa: F401
+    GenerationResult, GenerationStats, TextStream, eos_token_ids, generate, sample_token)
+from olv_runtime.prompt_cache import load_state, model_digest, save_state  # noqa: F401
+from olv_runtime.sampling import SamplingParams, TokenLogprob  # noqa: F401
 from olv_runtime.io import Model, load, save  # noqa: F401
 from olv_runtime.session import InferenceSession, NodeArg, SessionOptions  # noqa: F401
 from olv_runtime.state import State, StateOptions, empty_cache, make_state  # noqa: F401

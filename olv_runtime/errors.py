@@ -106,3 +106,8 @@ class DecoderError(ValidationError):
 
 class DecoderBindingError(DecoderError):
     """A native decoder registered for a type_id rejected the resolved declaration."""
+
+
+class StateFileError(OlvError, ValueError):
+    """A saved state file (prompt cache) is malformed, or was made for another model (its model
+    digest differs from the model's)."""

@@ -1,28 +1,45 @@
 """Token generation over a converted causal LM: prefill, then one decode call per token.
 
 The KV cache is carried by the model's persistent bindings (:func:`olv_runtime.make_state`);
-each call feeds only ``input_ids``.
+each call feeds only ``input_ids``. A :class:`~olv_runtime.State` passed to :func:`generate`
+is continued: only the tokens its KV cache does not hold yet are fed (the previous call's last
+token, then the new prompt), so a second turn of a conversation costs its new tokens only
+(``GenerationStats.prefill_tokens``). Stopping: ``max_new_tokens``, eos ids (several; by default
+none in the API, ``eos_token_id="auto"`` reads ``generation_config.json``), stop strings on the
+decoded text. Selection: :mod:`olv_runtime.sampling` (the transformers logits processors'
+definitions).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
-from olv_runtime.errors import InvalidArgument
+from olv_runtime.errors import InvalidArgument, StateError
+from olv_runtime.sampling import SamplingParams, TokenLogprob, select_token, token_logprob
 from olv_runtime.session import InferenceSession, SessionOptions
 from olv_runtime.state import empty_cache, make_state
 
 
 @dataclasses.dataclass
 class GenerationStats:
-    """Timings of one :func:`generate` call.
+    """Token counts and timings of one :func:`generate` call.
 
     Attributes
     ----------
-    prompt_tokens, new_tokens : int
+    prompt_tokens : int
+        Length of ``prompt_ids`` (the new prompt of this call).
+    prefill_tokens : int
+        Tokens fed in the prompt call (the counter of continuation cost): the tokens of a
+        continued state's sequence its KV cache did not hold yet, plus ``prompt_tokens``.
+    cached_tokens : int
+        Tokens whose KV cache was reused from the state (0 for a fresh state).
+    new_tokens : int
+        Tokens generated.
     prefill_seconds : float
         Wall time of the prompt call (including the first token's logits).
     decode_seconds : float
@@ -33,10 +50,12 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -44,9 +63,41 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
+@dataclasses.dataclass
+class GenerationResult:
+    """What :func:`generate` returns with ``return_result=True``.
+
+    Attributes
+    ----------
+    ids : numpy.ndarray
+        int64 ``[n_new]`` generated ids (with the eos id or the token completing a stop string,
+        when generation stopped on one).
+    text : str or None
+        The decoded continuation (needs ``tokenizer``), cut before a matched stop string.
+    finish_reason : {"length", "eos", "stop", "interrupted"}
+        ``"interrupted"``: a KeyboardInterrupt stopped the loop (the state stays consistent).
+    stop_string : str or None
+        The stop string matched.
+    logprobs : list of TokenLogprob or None
+        One per generated token when ``logprobs=True`` (see :class:`TokenLogprob`).
+    state : State or None
+        The state (the one passed in, or a new one with ``return_state=True``); open.
+    stats : GenerationStats
+    """
+
+    ids: np.ndarray
+    text: str | None
+    finish_reason: str
+    stop_string: str | None
+    logprobs: list[TokenLogprob] | None
+    state: object | None
+    stats: GenerationStats
+
+
 def sample_token(logits: np.ndarray, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  rng: np.random.Generator | None = None) -> int:
-    """Pick the next token id from one row of logits.
+    """Pick the next token id from one row of logits (no penalties; see
+    :func:`olv_runtime.sampling.select_token` for every option).
 
     Parameters
     ----------
@@ -57,36 +108,135 @@ def sample_token(logits: np.ndarray, temperature: float = 0.0, top_k: int = 0, t
     top_k : int
         Keep only the k most likely tokens (0: all).
     top_p : float
-        Nucleus sampling: keep the smallest set whose probability reaches top_p (1.0: all).
+        Nucleus sampling (transformers' TopPLogitsWarper definition; 1.0: all).
     rng : numpy.random.Generator
         Source of randomness for sampling (required when temperature > 0).
     """
-    if temperature <= 0.0:
-        return int(np.argmax(logits))
-    if rng is None:
-        raise InvalidArgument("sampling with temperature > 0 needs an rng (or a seed)")
-    z = logits.astype(np.float64) / float(temperature)
-    order = np.argsort(-z, kind="stable")
-    if top_k and top_k > 0:
-        order = order[:top_k]
-    zs = z[order]
-    p = np.exp(zs - zs.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
-        order, p = order[:keep], p[:keep] / p[:keep].sum()
-    return int(order[rng.choice(len(order), p=p)])
+    return select_token(logits, None, SamplingParams(float(temperature), int(top_k), float(top_p)),
+                        rng)
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if not (np.isfinite(temperature) and temperature >= 0):
-        raise InvalidArgument(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise InvalidArgument(f"top_k must be an integer >= 0 (0 = all tokens), got {top_k!r}")
-    if not (0.0 < top_p <= 1.0):
-        raise InvalidArgument(f"top_p must be in (0, 1], got {top_p!r}")
+def eos_token_ids(model) -> list[int]:
+    """The eos token ids of a converted model.
+
+    ``eos_token_id`` of ``generation_config.json`` beside the model file (an int or a list, as
+    Hugging Face writes it); else the model's ``olv.eos_token_id`` metadata; else ``[]``.
+
+    Parameters
+    ----------
+    model : Model, InferenceSession or path
+
+    Raises
+    ------
+    InvalidArgument
+        A generation_config.json that is not JSON or whose eos_token_id is not int / list of int.
+    """
+    from olv_runtime.io import Model
+
+    m = model.model if isinstance(model, InferenceSession) else model
+    path = m.path if isinstance(m, Model) else (pathlib.Path(m) if isinstance(m, (str, pathlib.Path)) else None)
+    if path is not None:
+        cfg = path.parent / "generation_config.json"
+        if cfg.is_file():
+            try:
+                eos = json.loads(cfg.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError) as exc:
+                raise InvalidArgument(f"{cfg}: not a JSON object ({exc})") from None
+            if eos is not None:
+                vals = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+                    raise InvalidArgument(
+                        f"{cfg}: eos_token_id must be an int or a list of ints, got {eos!r}")
+                return [int(v) for v in vals]
+    meta = m.metadata() if isinstance(m, Model) else {}
+    if "olv.eos_token_id" in meta:
+        return [int(meta["olv.eos_token_id"])]
+    return []
+
+
+class TextStream:
+    """Incremental detokenization with stop strings (shared by :func:`generate` and the CLI).
+
+    ``push(token_id)`` returns the text that became final: the decoded continuation minus a
+    trailing incomplete UTF-8 character and minus a trailing part that could still grow into a
+    stop string. When a stop string appears, ``stopped`` names it and ``text`` is cut before it.
+
+    Parameters
+    ----------
+    tokenizer : tokenizers.Tokenizer
+    stop : sequence of str
+        Stop strings (non-empty).
+    skip_special_tokens : bool
+        Passed to ``tokenizer.decode``.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop]
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""         # the full decoded text so far (cut at a stop string)
+        self.emitted = 0       # characters of self.text already returned by push/flush
+        self.stopped: str | None = None
+
+    def push(self, token_id: int) -> str:
+        if self.stopped is not None:
+            return ""
+        self.ids.append(int(token_id))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        hold = 1 if text.endswith("\ufffd") else 0
+        if self.stop:
+            start = max(0, self.emitted - max(len(s) for s in self.stop))
+            hits = [(text.find(s, start), s) for s in self.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                self.stopped, self.text = s, text[:i]
+                out = self.text[self.emitted:]
+                self.emitted = len(self.text)
+                return out
+            for s in self.stop:  # hold back a suffix that is a prefix of a stop string
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+        self.text = text
+        end = max(self.emitted, len(text) - hold)
+        out = text[self.emitted:end]
+        self.emitted = end
+        return out
+
+    def flush(self) -> str:
+        """The text still held back (at the end of generation)."""
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
+
+
+def _check_ids(ids: np.ndarray, vocab, what: str, allow_empty: bool) -> None:
+    if ids.ndim != 1 or (ids.size == 0 and not allow_empty):
+        raise InvalidArgument(
+            f"{what} must be a non-empty 1-D sequence of token ids, got shape {list(ids.shape)}"
+        )
+    if ids.size and ids.dtype.kind not in "iu":
+        raise InvalidArgument(
+            f"{what} must be integers that fit in int64 (token ids), got "
+            + (f"dtype {ids.dtype}" if ids.dtype.kind != "O" else "values out of the int64 range")
+        )
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or (vocab is not None and hi >= int(vocab)):
+            bad = lo if lo < 0 else hi
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise InvalidArgument(f"{what}: token ids must be in {limit}, got {bad}")
+
+
+def _kv_length(state) -> int | None:
+    """Positions held by a contiguous KV cache (None for other state kinds)."""
+    first = next(iter(state.values.values()), None)
+    if isinstance(first, np.ndarray) and first.ndim == 4:
+        return int(first.shape[2])
+    return None
 
 
 def generate(
@@ -97,60 +247,117 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    penalty_last_n: int = 0,
     seed: int | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
+    eos_token_id: int | Sequence[int] | str | None = None,
+    stop: str | Sequence[str] | None = None,
+    tokenizer=None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
     callback: Callable[[int], object] | None = None,
+    text_callback: Callable[[str], object] | None = None,
     session_options: SessionOptions | None = None,
     stats: GenerationStats | None = None,
-) -> np.ndarray:
-    """Generate tokens after a prompt (batch 1).
+    state=None,
+    return_state: bool = False,
+    return_result: bool = False,
+):
+    """Generate tokens after a prompt (batch 1), optionally continuing a state.
 
     Parameters
     ----------
-    model : Model, ModelProto, path or InferenceSession
+    model : Model, ModelProto, path, InferenceSession or None
         A converted causal LM (``input_ids`` input, ``logits`` output, KV cache bound by
-        persistent_bindings). Pass an InferenceSession to reuse it across calls.
+        persistent_bindings). Pass an InferenceSession to reuse it across calls. May be None
+        when ``state`` is given (its session is used).
     prompt_ids : sequence of int
-        Token ids of the prompt (at least one).
+        Token ids to append (at least one, unless a continued state has a pending token).
     max_new_tokens : int
-        Number of tokens to generate (fewer if ``eos_token_id`` appears).
-    temperature, top_k, top_p, seed
-        Sampling controls (see :func:`sample_token`); temperature 0 is greedy.
-    eos_token_id : int or list of int, optional
-        Stop after emitting one of these.
+        Number of tokens to generate (fewer when an eos id or a stop string appears).
+    temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, penalty_last_n
+        Selection controls, :class:`olv_runtime.sampling.SamplingParams` (transformers'
+        definitions). Temperature 0 is greedy. The penalties see the whole sequence (a
+        continued state's history, the prompt and the generated tokens).
+    seed : int, optional
+        Seeds the sampling generator. A continued state keeps its generator when ``seed`` is
+        None, so a continuation draws what one uninterrupted call would have drawn.
+    eos_token_id : int, list of int, "auto" or None
+        Stop after emitting one of these; ``"auto"``: :func:`eos_token_ids` of the model.
+    stop : str or list of str, optional
+        Stop strings, matched on the decoded continuation (needs ``tokenizer``); the text
+        returned stops before the match.
+    tokenizer : tokenizers.Tokenizer, optional
+        For ``stop``, ``text_callback`` and ``GenerationResult.text``.
+    logprobs, top_logprobs : bool, int
+        Record each token's log-probability and the ``top_logprobs`` best alternatives
+        (:func:`olv_runtime.sampling.token_logprob`, raw logits).
     callback : callable, optional
         Called with each new token id as soon as it is chosen.
+    text_callback : callable, optional
+        Called with each piece of final text (see :class:`TextStream`; needs ``tokenizer``).
     stats : GenerationStats, optional
         Filled with token counts and timings.
+    state : State, optional
+        Continue this state (made by an earlier ``generate(..., return_state=True)``,
+        :func:`olv_runtime.load_state`, or a fresh :func:`make_state` with an empty cache). It is
+        left open and holds the sequence afterwards (``state.tokens``; the last generated token
+        is pending: its KV is computed at the start of the next call).
+    return_state : bool
+        Return ``(ids, state)`` (a new open state when none was passed).
+    return_result : bool
+        Return a :class:`GenerationResult`.
 
     Returns
     -------
-    numpy.ndarray
+    numpy.ndarray or (numpy.ndarray, State) or GenerationResult
         int64 ``[n_new]``: the generated ids (prompt excluded).
 
     Raises
     ------
     InvalidArgument
-        Empty prompt, non-integer ids, max_new_tokens < 0, a model without ``input_ids``/``logits``.
+        Empty prompt with nothing pending, non-integer or out-of-vocabulary ids, bad sampling
+        values, stop strings without a tokenizer, a model without ``input_ids``/``logits``, a
+        state of another session.
+    StateError
+        A state whose KV cache length disagrees with its token history (it was run outside
+        generate), or a closed state.
+    KeyboardInterrupt
+        Re-raised after the state was left consistent (unless ``return_result``, which reports
+        ``finish_reason="interrupted"``).
     """
     ids = np.asarray(prompt_ids)
-    if ids.ndim != 1 or ids.size == 0:
-        raise InvalidArgument(
-            f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {list(ids.shape)}"
-        )
-    if ids.dtype.kind not in "iu":
-        raise InvalidArgument(
-            "prompt_ids must be integers that fit in int64 (token ids), got "
-            + (f"dtype {ids.dtype}" if ids.dtype.kind != "O" else "values out of the int64 range")
-        )
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
-    session = model if isinstance(model, InferenceSession) else InferenceSession(model, session_options)
+    if ids.size == 0 and ids.dtype.kind == "f":
+        ids = ids.astype(np.int64)
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
+            or max_new_tokens < 0:
+        raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty,
+                            presence_penalty, frequency_penalty, penalty_last_n)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidArgument(f"stop strings must be non-empty strings, got {stops!r}")
+    if (stops or text_callback is not None) and tokenizer is None:
+        raise InvalidArgument("stop strings and text_callback need a tokenizer (tokenizers.Tokenizer)")
+    if not isinstance(top_logprobs, (int, np.integer)) or top_logprobs < 0:
+        raise InvalidArgument(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
+
+    if state is not None:
+        if state.closed:
+            raise StateError("generate: the state is closed")
+        if model is not None and isinstance(model, InferenceSession) and model is not state.session:
+            raise InvalidArgument("generate: the state belongs to another InferenceSession")
+        session = state.session
+    else:
+        if model is None:
+            raise InvalidArgument("generate needs a model (or a state)")
+        session = model if isinstance(model, InferenceSession) else InferenceSession(model, session_options)
     vocab = session.get_modelmeta().get("olv.vocab_size")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or (vocab is not None and hi >= int(vocab)):
-        bad = lo if lo < 0 else hi
-        limit = f"[0, {vocab})" if vocab is not None else ">= 0"
-        raise InvalidArgument(f"prompt_ids: token ids must be in {limit}, got {bad}")
+    pending = list(state.tokens[state.cached_tokens:]) if state is not None else []
+    _check_ids(ids, vocab, "prompt_ids", allow_empty=bool(pending))
     in_names = [a.name for a in session.get_inputs()]
     out_names = [a.name for a in session.get_outputs()]
     if "input_ids" not in in_names or "logits" not in out_names:
@@ -158,36 +365,107 @@ def generate(
             f"generate needs a model with an 'input_ids' input and a 'logits' output; inputs are "
             f"{in_names}, outputs {out_names}"
         )
-    eos = set() if eos_token_id is None else (
-        {int(eos_token_id)} if np.isscalar(eos_token_id) else {int(e) for e in eos_token_id}
-    )
-    rng = np.random.default_rng(seed) if temperature > 0 else None
+    if isinstance(eos_token_id, str):
+        if eos_token_id != "auto":
+            raise InvalidArgument(f"eos_token_id must be an int, a list of ints, 'auto' or None, "
+                                  f"got {eos_token_id!r}")
+        eos = set(eos_token_ids(session))
+    else:
+        eos = set() if eos_token_id is None else (
+            {int(eos_token_id)} if np.isscalar(eos_token_id) else {int(e) for e in eos_token_id})
+    if state is not None:
+        held = _kv_length(state)
+        if held is not None and held != state.cached_tokens:
+            raise StateError(
+                f"generate: the state's KV cache holds {held} positions but its token history "
+                f"records {state.cached_tokens} (was it run outside generate?)")
+        if seed is not None or state.rng is None:
+            state.rng = np.random.default_rng(seed)
+        rng = state.rng
+    else:
+        rng = np.random.default_rng(seed)
+
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = int(ids.size)
-    stats.new_tokens = 0
+    stats.new_tokens = stats.prefill_tokens = 0
+    stats.cached_tokens = state.cached_tokens if state is not None else 0
+    stats.prefill_seconds = stats.decode_seconds = 0.0
+    stream = TextStream(tokenizer, stops) if tokenizer is not None else None
     out: list[int] = []
-    if max_new_tokens == 0:
-        return np.zeros(0, np.int64)
-    state = make_state(session, empty_cache(session))
+    lps: list[TokenLogprob] | None = [] if logprobs else None
+    reason = "length"
+
+    own_state = state is None
+    if own_state:
+        state = make_state(session, empty_cache(session))
+        state.rng = rng
+    history = list(state.tokens) + [int(t) for t in ids.tolist()]
+    feed = pending + [int(t) for t in ids.tolist()]
+    closed_ok = False
     try:
-        t0 = time.perf_counter()
-        logits = state.run({"input_ids": ids.astype(np.int64).reshape(1, -1)})["logits"]
-        tok = sample_token(logits[0, -1], temperature, top_k, top_p, rng)
-        stats.prefill_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        step_ids = np.empty((1, 1), np.int64)
-        while True:
-            out.append(tok)
-            stats.new_tokens = len(out)
-            if callback is not None:
-                callback(tok)
-            if len(out) >= max_new_tokens or tok in eos:
-                break
-            step_ids[0, 0] = tok
-            session.recycle(logits)  # consumed: its buffer serves the next call (no allocation)
+        if max_new_tokens == 0:
+            state.tokens = history
+            closed_ok = True
+        else:
+            t0 = time.perf_counter()
+            step_ids = np.asarray(feed, np.int64).reshape(1, -1)
             logits = state.run({"input_ids": step_ids})["logits"]
-            tok = sample_token(logits[0, -1], temperature, top_k, top_p, rng)
-        stats.decode_seconds = time.perf_counter() - t1
+            state.tokens, state.cached_tokens = list(history), len(history)
+            stats.prefill_tokens = len(feed)
+            t1 = None
+            step = np.empty((1, 1), np.int64)
+            while True:
+                row = logits[0, -1]
+                tok = select_token(row, history, params, rng)
+                if lps is not None:
+                    lps.append(token_logprob(row, tok, top_logprobs))
+                out.append(tok)
+                history.append(tok)
+                state.tokens.append(tok)  # pending: its KV is computed by the next run
+                stats.new_tokens = len(out)
+                if t1 is None:
+                    stats.prefill_seconds = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                if callback is not None:
+                    callback(tok)
+                if stream is not None:
+                    piece = stream.push(tok)
+                    if piece and text_callback is not None:
+                        text_callback(piece)
+                    if stream.stopped is not None:
+                        reason = "stop"
+                        break
+                if tok in eos:
+                    reason = "eos"
+                    break
+                if len(out) >= max_new_tokens:
+                    break
+                step[0, 0] = tok
+                session.recycle(logits)  # consumed: its buffer serves the next call
+                logits = state.run({"input_ids": step})["logits"]
+                state.cached_tokens += 1
+            stats.decode_seconds = time.perf_counter() - t1
+            closed_ok = True
+    except KeyboardInterrupt:
+        reason = "interrupted"
+        if not return_result:
+            raise
+        closed_ok = True
     finally:
-        state.close()
-    return np.asarray(out, np.int64)
+        if own_state and not (return_state and closed_ok):
+            state.close()
+    if stream is not None and text_callback is not None and reason != "stop":
+        rest = stream.flush()
+        if rest:
+            text_callback(rest)
+    result_ids = np.asarray(out, np.int64)
+    keep = state if (return_state or not own_state) else None
+    if return_result:
+        text = None
+        if stream is not None:
+            text = stream.text
+        return GenerationResult(result_ids, text, reason, stream.stopped if stream else None,
+                                lps, keep, stats)
+    if return_state:
+        return result_ids, state
+    return result_ids

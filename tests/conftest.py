@@ -90,3 +90,65 @@ def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
     """Tiny Llama checkpoint (float32, untied, no biases, intermediate 96)."""
     return _build(tmp_path_factory, "tiny_llama", "LlamaForCausalLM",
                   intermediate_size=96, tie_word_embeddings=False)
+
+
+#: A ChatML chat template (the Qwen2 family's turn markers) written as blocks on their own
+#: lines, so the jinja2 ``trim_blocks`` / ``lstrip_blocks`` settings matter when rendering.
+CHAT_TEMPLATE = """{% for message in messages %}
+  {% if loop.first and message['role'] != 'system' %}
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+  {% endif %}
+  {% if message['role'] not in ['system', 'user', 'assistant'] %}
+    {{ raise_exception('unknown role ' + message['role']) }}
+  {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory) -> pathlib.Path:
+    """Tiny Qwen2 checkpoint (float32, tied, hidden 64, 2 layers) with a byte-level BPE
+    tokenizer carrying ``<|im_start|>`` / ``<|im_end|>``, a ChatML ``chat_template`` in its
+    tokenizer_config.json and two eos ids in generation_config.json."""
+    import torch
+    import transformers
+
+    from olv_runtime.models.random_checkpoint import build_tokenizer
+
+    tok = build_tokenizer(vocab_size=300)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    vocab = tok.get_vocab_size()
+    config = transformers.Qwen2Config(**{**TINY, "vocab_size": vocab}, intermediate_size=96,
+                                      tie_word_embeddings=True,
+                                      bos_token_id=tok.token_to_id("<|endoftext|>"),
+                                      eos_token_id=tok.token_to_id("<|im_end|>"))
+    torch.manual_seed(1)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    out = tmp_path_factory.mktemp("tiny_chat")
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}))
+    (out / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_models(tiny_chat_dir, tmp_path_factory) -> dict:
+    """``tiny_chat_dir`` converted twice: {"int4": path, "float32": path} (tokenizer files
+    copied beside each)."""
+    from olv_runtime.models.qwen import convert
+
+    out = {}
+    for w in ("int4-block32", "float32"):
+        d = tmp_path_factory.mktemp(f"tiny_chat_{w}")
+        convert(tiny_chat_dir, d / "model.onnx", weights=w)
+        out["int4" if w.startswith("int4") else "float32"] = d / "model.onnx"
+    return out

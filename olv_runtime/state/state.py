@@ -304,6 +304,14 @@ class State:
     construction_counters : dict
         Figures of ``make_state`` (session creation when it made one, binding resolution,
         initial values). ``model_serializations`` and ``bytes_copied_state`` are 0.
+    tokens : list of int
+        Token bookkeeping of :func:`olv_runtime.generate`: the sequence so far (prompts and
+        generated ids). Empty for a new state; cleared by :meth:`reset`.
+    cached_tokens : int
+        How many leading entries of ``tokens`` the retained KV cache holds; the rest are
+        pending (fed at the start of the next ``generate`` call).
+    rng : numpy.random.Generator or None
+        The sampling generator ``generate`` continues when called without a seed.
     """
 
     def __init__(self, session: InferenceSession, bindings: list[tuple[str, str]],
@@ -321,6 +329,9 @@ class State:
         self.last_counters: dict[str, int] = {}
         self.construction_counters: dict[str, int] = {}
         self._values: Mapping[str, np.ndarray] = types.MappingProxyType({})
+        self.tokens: list[int] = []
+        self.cached_tokens = 0
+        self.rng = None
         with self._call():
             self._publish(self._check_initial(initial, "initial"))
 
@@ -519,6 +530,7 @@ class State:
         try:
             with self._call():
                 self._publish(self._check_initial(initial, "reset"))
+                self.tokens, self.cached_tokens, self.rng = [], 0, None
         finally:
             self._lock.release()
 
@@ -539,6 +551,13 @@ class State:
                 _release_level(self._session.counters, self._level)
         finally:
             self._lock.release()
+
+    def save(self, path):
+        """Write the KV cache and token bookkeeping to a file (a prompt cache); see
+        :func:`olv_runtime.prompt_cache.save_state`."""
+        from olv_runtime.prompt_cache import save_state
+
+        return save_state(self, path)
 
     @property
     def closed(self) -> bool:

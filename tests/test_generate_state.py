@@ -1,0 +1,172 @@
+"""generate() continuing a State: continuation cost (prefill counter), save/restore (prompt
+cache) with the model digest check, stop strings, several eos ids, logprobs, Ctrl-C."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import olv_runtime
+from olv_runtime.errors import InvalidArgument, StateError, StateFileError
+
+PROMPT = [5, 17, 99, 3, 42, 64, 7, 120]
+
+
+@pytest.fixture(scope="module")
+def sess(tiny_chat_models):
+    return olv_runtime.InferenceSession(olv_runtime.load(tiny_chat_models["int4"]))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_chat_models):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_chat_models["int4"].parent / "tokenizer.json"))
+
+
+def test_continuation_after_save_restore_equals_one_call(sess, tmp_path):
+    full = olv_runtime.generate(sess, PROMPT, 12)
+    first, state = olv_runtime.generate(sess, PROMPT, 5, return_state=True)
+    assert state.tokens == PROMPT + first.tolist()
+    assert state.cached_tokens == len(PROMPT) + 4  # the last generated token is pending
+    path = state.save(tmp_path / "cache.npz")
+    state.close()
+    restored = olv_runtime.load_state(sess, path)
+    assert restored.tokens == PROMPT + first.tolist()
+    st = olv_runtime.GenerationStats()
+    rest = olv_runtime.generate(sess, [], 7, state=restored, stats=st)
+    assert first.tolist() + rest.tolist() == full.tolist()
+    assert st.prefill_tokens == 1 and st.cached_tokens == len(PROMPT) + 4
+    restored.close()
+
+
+def test_sampled_continuation_carries_the_generator(sess, tmp_path):
+    kw = dict(temperature=0.9, top_k=30, top_p=0.95, repetition_penalty=1.1)
+    full = olv_runtime.generate(sess, PROMPT, 10, seed=11, **kw)
+    a, state = olv_runtime.generate(sess, PROMPT, 4, seed=11, return_state=True, **kw)
+    olv_runtime.save_state(state, tmp_path / "s.npz")
+    restored = olv_runtime.load_state(sess, tmp_path / "s.npz")
+    b = olv_runtime.generate(None, [], 6, state=restored, **kw)
+    assert a.tolist() + b.tolist() == full.tolist()
+
+
+def test_second_turn_costs_only_new_tokens(sess):
+    turn2 = [9, 8, 7, 6]
+    a, state = olv_runtime.generate(sess, PROMPT, 6, return_state=True)
+    st = olv_runtime.GenerationStats()
+    b = olv_runtime.generate(sess, turn2, 5, state=state, stats=st)
+    assert st.prefill_tokens == 1 + len(turn2)            # pending token + the new turn
+    assert st.cached_tokens == len(PROMPT) + len(a) - 1
+    # the same ids as one fresh call on the whole sequence
+    whole = olv_runtime.generate(sess, PROMPT + a.tolist() + turn2, 5)
+    assert b.tolist() == whole.tolist()
+    st_fresh = olv_runtime.GenerationStats()
+    olv_runtime.generate(sess, PROMPT + a.tolist() + turn2, 1, stats=st_fresh)
+    assert st_fresh.prefill_tokens == len(PROMPT) + len(a) + len(turn2)
+    state.close()
+
+
+def test_state_file_of_another_model_is_refused(sess, tiny_chat_models, tmp_path):
+    _, state = olv_runtime.generate(sess, PROMPT, 3, return_state=True)
+    state.save(tmp_path / "int4.npz")
+    other = olv_runtime.InferenceSession(olv_runtime.load(tiny_chat_models["float32"]))
+    assert olv_runtime.model_digest(other) != olv_runtime.model_digest(sess)
+    with pytest.raises(StateFileError, match="saved for another model"):
+        olv_runtime.load_state(other, tmp_path / "int4.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(StateFileError, match="not a readable state file"):
+        olv_runtime.load_state(sess, tmp_path / "junk.npz")
+    # a failed save leaves the existing file as it was
+    before = (tmp_path / "int4.npz").read_bytes()
+    state.close()
+    with pytest.raises(StateError, match="closed"):
+        olv_runtime.save_state(state, tmp_path / "int4.npz")
+    assert (tmp_path / "int4.npz").read_bytes() == before
+
+
+def test_digest_is_stable_across_copies(tiny_chat_models, tmp_path):
+    import shutil
+
+    src = tiny_chat_models["int4"]
+    dst = tmp_path / "renamed.onnx"
+    shutil.copyfile(src, dst)
+    assert olv_runtime.model_digest(olv_runtime.load(dst)) == olv_runtime.model_digest(
+        olv_runtime.load(src))
+
+
+def test_state_run_outside_generate_is_detected(sess):
+    _, state = olv_runtime.generate(sess, PROMPT, 2, return_state=True)
+    state.run({"input_ids": np.array([[1, 2]], np.int64)})
+    with pytest.raises(StateError, match="KV cache holds"):
+        olv_runtime.generate(sess, [3], 2, state=state)
+    state.close()
+    with pytest.raises(StateError, match="closed"):
+        olv_runtime.generate(sess, [3], 2, state=state)
+
+
+def test_stop_strings(sess, tokenizer):
+    ref = olv_runtime.generate(sess, PROMPT, 24, tokenizer=tokenizer, return_result=True)
+    text = ref.text
+    assert ref.finish_reason == "length" and len(text) > 12
+    stop = text[8:11]
+    first = text.find(stop)
+    pieces = []
+    res = olv_runtime.generate(sess, PROMPT, 24, tokenizer=tokenizer, stop=[stop, "\x00never"],
+                               text_callback=pieces.append, return_result=True)
+    assert res.finish_reason == "stop" and res.stop_string == stop
+    assert res.text == text[:first]
+    assert "".join(pieces) == text[:first]
+    # the ids end with the token that completed the stop string
+    assert stop in tokenizer.decode(res.ids.tolist())
+    assert stop not in tokenizer.decode(res.ids[:-1].tolist())
+    with pytest.raises(InvalidArgument, match="tokenizer"):
+        olv_runtime.generate(sess, PROMPT, 4, stop="x")
+
+
+def test_several_eos_ids_and_generation_config(sess, tiny_chat_models, tokenizer):
+    eos = olv_runtime.eos_token_ids(sess)
+    assert eos == [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+    ref = olv_runtime.generate(sess, PROMPT, 10).tolist()
+    res = olv_runtime.generate(sess, PROMPT, 10, eos_token_id=[10**6, ref[3]], return_result=True)
+    assert res.ids.tolist() == ref[:ref.index(ref[3]) + 1] and res.finish_reason == "eos"
+    auto = olv_runtime.generate(sess, PROMPT, 10, eos_token_id="auto").tolist()
+    cut = [i for i, t in enumerate(ref) if t in eos]
+    assert auto == (ref[:cut[0] + 1] if cut else ref)
+
+
+def test_logprobs_match_logits(sess):
+    res = olv_runtime.generate(sess, PROMPT, 4, logprobs=True, top_logprobs=3, return_result=True)
+    seq = PROMPT + res.ids.tolist()
+    logits = sess.run(["logits"], {"input_ids": np.asarray([seq], np.int64), **_empty(sess)})[0][0]
+    for k, lp in enumerate(res.logprobs):
+        row = logits[len(PROMPT) - 1 + k].astype(np.float64)
+        ref = row - np.log(np.exp(row - row.max()).sum()) - row.max()
+        assert lp.token_id == res.ids[k]
+        assert abs(lp.logprob - ref[lp.token_id]) < 1e-4
+        assert [t for t, _ in lp.top] == np.argsort(-ref, kind="stable")[:3].tolist()
+        assert lp.top[0][0] == lp.token_id  # greedy
+
+
+def _empty(sess):
+    return olv_runtime.empty_cache(sess)
+
+
+def test_keyboard_interrupt_leaves_state_consistent(sess):
+    full = olv_runtime.generate(sess, PROMPT, 9).tolist()
+    state = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
+    seen = []
+
+    def cb(tok):
+        seen.append(tok)
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        olv_runtime.generate(sess, PROMPT, 9, state=state, callback=cb)
+    assert state.tokens == PROMPT + seen
+    rest = olv_runtime.generate(sess, [], 5, state=state)
+    assert seen + rest.tolist() == full
+    # with return_result the interruption is reported instead
+    state2 = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
+    seen.clear()
+    res = olv_runtime.generate(sess, PROMPT, 9, state=state2, callback=cb, return_result=True)
+    assert res.finish_reason == "interrupted" and res.ids.tolist() == full[:4]
