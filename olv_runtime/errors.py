@@ -15,6 +15,12 @@ class ModelFormatError(OlvError, ValueError):
     """The model file or message is malformed (cannot be parsed, missing external data, ...)."""
 
 
+class GGUFFormatError(ModelFormatError):
+    """A GGUF file is malformed or hostile (truncated, lengths or offsets beyond the file, bad
+    dimensions, unknown types, misalignment, duplicates); raised before anything is read
+    outside the file (:mod:`olv_runtime.models.gguf_reader`)."""
+
+
 class ValidationError(OlvError, ValueError):
     """A value, layout or graph violates the seed 000 contract (found at load/session creation)."""
 

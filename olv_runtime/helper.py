@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from olv_runtime.proto import (
@@ -48,6 +49,7 @@ _NP_TO_ONNX: dict[np.dtype, int] = {
     np.dtype(np.uint32): TensorProto.UINT32,
     np.dtype(np.uint64): TensorProto.UINT64,
     np.dtype(np.bool_): TensorProto.BOOL,
+    np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16,  # raw_data: the 16-bit patterns
 }
 _ONNX_TO_NP: dict[int, np.dtype] = {v: k for k, v in _NP_TO_ONNX.items()}
 

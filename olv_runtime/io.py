@@ -263,6 +263,7 @@ def save(
     external_data: bool | None = None,
     location: str | None = None,
     threshold: int = EXTERNAL_THRESHOLD,
+    keep_external: bool = False,
 ) -> pathlib.Path:
     """Write a model; large payloads optionally go to one external data file beside it.
 
@@ -280,6 +281,11 @@ def save(
         External file name relative to ``path``'s directory (default ``<file name>.data``).
     threshold : int
         Minimum payload size in bytes moved to the external file.
+    keep_external : bool
+        Leave payloads that are already external exactly as they are (same location, offset,
+        length; nothing read or copied): for models whose payloads live in another file, e.g.
+        a GGUF import (``models/gguf.py``). The locations must resolve from ``path``'s
+        directory.
 
     Returns
     -------
@@ -312,6 +318,8 @@ def save(
             with os.fdopen(fd, "wb") as fh:
                 offset = 0
                 for msg, src in zip(_payload_messages(proto), _payload_messages(m.proto)):
+                    if msg.data_location == TensorProto.EXTERNAL and keep_external:
+                        continue
                     if msg.data_location == TensorProto.EXTERNAL:
                         payload = m.payload(src)
                     elif msg.HasField("raw_data"):
@@ -336,7 +344,7 @@ def save(
                     offset += len(payload)
         else:
             for msg, src in zip(_payload_messages(proto), _payload_messages(m.proto)):
-                if msg.data_location == TensorProto.EXTERNAL:
+                if msg.data_location == TensorProto.EXTERNAL and not keep_external:
                     _inline(msg, m.payload(src))
         fd, tmp_model = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".onnx")
         tmp_files.append((tmp_model, out))

@@ -128,6 +128,9 @@ class QwenConfig:
             tie = "lm_head.weight" not in set(tensor_names)
         self.tie_word_embeddings = bool(tie)
         self.has_qk_norm = arch == "Qwen3ForCausalLM"
+        # not a Hugging Face key: set by the GGUF importer for llama files, whose q/k rows are
+        # stored permuted for pairwise RoPE (models/gguf.py)
+        self.rope_interleaved = bool(config.get("rope_interleaved", False))
 
 
 def compute_inv_freq(theta: float, head_dim: int) -> np.ndarray:
@@ -167,6 +170,9 @@ class _QwenBuilder:
         self.b = graph
         self.weights = weights
         self.ckpt = ckpt
+        # sources that store tensors in place (models/gguf.py GGUFCheckpoint) give the message
+        # holding each tensor; the builder references it instead of reading the values
+        self.stored = getattr(ckpt, "stored", None)
 
     def node(self, op_type, inputs, outputs, name, domain="", **attrs):
         return self.b.make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs)
@@ -189,8 +195,32 @@ class _QwenBuilder:
             )
         return arr
 
+    def in_place(self, ckpt_name: str, expect_shape: tuple[int, ...], prefix: str) -> str:
+        """A tensor stored in place by the source (dense external initializer, or encoded value
+        + ``olv.Decode`` node named ``<prefix>/Decode``); returns the float tensor's name."""
+        kind = self.b.initializer_names.get(ckpt_name)
+        if kind is None:
+            shape = tuple(self.ckpt.shape(ckpt_name))
+            if shape != tuple(expect_shape):
+                raise ConversionError(
+                    f"tensor {ckpt_name!r} has shape {list(shape)}, expected {list(expect_shape)}"
+                )
+            msg = self.stored(ckpt_name)
+            if isinstance(msg, TensorProto):
+                self.b.make_initializer(ckpt_name, msg)
+                kind = "dense"
+            else:
+                self.b.make_encoded_initializer(msg)
+                kind = "encoded"
+        if kind == "dense":
+            return ckpt_name
+        return self.node("Decode", [ckpt_name], [f"{prefix}/decoded"], f"{prefix}/Decode",
+                         domain=OLV_DOMAIN)
+
     def dense(self, ckpt_name: str, expect_shape: tuple[int, ...]) -> str:
         """A dense float32 initializer from the checkpoint under its checkpoint name."""
+        if self.stored is not None:
+            return self.in_place(ckpt_name, expect_shape, ckpt_name)
         if ckpt_name in self.b.initializer_names:
             return ckpt_name
         arr = self._checked(ckpt_name, expect_shape)
@@ -211,6 +241,8 @@ class _QwenBuilder:
 
     def matrix(self, ckpt_name: str, prefix: str, expect_shape: tuple[int, int]) -> str:
         """The float [N, K] matrix value: ``olv.Decode`` output (int4) or the initializer."""
+        if self.stored is not None:
+            return self.in_place(ckpt_name, expect_shape, prefix)
         stored = self.weight(ckpt_name, expect_shape)
         if self.weights == "float32":
             return stored
@@ -304,14 +336,19 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
     ConversionError
         Unsupported architecture or config, unknown ``weights``, missing or misshapen tensor.
     """
-    if weights not in WEIGHT_FORMATS:
+    in_place = hasattr(checkpoint, "stored")  # models/gguf.py: tensors referenced in place
+    if in_place:
+        weights = "gguf"
+    elif weights not in WEIGHT_FORMATS:
         raise ConversionError(f"unknown weights format {weights!r}; supported: {', '.join(WEIGHT_FORMATS)}")
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    ckpt = checkpoint if (in_place or isinstance(checkpoint, Checkpoint)) else Checkpoint(checkpoint)
     cfg = QwenConfig(ckpt.config, ckpt.keys())
     report = progress or (lambda msg: None)
 
     gb = GraphBuilder(cfg.architecture, opsets={"": OPSET, OLV_DOMAIN: OLV_OPSET},
                       ir_version=IR_VERSION)
+    if in_place:
+        gb.add_struct_types(ckpt.struct_types())
     b = _QwenBuilder(gb, weights, ckpt)
 
     L, H, KVH, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -343,9 +380,11 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
             q = _qk_norm(b, q, f"{c}.self_attn.q_norm.weight", H, cfg, f"{p}/self_attn/q_norm")
             k = _qk_norm(b, k, f"{c}.self_attn.k_norm.weight", KVH, cfg, f"{p}/self_attn/k_norm")
         q = b.node("RotaryEmbedding", [q, cos, sin], [f"{p}/self_attn/q_rotary"],
-                   f"{p}/self_attn/RotaryEmbedding_q", num_heads=H, interleaved=0)
+                   f"{p}/self_attn/RotaryEmbedding_q", num_heads=H,
+                   interleaved=int(cfg.rope_interleaved))
         k = b.node("RotaryEmbedding", [k, cos, sin], [f"{p}/self_attn/k_rotary"],
-                   f"{p}/self_attn/RotaryEmbedding_k", num_heads=KVH, interleaved=0)
+                   f"{p}/self_attn/RotaryEmbedding_k", num_heads=KVH,
+                   interleaved=int(cfg.rope_interleaved))
         a, _, _ = b.node(
             "Attention",
             [q, k, v, "", f"past_key.{i}", f"past_value.{i}"],
@@ -407,6 +446,10 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         eos = eos[0]
     if isinstance(eos, int):
         meta["olv.eos_token_id"] = eos
+    if cfg.rope_interleaved:
+        meta["olv.rope_interleaved"] = 1
+    if in_place:
+        meta.update(ckpt.metadata_props())
     for key, value in meta.items():
         entry = model.metadata_props.add()
         entry.key = key
@@ -452,6 +495,10 @@ def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
     ConversionError
         See :func:`build_model`.
     """
+    if os.path.isfile(os.fspath(checkpoint_dir)):  # a GGUF file (models/gguf.py)
+        from olv_runtime.models.gguf import convert_gguf
+
+        return convert_gguf(checkpoint_dir, out_path, progress=progress)
     out_path = os.fspath(out_path)
     with Checkpoint(checkpoint_dir) as ckpt:
         model = build_model(ckpt, weights, progress=progress, kv=kv)

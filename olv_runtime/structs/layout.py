@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import ml_dtypes
 import numpy as np
 
 from olv_runtime.errors import LayoutError, SizeOverflowError
@@ -37,6 +38,7 @@ UINT64_MAX = (1 << 64) - 1
 LEAF_TYPES: dict[int, tuple[int, str, np.dtype]] = {
     TensorProto.FLOAT: (32, "float", np.dtype("<f4")),
     TensorProto.FLOAT16: (16, "float", np.dtype("<f2")),
+    TensorProto.BFLOAT16: (16, "float", np.dtype(ml_dtypes.bfloat16)),  # GGUF BF16 tensors
     TensorProto.DOUBLE: (64, "float", np.dtype("<f8")),
     TensorProto.INT8: (8, "int", np.dtype("i1")),
     TensorProto.UINT8: (8, "uint", np.dtype("u1")),
