@@ -36,6 +36,10 @@ Counter names (integers; bytes unless noted):
                                 :func:`install_model_guard`); 0 during state construction and runs
 ``payload_bytes_read`` /        encoded payload bytes read or copied while validating and
 ``payload_bytes_copied``        binding values at session creation (zero-copy views count nothing)
+``bytes_repacked``              bytes written by native consumers that repack encoded blocks
+                                into a kernel layout at session creation (GGUF ggml blocks ->
+                                INT4 codes, scales, offsets; ``structs/ggml_native.py``): a
+                                layout change, not a payload copy
 ``kv_blocks_allocated``         (count) paged KV block slots taken (K and V sides counted apart;
                                 :mod:`olv_runtime.state.paged`)
 ``bytes_kv_converted``          payload bytes of paged KV block sides converted at sealing (the
@@ -77,6 +81,7 @@ NAMES = (
     "model_serializations",
     "payload_bytes_read",
     "payload_bytes_copied",
+    "bytes_repacked",
     "kv_blocks_allocated",
     "bytes_kv_converted",
     "kv_blocks_converted",

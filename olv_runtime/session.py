@@ -26,7 +26,15 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.counters import Counters
-from olv_runtime.fusion import EncodedGather, LinearStep, Step, optimize, prepare_linears
+from olv_runtime.fusion import (
+    EncodedGather,
+    LinearStep,
+    PlanesGather,
+    PlanesLinear,
+    Step,
+    optimize,
+    prepare_linears,
+)
 from olv_runtime.errors import (
     InvalidArgument,
     MissingDecoderError,
@@ -40,6 +48,7 @@ from olv_runtime.ops import control, lookup  # noqa: F401  (control: If, local f
 from olv_runtime.ops.registry import canonical_domain
 from olv_runtime.proto import EncodedValueProto, TensorProto, ValueInfoProto
 from olv_runtime.structs import StructValue
+from olv_runtime.structs.ggml_native import PlanesWeight
 from olv_runtime.structs import resolve as resolve_encoded
 from olv_runtime.values import (
     NP_DTYPE,
@@ -330,6 +339,14 @@ class InferenceSession:
                 src = self._constants.get(node.input[0])
                 if isinstance(src, AffineValue) and src.is_int4_rows_blocked():
                     return src, [p]
+                if isinstance(src, StructValue) and self.options.prepack:
+                    # ggml blocks (GGUF imports): a native consumer verified against the
+                    # declaration repacks them for the packed INT4 kernels
+                    from olv_runtime.structs.ggml_native import linear_weight
+
+                    rep = linear_weight(src, self.counters)
+                    if rep is not None:
+                        return rep, [p]
             return None, []
 
         for i in order:
@@ -351,8 +368,12 @@ class InferenceSession:
                 if isinstance(weight, np.ndarray) and (weight.ndim != 2 or weight.dtype != np.float32):
                     continue
                 name = node.name or f"MatMul({node.output[0]})"
-                lin = LinearStep(name, [weight], self.options, self.counters)
-                fused[i] = Step(name, "Linear", lin, [node.input[0]], node.output, lin)
+                if isinstance(weight, PlanesWeight):
+                    lin = PlanesLinear(name, weight, self.options, self.counters)
+                    fused[i] = Step(name, "PlanesLinear", lin, [node.input[0]], node.output, lin)
+                else:
+                    lin = LinearStep(name, [weight], self.options, self.counters)
+                    fused[i] = Step(name, "Linear", lin, [node.input[0]], node.output, lin)
                 removable.setdefault(t_idx, set()).add((i, 1))
                 for p in chain:  # the Decode dies only if the Transpose does
                     removable.setdefault(p, set())
@@ -361,10 +382,11 @@ class InferenceSession:
                 if axis and axis[0] != 0:
                     continue
                 weight, chain = const_source(node.input[0])
-                if not isinstance(weight, AffineValue):
+                if not isinstance(weight, (AffineValue, PlanesWeight)):
                     continue
                 name = node.name or f"Gather({node.output[0]})"
-                gat = EncodedGather(name, weight)
+                gat = (PlanesGather(name, weight) if isinstance(weight, PlanesWeight)
+                       else EncodedGather(name, weight))
                 fused[i] = Step(name, "EncodedGather", gat, [node.input[1]], node.output, gat)
                 for p in chain:
                     removable.setdefault(p, set()).add((i, 0))

@@ -1,0 +1,91 @@
+"""Native consumers of ggml blocks (structs/ggml_native.py): verified declarations, INT4 repacks
+for the packed kernels, the same logits as the FunctionProto decoder path, counters."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import olv_runtime
+from olv_runtime import SessionOptions
+from olv_runtime.structs import ggml, resolve
+from olv_runtime.structs.ggml_native import FAST_TYPES, PlanesWeight, linear_weight
+
+from gguf_models import write_gguf
+
+IDS = np.array([[5, 17, 99, 3, 42, 64, 7, 250]], np.int64)
+
+
+def _model(tmp_path, ttype, **kw):
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", ttype, layers=1, seed=4, **kw)
+    out = tmp_path / "m.onnx"
+    olv_runtime.convert(path, out)
+    return olv_runtime.load(out)
+
+
+def _logits(sess, ids=IDS):
+    state = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
+    return state.run({"input_ids": ids})["logits"]
+
+
+@pytest.mark.parametrize("ttype", FAST_TYPES)
+def test_fast_consumer_matches_decoder_path(tmp_path, ttype):
+    model = _model(tmp_path, ttype)
+    fast = olv_runtime.InferenceSession(model)
+    kinds = {k for k, _ in fast.plan()}
+    assert "Decode" not in kinds  # every ggml weight is read by a native consumer
+    assert ("Linear" if ttype == "Q4_0" else "PlanesLinear") in kinds
+    assert fast.counters["payload_bytes_copied"] == 0
+    assert fast.counters["bytes_repacked"] > 0
+    before = fast.counters["bytes_dequantized"]
+    got = _logits(fast)
+    assert fast.counters["bytes_dequantized"] == before  # no weight materialised
+    ref_sess = olv_runtime.InferenceSession(model, SessionOptions(enable_fusion=False))
+    assert any(k == "Decode" for k, _ in ref_sess.plan())
+    ref = _logits(ref_sess)
+    assert float(np.max(np.abs(got - ref))) <= 1e-4
+
+
+@pytest.mark.parametrize("ttype", FAST_TYPES)
+def test_repack_reproduces_the_decoded_weight(tmp_path, ttype):
+    """planes x scales + offset == decode_value (float32 rounding of the rewritten sums only)."""
+    model = _model(tmp_path, ttype)
+    value = resolve(model).value("model.layers.0.mlp.down_proj.weight")
+    rep = linear_weight(value)
+    n, k = value.logical[1]
+    planes = rep.planes if isinstance(rep, PlanesWeight) else [rep]
+    w = np.zeros((n, k), np.float64)
+    for p in planes:
+        b = np.asarray(p.codes, np.uint8)
+        c = np.empty(n * k, np.int16)
+        c[0::2], c[1::2] = b & 15, b >> 4
+        c[c >= 8] -= 16
+        w += c.reshape(n, k) * np.repeat(p.scale.astype(np.float64), 32, axis=1)
+    if isinstance(rep, PlanesWeight) and rep.offset is not None:
+        w += np.repeat(rep.offset.astype(np.float64), 32, axis=1)
+    ref = value.decode()
+    np.testing.assert_allclose(w, ref, rtol=0, atol=1e-6 * float(np.abs(ref).max()))
+
+
+def test_q6_k_has_no_native_consumer(tmp_path):
+    model = _model(tmp_path, "Q6_K")
+    value = resolve(model).value("model.layers.0.mlp.down_proj.weight")
+    assert linear_weight(value) is None
+    sess = olv_runtime.InferenceSession(model)
+    assert "Decode" in {k for k, _ in sess.plan()}
+
+
+def test_consumer_verifies_the_declaration(tmp_path):
+    """A declaration under a ggml row type_id that is not the canonical one (here: a changed
+    decoder) is not bound by the native consumer; its own FunctionProto decoder is used."""
+    model = _model(tmp_path, "Q4_0")
+    proto = model.proto
+    k = 256
+    rid = ggml.row_type_id(ggml.BLOCKS["Q4_0"], k)
+    decl = next(st for st in proto.struct_types if st.type_id == rid)
+    mul = next(n for n in decl.decoder.node if n.op_type == "Mul")
+    mul.op_type = "Add"  # d + (q - 8): a different format under the same id
+    tampered = olv_runtime.Model(proto, model.path)
+    value = resolve(tampered).value("model.layers.0.mlp.up_proj.weight")
+    assert linear_weight(value) is None
+    sess = olv_runtime.InferenceSession(tampered)
+    assert "Decode" in {kind for kind, _ in sess.plan()}
