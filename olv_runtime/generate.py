@@ -239,6 +239,18 @@ def _kv_length(state) -> int | None:
     return None
 
 
+def check_seed(seed) -> int | None:
+    """A sampling seed: None or an int in [0, 2**128) (numpy's SeedSequence takes non-negative
+    integers); InvalidArgument otherwise."""
+    if seed is None:
+        return None
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise InvalidArgument(f"seed must be None or an integer >= 0, got {seed!r}")
+    if not 0 <= int(seed) < 2**128:
+        raise InvalidArgument(f"seed must be an integer in [0, 2**128), got {seed}")
+    return int(seed)
+
+
 def generate(
     model,
     prompt_ids: Sequence[int] | np.ndarray,
@@ -319,8 +331,9 @@ def generate(
     Raises
     ------
     InvalidArgument
-        Empty prompt with nothing pending, non-integer or out-of-vocabulary ids, bad sampling
-        values, stop strings without a tokenizer, a model without ``input_ids``/``logits``, a
+        Empty prompt with nothing pending, non-integer or out-of-vocabulary ids (only
+        ``[0, vocab)``, unlike ``State.run``, which follows ONNX Gather and counts negative ids
+        from the end), bad sampling values, a seed that is not None or an integer >= 0, stop strings without a tokenizer, a model without ``input_ids``/``logits``, a
         state of another session.
     StateError
         A state whose KV cache length disagrees with its token history (it was run outside
@@ -337,6 +350,7 @@ def generate(
         raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty,
                             presence_penalty, frequency_penalty, penalty_last_n)
+    seed = check_seed(seed)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not isinstance(s, str) or not s for s in stops):
         raise InvalidArgument(f"stop strings must be non-empty strings, got {stops!r}")
@@ -402,6 +416,7 @@ def generate(
     history = list(state.tokens) + [int(t) for t in ids.tolist()]
     feed = pending + [int(t) for t in ids.tolist()]
     closed_ok = False
+    t0 = t1 = None
     try:
         if max_new_tokens == 0:
             state.tokens = history
@@ -448,6 +463,10 @@ def generate(
             closed_ok = True
     except KeyboardInterrupt:
         reason = "interrupted"
+        if t1 is not None:  # the rate so far stays reportable
+            stats.decode_seconds = time.perf_counter() - t1
+        elif t0 is not None:
+            stats.prefill_seconds = time.perf_counter() - t0
         if not return_result:
             raise
         closed_ok = True

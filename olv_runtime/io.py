@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import pathlib
+import re
 import tempfile
 from typing import Iterator, Union
 
@@ -32,6 +33,7 @@ EXTERNAL_THRESHOLD = 1024
 #: limit for one message is 2 GiB).
 AUTO_EXTERNAL_BYTES = 256 << 20
 _ALIGN = 64
+_DECIMAL = re.compile(r"[0-9]+")  # ASCII digits only (no sign, spaces, '_' or other scripts)
 
 
 class Model:
@@ -62,6 +64,7 @@ class Model:
         self.path = pathlib.Path(path).resolve() if path is not None else None
         self.base_dir = self.path.parent if self.path is not None else None
         self._maps: dict[pathlib.Path, tuple[mmap.mmap, np.ndarray]] = {}
+        self._stamps: dict[pathlib.Path, tuple[int, int, int, int]] = {}  # size, mtime, ino, dev
         self._payloads: dict[tuple[str, str], np.ndarray] = {}
 
     # -- payload access ----------------------------------------------------------------------
@@ -119,17 +122,15 @@ class Model:
             raise PayloadError(
                 f"{kind} value {name!r}: EXTERNAL payload needs an explicit 'length' (seed 000)"
             )
-        try:
-            offset = int(entries.get("offset", "0"))
-            length = int(entries["length"]) if "length" in entries else None
-        except ValueError as exc:
-            raise PayloadError(f"{kind} value {name!r}: bad offset/length: {exc}") from None
-        if offset < 0 or (length is not None and length < 0):
-            raise PayloadError(
-                f"{kind} value {name!r}: negative offset {offset} or length {length}"
-            )
+        offset = _decimal(entries.get("offset", "0"), "offset", kind, name)
+        length = _decimal(entries["length"], "length", kind, name) if "length" in entries else None
         file_path = self._external_path(name, kind, location)
         data = self._map(file_path)
+        if offset > data.size:
+            raise PayloadError(
+                f"{kind} value {name!r}: external offset {offset} lies past the end of "
+                f"{location!r} ({data.size} bytes)"
+            )
         if length is None:
             length = data.size - offset
         if offset + length > data.size:
@@ -145,18 +146,28 @@ class Model:
                 f"{kind} value {name!r} has external data {location!r} but the model was not "
                 "loaded from a file (no directory to resolve it against)"
             )
+        if "\0" in location:
+            raise PayloadError(
+                f"{kind} value {name!r}: external location {location!r} contains a NUL byte"
+            )
         rel = pathlib.PurePosixPath(location.replace("\\", "/"))
         if rel.is_absolute() or pathlib.Path(location).is_absolute():
             raise PayloadError(
                 f"{kind} value {name!r}: external location {location!r} must be relative"
             )
-        full = (self.base_dir / rel).resolve()
+        try:
+            full = (self.base_dir / rel).resolve()
+            is_file = full.is_file()
+        except (OSError, RuntimeError, ValueError) as exc:  # symlink loop, name too long, ...
+            raise PayloadError(
+                f"{kind} value {name!r}: external location {location!r} cannot be resolved: {exc}"
+            ) from None
         if self.base_dir not in full.parents:
             raise PayloadError(
                 f"{kind} value {name!r}: external location {location!r} escapes the model "
                 f"directory {str(self.base_dir)!r}"
             )
-        if not full.is_file():
+        if not is_file:
             raise PayloadError(
                 f"{kind} value {name!r}: external data file {location!r} not found in "
                 f"{str(self.base_dir)!r}"
@@ -166,8 +177,16 @@ class Model:
     def _map(self, file_path: pathlib.Path) -> np.ndarray:
         entry = self._maps.get(file_path)
         if entry is None:
-            with open(file_path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
+            try:
+                fh = open(file_path, "rb")
+            except OSError as exc:
+                raise PayloadError(
+                    f"external data file {str(file_path)!r} cannot be opened: {exc.strerror}"
+                ) from None
+            with fh:
+                st = os.fstat(fh.fileno())
+                size = st.st_size
+                self._stamps[file_path] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
                 if size == 0:
                     arr = np.zeros(0, np.uint8)
                     entry = (None, arr)
@@ -177,6 +196,48 @@ class Model:
                     entry = (mm, arr)
             self._maps[file_path] = entry
         return entry[1]
+
+    def check_external_files(self) -> None:
+        """Check that the external data files mapped so far are unchanged since they were mapped.
+
+        Called by :class:`~olv_runtime.InferenceSession` at the start of every run: one
+        ``os.stat`` per mapped file, comparing size, modification time (ns), inode and device
+        with the values recorded when the file was mapped.
+
+        Raises
+        ------
+        PayloadError
+            A mapped file was truncated, extended, rewritten, replaced or removed. Payloads are
+            live read-only memory maps, so reading a truncated map would kill the process with
+            SIGBUS and a file rewritten in place would silently change the results; the session
+            refuses to run instead (reload the model).
+
+        Notes
+        -----
+        This narrows but cannot close the race: a file changed *during* a run (after this
+        check) can still fault or change values mid-run, as with any memory-mapped weights
+        (llama.cpp documents the same for its mmap). Keep model files immutable while a session
+        uses them.
+        """
+        for path, stamp in self._stamps.items():
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                raise PayloadError(
+                    f"external data file {str(path)!r} of the loaded model is no longer readable "
+                    f"({exc.strerror}); reload the model"
+                ) from None
+            now = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+            if now != stamp:
+                what = (f"its size changed from {stamp[0]} to {st.st_size} bytes"
+                        if now[0] != stamp[0] else
+                        "it was replaced" if now[2:] != stamp[2:] else
+                        "it was modified in place (modification time changed)")
+                raise PayloadError(
+                    f"external data file {str(path)!r} changed after the model was loaded: "
+                    f"{what}; its payloads are memory-mapped, so the session refuses to run "
+                    "(reload the model)"
+                )
 
     # -- convenience ---------------------------------------------------------------------------
     @property
@@ -239,15 +300,87 @@ def load(path: PathLike) -> Model:
     ModelFormatError
         The file is missing or is not a parseable ModelProto.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ModelFormatError(f"expected a model path, got {type(path).__name__}")
+    if "\0" in os.fspath(path):
+        raise ModelFormatError(f"model path {os.fspath(path)!r} contains a NUL byte")
     p = pathlib.Path(path)
+    if p.is_dir():
+        raise ModelFormatError(
+            f"{str(p)!r} is a directory, not a model file (pass the .onnx file inside it)"
+        )
     if not p.is_file():
         raise ModelFormatError(f"model file not found: {str(p)!r}")
-    data = p.read_bytes()
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ModelFormatError(f"cannot read model file {str(p)!r}: {exc.strerror}") from None
+    if not data:
+        raise ModelFormatError(f"model file {str(p)!r} is empty (0 bytes)")
     try:
         proto = ModelProto.FromString(data)
     except Exception as exc:  # protobuf's DecodeError
         raise ModelFormatError(f"{str(p)!r} is not a valid ModelProto: {exc}") from None
+    if not proto.HasField("graph") and not len(proto.opset_import):
+        raise ModelFormatError(
+            f"{str(p)!r} does not look like an ONNX model ({len(data)} bytes parse as a "
+            "ModelProto with no graph and no opset_import)"
+        )
+    check_strings(proto, str(p))
     return Model(proto, p)
+
+
+def check_strings(message, what: str) -> None:
+    """Check that every ``string`` field of a parsed message is valid UTF-8.
+
+    protobuf's parser does not validate proto2 ``string`` fields; an invalid one comes back as
+    ``bytes`` and would surface later as a ``TypeError`` deep inside the runtime. Walks the
+    message iteratively (no recursion limit).
+
+    Raises
+    ------
+    ModelFormatError
+        Naming the field path (``graph.node[3].name``) and the bytes.
+    """
+    from google.protobuf.descriptor import FieldDescriptor
+
+    string = FieldDescriptor.TYPE_STRING
+    msg_type = FieldDescriptor.TYPE_MESSAGE
+    stack = [(message, "")]
+    while stack:
+        msg, path = stack.pop()
+        for fd, value in msg.ListFields():
+            fp = f"{path}.{fd.name}" if path else fd.name
+            repeated = fd.is_repeated
+            if fd.type == string:
+                items = enumerate(value) if repeated else ((None, value),)
+                for i, v in items:
+                    if not isinstance(v, str):
+                        where = fp if i is None else f"{fp}[{i}]"
+                        raise ModelFormatError(
+                            f"{what}: string field {where} is not valid UTF-8 ({bytes(v)[:40]!r})"
+                        )
+            elif fd.type == msg_type:
+                if fd.message_type.GetOptions().map_entry:
+                    continue
+                if repeated:
+                    stack.extend((v, f"{fp}[{i}]") for i, v in enumerate(value))
+                else:
+                    stack.append((value, fp))
+
+
+def _decimal(text: str, field: str, kind: str, name: str) -> int:
+    """An external-data ``offset``/``length``: ASCII decimal digits only (ONNX IR: "decimal")."""
+    if text.startswith("-") and _DECIMAL.fullmatch(text[1:]):
+        raise PayloadError(
+            f"{kind} value {name!r}: negative offset or length ({field} {text})"
+        )
+    if not _DECIMAL.fullmatch(text):
+        raise PayloadError(
+            f"{kind} value {name!r}: bad offset/length: external-data {field} must be ASCII "
+            f"decimal digits, got {text!r}"
+        )
+    return int(text)
 
 
 def _payload_messages(proto: ModelProto) -> Iterator[TensorProto | EncodedValueProto]:

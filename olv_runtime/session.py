@@ -83,7 +83,13 @@ class SessionOptions:
     kv_initial_capacity : int
         Tokens of a newly allocated contiguous KV capacity buffer (at least what the call needs).
     kv_growth : float
-        Capacity multiplier when a KV buffer is outgrown (the prefix is copied once then).
+        Capacity multiplier when a KV buffer is outgrown (the prefix is copied once then);
+        finite and > 1.
+
+    Raises
+    ------
+    InvalidArgument
+        num_threads outside numba's pool, kv_initial_capacity < 0, kv_growth not finite or <= 1.
     """
 
     num_threads: int | None = None
@@ -107,8 +113,17 @@ class SessionOptions:
             raise InvalidArgument(
                 f"kv_initial_capacity must be >= 0 tokens, got {self.kv_initial_capacity}"
             )
-        if not float(self.kv_growth) >= 1.0:
-            raise InvalidArgument(f"kv_growth must be >= 1.0, got {self.kv_growth}")
+        try:
+            growth = float(self.kv_growth)
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"kv_growth must be a finite number > 1, got {self.kv_growth!r}"
+            ) from None
+        if not (math.isfinite(growth) and growth > 1.0):
+            raise InvalidArgument(
+                f"kv_growth must be a finite number > 1 (the capacity multiplier when a KV "
+                f"buffer is outgrown), got {self.kv_growth!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +195,10 @@ class InferenceSession:
         self._inputs = [vi for vi in graph.input if vi.name not in self._constants]
         self._input_infos = {vi.name: vi for vi in graph.input}
         self._specs = {name: tensor_spec(vi) for name, vi in self._input_infos.items()}
+        self._symbolic_dims = [  # (input, axis, dim_param) of every named symbolic dimension
+            (name, axis, d) for name, spec in self._specs.items() if spec.kind == "tensor_type"
+            for axis, d in enumerate(spec.shape or ()) if isinstance(d, str)
+        ]
         self._outputs = list(graph.output)
         self._output_names = [o.name for o in self._outputs]
         self._steps = self._plan(graph)
@@ -512,7 +531,34 @@ class InferenceSession:
         for vi in self._inputs:
             if vi.name not in out:
                 raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {_shape_of(vi)})")
+        self.check_symbolic_dims(out)
         return out
+
+    def check_symbolic_dims(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Check that inputs sharing a symbolic dimension (``dim_param``) agree on its size.
+
+        ONNX IR: within a graph, one dim_param name denotes one size. For a model with past KV
+        inputs ``past_key.i`` ``[batch, KVH, past_sequence, D]`` this makes every layer's past
+        length the same (a cache whose layers disagree would run and give wrong presents).
+
+        Raises
+        ------
+        InvalidArgument
+            Naming the dim_param and the two inputs with their sizes.
+        """
+        seen: dict[str, tuple[str, int]] = {}
+        for name, axis, param in self._symbolic_dims:
+            arr = arrays.get(name)
+            if arr is None or not isinstance(arr, np.ndarray) or arr.ndim <= axis:
+                continue
+            size = arr.shape[axis]
+            first = seen.setdefault(param, (name, size))
+            if first[1] != size:
+                raise InvalidArgument(
+                    f"inputs {first[0]!r} and {name!r} disagree on dimension {param!r}: "
+                    f"{first[1]} vs {size} (one dim_param is one size across the graph's "
+                    f"inputs; e.g. every layer's past length must be the same)"
+                )
 
     def check_struct(self, name: str, value: Any):
         """Validate a whole struct value fed to struct-typed input ``name`` (no copy; memoised per
@@ -540,6 +586,7 @@ class InferenceSession:
 
     def run_env(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """Execute the plan on prepared feeds; returns the graph outputs by name."""
+        self.model.check_external_files()  # PayloadError if a mapped file changed (no SIGBUS)
         env = dict(self._constants)
         env.update(feeds)
         self.counters.add("runs", 1)

@@ -50,6 +50,52 @@ AFFINE_STORAGE = {
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)
 
 
+#: Largest tensor rank the runtime accepts (numpy 1.x's limit; numpy 2 allows 64).
+MAX_RANK = 32
+_INT64_MAX = (1 << 63) - 1
+
+
+def check_dims(dims, what: str, error: type = ValidationError, itemsize: int = 1) -> tuple:
+    """Validate concrete tensor dims: non-negative, rank <= :data:`MAX_RANK`, size representable.
+
+    Parameters
+    ----------
+    dims : sequence of int
+        ``TensorProto.dims`` or the dim_values of a TensorShapeProto.
+    what : str
+        What is being checked (named in the message).
+    error : type
+        The exception class raised (a :class:`ValidationError` subclass).
+    itemsize : int
+        Bytes per element; the product of the non-zero dims times itemsize must fit in int64
+        (numpy refuses larger arrays even when another dim is 0).
+
+    Returns
+    -------
+    tuple of int
+
+    Raises
+    ------
+    ``error``
+        A negative dim, a rank above MAX_RANK, or a size that overflows int64.
+    """
+    if len(dims) > MAX_RANK:
+        raise error(f"{what}: rank {len(dims)} exceeds the supported maximum {MAX_RANK}")
+    out = tuple(int(d) for d in dims)
+    acc = max(int(itemsize), 1)
+    for i, d in enumerate(out):
+        if d < 0:
+            raise error(f"{what}: dimension {i} is negative ({d}) in dims {list(out)}")
+        if d:
+            acc *= d
+            if acc > _INT64_MAX:
+                raise error(
+                    f"{what}: dims {list(out)} describe more than 2**63 bytes (the product of "
+                    "the non-zero dims overflows int64)"
+                )
+    return out
+
+
 def dtype_name(elem_type: int) -> str:
     """The ONNX name of a TensorProto.DataType number (``'FLOAT'``, ``'INT4'``, ...)."""
     try:
@@ -106,13 +152,13 @@ def tensor_from_proto(t: TensorProto, payload: np.ndarray | None = None) -> np.n
         Unsupported data type (e.g. STRING) or a payload size that does not match the shape.
     """
     et = t.data_type
-    dims = tuple(int(d) for d in t.dims)
-    n = math.prod(dims)
     if et not in NP_DTYPE:
         raise ValidationError(
             f"tensor {t.name!r}: data type {dtype_name(et)} is not supported by the runtime"
         )
     dt = NP_DTYPE[et]
+    dims = check_dims(t.dims, f"tensor {t.name!r}", itemsize=dt.itemsize)
+    n = math.prod(dims)
     if payload is None and t.data_location != TensorProto.EXTERNAL and not t.HasField("raw_data"):
         arr = _typed_field(t, n)
         if arr.size != n:
@@ -165,7 +211,7 @@ def param_tensor(t: TensorProto, payload: np.ndarray | None = None) -> np.ndarra
     if t.data_type not in SUBBYTE:
         return tensor_from_proto(t, payload)
     bits, signed = SUBBYTE[t.data_type]
-    dims = tuple(int(d) for d in t.dims)
+    dims = check_dims(t.dims, f"tensor {t.name!r}")
     n = math.prod(dims)
     if payload is None:
         if t.HasField("raw_data"):
@@ -205,7 +251,8 @@ def tensor_type_shape(tp: TypeProto, what: str,
         dims.append(int(d.dim_value))
     if not tt.HasField("shape"):
         raise error(f"{what}: logical_type has no shape (the affine branch needs one)")
-    return tt.elem_type, tuple(dims)
+    item = NP_DTYPE[tt.elem_type].itemsize if tt.elem_type in NP_DTYPE else 1
+    return tt.elem_type, check_dims(dims, f"{what}: logical_type", error, item)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,9 +410,14 @@ def affine_value(ev: EncodedValueProto, codes: np.ndarray, scale: np.ndarray,
             raise AffineLayoutError(f"{what}: axis {axis} out of range for rank {rank}")
         axis %= rank
         if a.HasField("block_size"):
-            block = int(a.block_size)
+            block = int(a.block_size)  # uint64 on the wire: a Python int, never wrapped
             if block <= 0:
                 raise AffineLayoutError(f"{what}: block_size must be positive, got {block}")
+            # DequantizeLinear: scale dim = ceil(D / block_size), element d uses block
+            # d // block_size. For block_size >= D every element is in block 0, exactly as with
+            # block_size = D, so the block is clamped to max(D, 1): kernels then see a small
+            # int64 (a block_size >= 2**63 would otherwise wrap negative in int64 arithmetic).
+            block = min(block, max(shape[axis], 1))
     # parameter shapes (DequantizeLinear)
     if axis is None:
         if scale.size != 1 or scale.ndim > 1:

@@ -248,6 +248,9 @@ def dequantize_affine(payload: np.ndarray, bits: int, signed: bool, shape: tuple
         if axis < 0:
             axis += rank
     if blocked:
+        # block_size >= shape[axis] is one block (DequantizeLinear); clamp so the int64 kernel
+        # arithmetic cannot wrap for block sizes near 2**64 (the wire field is uint64)
+        block_size = min(block_size, max(shape[axis], 1))
         exp = list(shape)
         exp[axis] = -(-shape[axis] // block_size)
         check_array(scale, "scale", shape=exp, contiguous=False)
@@ -293,7 +296,7 @@ def dequantize_affine(payload: np.ndarray, bits: int, signed: bool, shape: tuple
 def _check_int4_matrix(payload, scale, zero_point, n_rows, k, block_size):
     n_rows = check_int(n_rows, "n_rows", lo=1)
     k = check_int(k, "k", lo=1)
-    block_size = check_int(block_size, "block_size", lo=1)
+    block_size = min(check_int(block_size, "block_size", lo=1), k)  # one block when >= K
     _check_payload(payload, n_rows * k, 4)
     kb = -(-k // block_size)
     check_array(scale, "scale", dtype=np.float32, shape=(n_rows, kb))

@@ -401,6 +401,7 @@ class State:
                     f"{b.output!r}); every bound input needs one"
                 )
             values[b.input] = self._retain(b, initial[b.input], f"{what} value")
+        self._session.check_symbolic_dims(values)  # e.g. per-layer past lengths agree
         return values
 
     def _publish(self, values: dict[str, np.ndarray]) -> None:
@@ -459,7 +460,10 @@ class State:
         ----------
         feeds : dict
             The non-persistent inputs (e.g. ``{"input_ids": ids}``): numpy arrays or DLPack
-            CPU tensors, entered without copies.
+            CPU tensors, entered without copies. Values mean what the graph's operators say:
+            for a converted LM, ``input_ids`` feed ONNX ``Gather``, so negative ids in
+            ``[-vocab, 0)`` count from the end of the vocabulary (``-1`` is ``vocab - 1``);
+            :func:`olv_runtime.generate` and the CLI accept only ids in ``[0, vocab)``.
 
         Returns
         -------

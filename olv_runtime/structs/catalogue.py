@@ -12,6 +12,10 @@
   tensors with matching data; arrays have an element type and an explicit dimension; bit packings
   have named components of 1..64 bits and an explicit dimension; TypeProtos are set.
 
+Nesting is limited to :data:`MAX_NESTING` levels (inline declarations, element types and
+``type_ref`` hops counted together along any path): deeper types raise
+:class:`~olv_runtime.errors.DeclarationError` instead of exhausting Python's recursion limit.
+
 Layouts (:mod:`olv_runtime.structs.layout`) are computed lazily, once per type_id; a type that is
 not byte-encodable (sequence field, dynamic dims, STRING leaf, size overflow) is still a valid
 type: the error is raised only when it is used as (part of) a byte-encoded layout.
@@ -42,6 +46,10 @@ from olv_runtime.structs.layout import (
     component_type,
 )
 from olv_runtime.values import dtype_name, param_tensor
+
+#: Deepest nesting of struct/type declarations accepted (inline levels plus type_ref hops along
+#: any path from a declaration or graph value type to a leaf).
+MAX_NESTING = 64
 
 _MAP_KEYS = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64,
              TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64,
@@ -131,12 +139,17 @@ class Catalogue:
                 )
             self._decls[tid] = st
             self._order.append(tid)
-        self._refs: dict[int, set[int]] = {}
+        self._refs: dict[int, dict[int, int]] = {}  # tid -> {referenced tid: nesting level}
+        self._depth: dict[int, int] = {}  # tid -> nesting depth including referenced types
+        self._inline: dict[int, int] = {}
         for tid in self._order:
-            refs: set[int] = set()
+            refs: dict[int, int] = {}
+            self._max_level = 0
             self.check_struct(self._decls[tid], describe(self._decls[tid]), refs, entry=True)
             self._refs[tid] = refs
+            self._inline[tid] = self._max_level
         self._check_cycles()
+        self._check_depth()
         self._layouts: dict[int, Layout | LayoutError] = {}
 
     # -- lookup ------------------------------------------------------------------------------
@@ -162,9 +175,22 @@ class Catalogue:
             ) from None
 
     # -- validation ----------------------------------------------------------------------------
-    def check_struct(self, st: StructTypeProto, where: str, refs: set | None = None,
-                     entry: bool = False) -> None:
-        """Validate one StructTypeProto (identity + declaration rules), collecting type_refs."""
+    def _level(self, level: int, where: str) -> None:
+        if level > MAX_NESTING:
+            raise DeclarationError(
+                f"{where}: types nested deeper than {MAX_NESTING} levels (the supported maximum "
+                "of inline declarations, element types and type_ref hops)"
+            )
+        if level > getattr(self, "_max_level", 0):
+            self._max_level = level
+
+    def check_struct(self, st: StructTypeProto, where: str, refs: dict | None = None,
+                     entry: bool = False, level: int = 0) -> None:
+        """Validate one StructTypeProto (identity + declaration rules), collecting type_refs.
+
+        ``refs`` (optional) receives ``{referenced type_id: nesting level}``; ``level`` is the
+        nesting level of ``st`` (see :data:`MAX_NESTING`)."""
+        self._level(level, where)
         kind = st.WhichOneof("kind")
         if kind == "type_ref":
             extra = [f for f in ("type_id", "name", "doc_string", "decoder", "encoder")
@@ -179,8 +205,11 @@ class Catalogue:
             if st.type_ref == 0:
                 raise CatalogueError(f"{where}: type_ref 0 is invalid (type_ids are nonzero)")
             self.get(st.type_ref, where)
+            ref = int(st.type_ref)
+            if ref in self._depth:  # catalogue built: the referenced type's own depth counts
+                self._level(level + self._depth[ref], f"{where} (via type_ref {ref})")
             if refs is not None:
-                refs.add(int(st.type_ref))
+                refs[ref] = max(refs.get(ref, 0), level)
             return
         if kind is None:
             return  # unconstrained category: callers reject it where a declaration is needed
@@ -199,7 +228,7 @@ class Catalogue:
                 if content is None:
                     raise DeclarationError(f"{fw}: a field needs either a type or a constant")
                 if content == "type":
-                    self.check_type(f.type, fw, refs)
+                    self.check_type(f.type, fw, refs, level + 1)
                 else:
                     constant_value(f.constant, fw)
         elif kind == "array":
@@ -211,7 +240,7 @@ class Catalogue:
                     f"{where}: array without an explicit dimension (array lengths are concrete "
                     "integers)"
                 )
-            self.check_type(a.element_type, f"{where} array element", refs)
+            self.check_type(a.element_type, f"{where} array element", refs, level + 1)
         else:  # bit_packing
             bp = st.bit_packing
             if not len(bp.component):
@@ -228,8 +257,11 @@ class Catalogue:
                     "integers)"
                 )
 
-    def check_type(self, tp: TypeProto, where: str, refs: set | None = None) -> None:
-        """Validate a TypeProto (tensor, sequence, map, optional, struct ...) recursively."""
+    def check_type(self, tp: TypeProto, where: str, refs: dict | None = None,
+                   level: int = 0) -> None:
+        """Validate a TypeProto (tensor, sequence, map, optional, struct ...) recursively
+        (at most :data:`MAX_NESTING` levels deep, else DeclarationError)."""
+        self._level(level, where)
         kind = tp.WhichOneof("value")
         if kind is None:
             raise DeclarationError(f"{where}: TypeProto has no type set")
@@ -245,7 +277,8 @@ class Catalogue:
         elif kind == "sequence_type":
             if not tp.sequence_type.HasField("elem_type"):
                 raise DeclarationError(f"{where}: sequence without elem_type")
-            self.check_type(tp.sequence_type.elem_type, f"{where} sequence element", refs)
+            self.check_type(tp.sequence_type.elem_type, f"{where} sequence element", refs,
+                            level + 1)
         elif kind == "map_type":
             if tp.map_type.key_type not in _MAP_KEYS:
                 raise DeclarationError(
@@ -254,13 +287,14 @@ class Catalogue:
                 )
             if not tp.map_type.HasField("value_type"):
                 raise DeclarationError(f"{where}: map without value_type")
-            self.check_type(tp.map_type.value_type, f"{where} map value", refs)
+            self.check_type(tp.map_type.value_type, f"{where} map value", refs, level + 1)
         elif kind == "optional_type":
             if not tp.optional_type.HasField("elem_type"):
                 raise DeclarationError(f"{where}: optional without elem_type")
-            self.check_type(tp.optional_type.elem_type, f"{where} optional element", refs)
+            self.check_type(tp.optional_type.elem_type, f"{where} optional element", refs,
+                            level + 1)
         elif kind == "struct_type":
-            self.check_struct(tp.struct_type, where, refs)
+            self.check_struct(tp.struct_type, where, refs, level=level + 1)
 
     def _check_cycles(self) -> None:
         state: dict[int, int] = {}  # 1 = on the stack, 2 = done
@@ -286,6 +320,32 @@ class Catalogue:
                     state[nxt] = 1
                     path.append(nxt)
                     stack.append((nxt, iter(sorted(self._refs[nxt]))))
+
+    def _check_depth(self) -> None:
+        """Depth of every declaration through its type_refs (iterative; the graph is acyclic)."""
+        depth = self._depth
+        for start in self._order:
+            stack = [start]
+            while stack:
+                tid = stack[-1]
+                if tid in depth:
+                    stack.pop()
+                    continue
+                pending = [r for r in self._refs[tid] if r not in depth]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                d = max([self._inline[tid]]
+                        + [lv + depth[r] for r, lv in self._refs[tid].items()])
+                if d > MAX_NESTING:
+                    decl = self._decls[tid]
+                    raise DeclarationError(
+                        f"{describe(decl)}: types nested deeper than {MAX_NESTING} levels "
+                        f"through type_refs (depth {d}; the supported maximum of inline "
+                        "declarations, element types and type_ref hops)"
+                    )
+                depth[tid] = d
+                stack.pop()
 
     # -- layouts ---------------------------------------------------------------------------------
     def layout(self, type_id: int) -> Layout:
