@@ -65,8 +65,9 @@ def cmd_convert(args) -> int:
     data = out.with_name(out.name + ".data")
     if data.exists():
         size += data.stat().st_size
-    print(f"wrote {out} ({size / 1e6:.1f} MB, weights {args.weights}) in "
-          f"{time.perf_counter() - t0:.1f} s")
+    kind = (f"weights {args.weights}" if not os.path.isfile(args.checkpoint_dir)
+            else "GGUF tensors referenced in place, 0 bytes copied")
+    print(f"wrote {out} ({size / 1e6:.1f} MB, {kind}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -300,8 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"olv_runtime {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Llama checkpoint directory to ONNX")
-    c.add_argument("checkpoint_dir", help="directory with config.json and *.safetensors")
+    c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Llama checkpoint directory "
+                                       "or a GGUF file (qwen2/qwen3/llama) to ONNX")
+    c.add_argument("checkpoint_dir", help="directory with config.json and *.safetensors, or a .gguf "
+                                          "file (its tensors stay in it: external data; --weights "
+                                          "and --external-data do not apply)")
     c.add_argument("output", help="output .onnx path")
     c.add_argument("--weights", choices=["int4-block32", "float32"], default="int4-block32",
                    help="linear weight storage (default: int4-block32)")
