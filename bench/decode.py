@@ -148,6 +148,12 @@ def _olv_weight_bytes(sess) -> int:
                 total += impl.dense.nbytes
             else:
                 total += sum(w.nbytes for w in impl.weights)
+        elif st.kind == "PlanesLinear":  # GGUF blocks repacked as INT4 planes (+ offsets)
+            total += sum(lin.packed.nbytes if lin.packed is not None else 0 for lin in impl.lins)
+            total += impl.offset_t.nbytes if impl.offset_t is not None else 0
+        elif st.kind == "Decode":  # no native consumer: decoded every call (GGUF Q6_K, F16)
+            w = sess._constants.get(st.inputs[0])
+            total += getattr(w, "nbytes", 0)
     return total
 
 
@@ -676,6 +682,66 @@ def prepare_genai(args, ckpt):
     return out, nbytes
 
 
+def gguf_rows(args, base, ckpt, model, tmp, add_row):
+    """GGUF rows: each file converted by ``olv convert`` (payloads stay in the .gguf) and run
+    by olv exact / int8 activations and by llama.cpp on the same file, same threads. Returns
+    ``[{"file", "olv", "olv_q", "llama", "ratio", "ratio_q"}]`` (decode tok/s, ratios to
+    llama.cpp)."""
+    import olv_runtime
+
+    sys.path.insert(0, str(HERE))
+    import gguf_export
+    from olv_runtime.models.gguf_reader import GGUFFile
+
+    cache = pathlib.Path(args.cache_dir).expanduser()
+    files = [pathlib.Path(p).expanduser() for p in args.gguf.split(",") if p.strip()]
+    if args.gguf_q4km:
+        if ckpt is None:
+            log("[gguf] --gguf-q4km needs the checkpoint; skipped")
+        else:
+            q4km = cache / "gguf" / f"{ckpt.resolve().name}-q4_k_m.gguf"
+            if not q4km.is_file():
+                f16 = cache / "gguf" / f"{ckpt.resolve().name}-f16.gguf"
+                if not f16.is_file():
+                    gguf_export.export_f16(ckpt, f16, progress=log)
+                gguf_export.quantize_q4_k_m(f16, q4km, threads=args.threads, progress=log)
+            files.append(q4km)
+    out = []
+    for f in files:
+        target = cache / "gguf_olv" / f.stem / "model.onnx"
+        if not _fresh(target, f):
+            log(f"[gguf] olv convert {f} -> {target}")
+            olv_runtime.convert(f, target)
+        with GGUFFile(f) as g:
+            types = sorted({t.type_name for t in g.tensors.values()})
+            wbytes = sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2)
+        tag = f"{f.name} ({'/'.join(types)})"
+        logits = tmp / f"gguf_{f.stem}_logits.npy"
+        res = {"file": str(f), "types": types}
+        for key, quant in (("olv", False), ("olv_q", True)):
+            if ("olv" if not quant else "olv-q") not in args.backends:
+                continue
+            log(f"[gguf olv_runtime {'int8 act.' if quant else 'exact'}] {tag}")
+            r = run_phase("olv", dict(base, model=str(target), quantize=quant,
+                                      logits_out=str(tmp / f"gguf_{f.stem}_{key}.npy")
+                                      if quant else str(logits)))
+            add_row(f"olv_runtime {'int8 act.' if quant else 'exact'} on GGUF {tag}", r)
+            res[key] = r.get("decode_tps")
+        if "llama" in args.backends:
+            log(f"[gguf llama.cpp] {tag}")
+            r = run_phase("llama", dict(base, gguf=str(f), weight_bytes=wbytes,
+                                        ref_logits=str(logits) if logits.is_file() else None))
+            add_row(f"llama.cpp on GGUF {tag}", r)
+            res["llama"] = r.get("decode_tps")
+        for key in ("olv", "olv_q"):
+            if res.get(key) and res.get("llama"):
+                res["ratio" + key[3:]] = res[key] / res["llama"]
+        log(f"[gguf] {tag}: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()
+                                          if isinstance(v, float)))
+        out.append(res)
+    return out
+
+
 def fmt(v, spec="{:.1f}"):
     if v is None or (isinstance(v, float) and not np.isfinite(v)):
         return "-"
@@ -705,6 +771,13 @@ def main(argv=None):
     ap.add_argument("--retry-busy", type=int, default=1,
                     help="re-run a phase up to N times if other processes used > 10%% of the "
                          "cores during it (default 1)")
+    ap.add_argument("--gguf", default="",
+                    help="comma-separated GGUF files of the same checkpoint shape: each is "
+                         "converted with olv convert (tensors read in place) and run by olv "
+                         "(exact, int8 act.) and llama.cpp on the same file (GGUF rows)")
+    ap.add_argument("--gguf-q4km", action="store_true",
+                    help="also quantize the checkpoint to Q4_K_M with llama.cpp's own quantizer "
+                         "(llama_cpp.llama_model_quantize of an F16 GGUF) and add its GGUF rows")
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--phase-spec", help=argparse.SUPPRESS)
@@ -823,6 +896,10 @@ def main(argv=None):
         if llama_note:
             log(llama_note)
 
+    gguf_pairs = gguf_rows(args, base, ckpt, model, tmp, add_row) \
+        if (args.gguf or args.gguf_q4km) else []
+    results["gguf"] = gguf_pairs
+
     ttft = None
     ttft_cache = None
     if not args.no_ttft:
@@ -899,6 +976,11 @@ def main(argv=None):
     print()
     for f in flags:
         print(f)
+    for g in results.get("gguf", []):  # same GGUF file, same threads: the issue-13 ratios
+        print(f"GGUF {g['file']} ({'/'.join(g['types'])}): decode olv exact "
+              f"{fmt(g.get('olv'))} tok/s, olv int8 act. {fmt(g.get('olv_q'))}, llama.cpp "
+              f"{fmt(g.get('llama'))} -> olv / llama.cpp = {fmt(g.get('ratio'), '{:.2f}x')} "
+              f"(exact), {fmt(g.get('ratio_q'), '{:.2f}x')} (int8 act.)")
     print(f"MB/token = linear weight bytes each backend stores and streams per decode token; "
           f"achieved GB/s = (weight bytes + {kvb / 1e6:.1f} MB mean KV read) x decode tok/s; % of "
           f"bound = achieved / streaming read; bound tok/s = streaming read / weight bytes; other "

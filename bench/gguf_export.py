@@ -129,6 +129,79 @@ def export(olv_model, out_path, progress=print) -> pathlib.Path:
     return out
 
 
+def export_f16(checkpoint_dir, out_path, progress=print) -> pathlib.Path:
+    """An F16 GGUF (norms and biases F32) of a Hugging Face Qwen2 checkpoint: the input of
+    llama.cpp's own quantizer (:func:`quantize_q4_k_m`)."""
+    import json
+
+    import gguf
+
+    sys.path.insert(0, str(HERE.parent))
+    from olv_runtime.models.checkpoint import Checkpoint
+    from olv_runtime.models.qwen import QwenConfig
+
+    t0 = time.perf_counter()
+    cfg = json.loads((pathlib.Path(checkpoint_dir) / "config.json").read_text())
+    qc = QwenConfig(cfg)
+    out = pathlib.Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    L, V = qc.num_layers, qc.vocab_size
+    w = gguf.GGUFWriter(str(out), "qwen2")
+    w.add_name("olv-bench-qwen2-f16")
+    w.add_context_length(int(cfg.get("max_position_embeddings", 32768)))
+    w.add_embedding_length(qc.hidden_size)
+    w.add_block_count(L)
+    w.add_feed_forward_length(qc.intermediate_size)
+    w.add_head_count(qc.num_heads)
+    w.add_head_count_kv(qc.num_kv_heads)
+    w.add_rope_freq_base(qc.rope_theta)
+    w.add_layer_norm_rms_eps(qc.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"<t{i}>" for i in range(V)])
+    w.add_token_types([gguf.TokenType.NORMAL] * V)
+    w.add_token_merges([])
+    w.add_eos_token_id(V - 1)
+    w.add_bos_token_id(V - 1)
+    with Checkpoint(checkpoint_dir) as ck:
+        def put(name, src):
+            a = ck.get(src)
+            w.add_tensor(name, np.ascontiguousarray(a, np.float16 if a.ndim == 2 else np.float32))
+
+        put("token_embd.weight", "model.embed_tokens.weight")
+        if not qc.tie_word_embeddings:
+            put("output.weight", "lm_head.weight")
+        put("output_norm.weight", "model.norm.weight")
+        for i in range(L):
+            for src, dst in NAMES.items():
+                put(f"blk.{i}.{dst}", f"model.layers.{i}.{src}")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    w.close()
+    progress(f"wrote {out} ({out.stat().st_size / 1e6:.0f} MB, F16) in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def quantize_q4_k_m(f16_path, out_path, threads=2, progress=print) -> pathlib.Path:
+    """Q4_K_M with llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``)."""
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = threads
+    import ctypes
+
+    rc = llama_cpp.llama_model_quantize(str(f16_path).encode(), str(out_path).encode(),
+                                        ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize returned {rc}")
+    progress(f"wrote {out_path} (Q4_K_M by llama.cpp) in {time.perf_counter() - t0:.1f} s")
+    return pathlib.Path(out_path)
+
+
 def check(olv_model, gguf_path, names=("token_embd.weight", "blk.0.attn_q.weight",
                                        "blk.23.ffn_down.weight")) -> float:
     """Max relative difference between dequantized GGUF tensors and the olv values."""

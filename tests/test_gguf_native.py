@@ -66,8 +66,9 @@ def test_repack_reproduces_the_decoded_weight(tmp_path, ttype):
     np.testing.assert_allclose(w, ref, rtol=0, atol=1e-6 * float(np.abs(ref).max()))
 
 
-def test_q6_k_has_no_native_consumer(tmp_path):
-    model = _model(tmp_path, "Q6_K")
+@pytest.mark.parametrize("ttype", ["F16", "BF16"])
+def test_float_types_have_no_native_consumer(tmp_path, ttype):
+    model = _model(tmp_path, ttype)
     value = resolve(model).value("model.layers.0.mlp.down_proj.weight")
     assert linear_weight(value) is None
     sess = olv_runtime.InferenceSession(model)

@@ -25,13 +25,17 @@ Q5_0    d x (lo - 8),  16 d x h                                 -8 d
 Q5_1    d x (lo - 8),  16 d x h                                 8 d + m
 Q5_K    D x (lo - 8),  16 D x h                                 8 D - M
 Q8_0    d x (lo - 8),  16 d x hi   (q = 16 hi + lo, lo in 0..15) 8 d
+Q6_K    per 16-half h of the 32-block (D_h = d scale_h; codes 0  none
+        on the other half): D_h x (lo - 8), 8 D_h x (2 hi - 3)
 ======  ======================================================  ====================
 
 Q4_0 becomes exactly the symmetric INT4 block-32 affine form of the converter (float16 scales
 widened to float32), so it takes every fast path (sibling merge, prepacked 8-row groups, int8
 activations). The others run one packed INT4 kernel per plane plus ``offset @ blocksum(x)``
-(:class:`PlanesLinear`). Q6_K (one scale per 16 weights), F16 and BF16 have no native consumer:
-they decode through their FunctionProto decoder.
+(:class:`PlanesLinear`). Q6_K has one scale per 16 weights, so each 32-block is split into its
+two halves: four planes (16 bits of codes per weight: correct and copy-free, but reading more
+bytes than the 6.56-bit Q6_K blocks; a dedicated kernel is future work). F16 and BF16 have no
+native consumer: they decode through their FunctionProto decoder.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from olv_runtime.values import AffineValue
 
 __all__ = ["linear_weight", "PlanesWeight", "FAST_TYPES"]
 
-FAST_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0")
+FAST_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
 _CANON: dict[tuple, tuple] = {}
 _ROWS = 256  # rows repacked per chunk (bounds the temporaries)
 
@@ -165,6 +169,23 @@ def _repack_rows(b: ggml.GGMLBlock, blocks: np.ndarray):
         if has_m:
             off = 8 * d + m if off is None else 8 * d + m  # Q4_1: d(q-8)+8d+m; Q5_1 likewise
         return codes, scales, off
+    if name == "Q6_K":  # ql [0:128], qh [128:192], scales int8 [192:208], d [208:210]
+        d = _f16(blocks, 208)
+        ql = blocks[..., 0:128].reshape(r, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(
+            1, 1, 1, 2, 1)
+        lo = (ql & np.uint8(15)).reshape(r, nb * 256).astype(np.int16) - 8
+        qh = blocks[..., 128:192].reshape(r, nb, 2, 1, 32) >> np.array(
+            [0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+        hi = (qh & np.uint8(3)).reshape(r, nb * 256).astype(np.int16) * 2 - 3
+        dsc = d[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)  # [R, nb, 16]
+        dsc = dsc.reshape(r, nb * 8, 2)                   # [R, 32-blocks, half]
+        half = (np.arange(nb * 256) // 16) % 2            # half of each element's 32-block
+        codes, scales = [], []
+        for c, mult in ((lo, 1), (hi, 8)):
+            for h in (0, 1):
+                codes.append(np.where(half == h, c, 0))
+                scales.append(mult * dsc[..., h])
+        return codes, scales, None
     # K-quants: 8 sub-blocks of 32 per super-block
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _kscales(blocks[..., 4:16])
