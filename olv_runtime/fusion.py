@@ -590,6 +590,8 @@ def _fuse_rope_attention(steps, constants, protected):
             continue
         if len(s.inputs) > 3 and s.inputs[3]:
             continue
+        if not getattr(s.impl, "simple", True):  # softcap, window, nonpad, qk output
+            continue
         rq = g.producer.get(s.inputs[0])
         rk = g.producer.get(s.inputs[1])
         if rq is None or rk is None or rq.kind != "RotaryEmbedding" or rk.kind != "RotaryEmbedding":

@@ -199,12 +199,33 @@ class InferenceSession:
             (name, axis, d) for name, spec in self._specs.items() if spec.kind == "tensor_type"
             for axis, d in enumerate(spec.shape or ()) if isinstance(d, str)
         ]
+        self._check_input_types()
         self._outputs = list(graph.output)
         self._output_names = [o.name for o in self._outputs]
         self._steps = self._plan(graph)
         self._strided_ok = self._strided_inputs(graph)
 
     # -- construction --------------------------------------------------------------------
+    def _check_input_types(self) -> None:
+        """Graph inputs the runtime cannot be fed fail here, naming the type (a sequence,
+        optional or map input; a tensor element type numpy cannot hold: BFLOAT16, FLOAT8*,
+        INT4/UINT4/INT2/UINT2, STRING, complex)."""
+        for vi in self._inputs:
+            spec = self._specs[vi.name]
+            if spec.kind == "struct_type":
+                continue
+            if spec.kind != "tensor_type":
+                raise ValidationError(
+                    f"graph input {vi.name!r} has type {spec.kind or 'unset'}; only tensor and "
+                    "struct inputs are supported"
+                )
+            if spec.dtype is None:
+                raise ValidationError(
+                    f"graph input {vi.name!r}: element type {dtype_name(spec.elem_type)} is not "
+                    "supported (supported: "
+                    + ", ".join(sorted(dtype_name(t) for t in NP_DTYPE)) + ")"
+                )
+
     def _load_constants(self, graph) -> None:
         seen: dict[str, str] = {}
 

@@ -6,6 +6,8 @@ unfused numpy evaluation to ~1 ulp: ``exp`` implementations differ in the last b
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -60,3 +62,19 @@ def silu_mul(g: np.ndarray, u: np.ndarray, out=None) -> np.ndarray:
     elif gf.size:
         _silu_mul_ser(gf, uf, of)
     return out
+
+
+from numba import vectorize  # noqa: E402
+
+
+@vectorize(["float32(float32)", "float64(float64)"], cache=True)
+def _erf(x):
+    return math.erf(x)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """The Gauss error function elementwise (ONNX Erf), float32/float64; float16 is computed in
+    float32 and rounded back. Returns a new array of ``x``'s dtype and shape."""
+    if x.dtype == np.float16:
+        return _erf(x.astype(np.float32)).astype(np.float16)
+    return np.asarray(_erf(x), x.dtype)

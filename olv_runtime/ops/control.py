@@ -173,7 +173,7 @@ def _reject_bindings(owner: str, graph) -> None:
         )
 
 
-@register("If", 11)
+@register("If", 1)
 class If(Op):
     """ONNX If: run ``then_branch`` or ``else_branch`` on a one-element boolean condition.
 

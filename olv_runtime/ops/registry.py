@@ -1,10 +1,18 @@
-"""Operator registry: implementations keyed by (domain, op_type, since_version).
+"""Operator registry: implementations keyed by (domain, op_type) over a range of opset versions.
 
-Each operator is a subclass of :class:`Op` registered with :func:`register`. The session looks
-up the implementation whose ``since_version`` is the highest one not above the model's opset for
-that domain (ONNX versioning rule). A failed lookup raises
-:class:`~olv_runtime.errors.UnsupportedOperatorError` naming the operator, its domain and
-version, and the versions that exist.
+Each operator is a subclass of :class:`Op` registered with :func:`register` for the opset
+versions whose semantics it implements: ``register("Add", 7)`` covers opsets 7 to
+:data:`MAX_OPSET` of the standard domain (ONNX versioning rule: a version bump that only widens
+the type list keeps the semantics); ``register("ReduceSum", 11, 12)`` covers opsets 11-12 (axes
+as an attribute) and a second class registered from 13 covers the axes input. The session looks
+up the implementation whose range contains the model's opset for that domain. A failed lookup
+raises :class:`~olv_runtime.errors.UnsupportedOperatorError` naming the operator, its domain and
+version, and the ranges that exist.
+
+:data:`MAX_OPSET` is the newest standard opset the registered semantics were checked against
+(onnx 1.23 defines opset 28); a model importing a newer opset fails at lookup instead of running
+semantics that may have changed. Other domains (``com.microsoft``, ``olv``) use their own
+version numbers, with no upper bound unless one is given.
 """
 from __future__ import annotations
 
@@ -15,7 +23,10 @@ import numpy as np
 from olv_runtime.errors import InvalidArgument, UnsupportedOperatorError, ValidationError
 from olv_runtime.proto import AttributeProto, NodeProto
 
-_REGISTRY: dict[tuple[str, str], list[tuple[int, type]]] = {}
+_REGISTRY: dict[tuple[str, str], list[tuple[int, int | None, type]]] = {}
+
+#: Newest standard-domain opset whose semantics the registered operators implement.
+MAX_OPSET = 28
 
 #: domain aliases: "" and "ai.onnx" are the same standard domain.
 _DOMAIN_ALIASES = {"ai.onnx": ""}
@@ -26,19 +37,55 @@ def canonical_domain(domain: str) -> str:
     return _DOMAIN_ALIASES.get(domain, domain)
 
 
-def register(op_type: str, since_version: int, domain: str = "") -> Callable[[type], type]:
-    """Class decorator registering an :class:`Op` subclass."""
+def register(op_type: str, since_version: int, until_version: int | None = None,
+             domain: str = "") -> Callable[[type], type]:
+    """Class decorator registering an :class:`Op` subclass for opsets ``since..until``.
+
+    Parameters
+    ----------
+    op_type : str
+    since_version : int
+        First opset version of ``domain`` the class implements.
+    until_version : int, optional
+        Last one (inclusive). Default: :data:`MAX_OPSET` for the standard domain, unbounded for
+        other domains.
+    domain : str
+        "" (ai.onnx), "com.microsoft", "olv", ...
+
+    Raises
+    ------
+    ValueError
+        The range is empty or overlaps a range already registered for the operator (a
+        programming error in the op modules, raised at import).
+    """
+    if until_version is None and domain == "":
+        until_version = MAX_OPSET
 
     def deco(cls: type) -> type:
-        cls.op_type = op_type
-        cls.domain = domain
-        cls.since_version = since_version
+        if until_version is not None and until_version < since_version:
+            raise ValueError(f"{op_type}: empty opset range {since_version}-{until_version}")
         versions = _REGISTRY.setdefault((domain, op_type), [])
-        versions.append((since_version, cls))
+        for lo, hi, other in versions:
+            if not ((hi is not None and hi < since_version)
+                    or (until_version is not None and until_version < lo)):
+                raise ValueError(
+                    f"{domain or 'ai.onnx'}::{op_type}: opsets {since_version}-{until_version} "
+                    f"overlap {lo}-{hi} ({other.__name__})"
+                )
+        if "op_type" not in cls.__dict__:  # one class may serve several op types / ranges
+            cls.op_type = op_type
+            cls.domain = domain
+            cls.since_version = since_version
+            cls.until_version = until_version
+        versions.append((since_version, until_version, cls))
         versions.sort(key=lambda v: v[0])
         return cls
 
     return deco
+
+
+def _range_text(lo: int, hi: int | None) -> str:
+    return f"{lo}-{hi}" if hi is not None else f"{lo}+"
 
 
 def lookup(domain: str, op_type: str, opset_version: int) -> type:
@@ -47,7 +94,8 @@ def lookup(domain: str, op_type: str, opset_version: int) -> type:
     Raises
     ------
     UnsupportedOperatorError
-        No implementation for this operator, or none whose since_version <= opset_version.
+        No implementation for this operator, or none whose range contains ``opset_version``;
+        the message names the operator, the opset and the implemented ranges.
     """
     domain = canonical_domain(domain)
     versions = _REGISTRY.get((domain, op_type))
@@ -56,25 +104,28 @@ def lookup(domain: str, op_type: str, opset_version: int) -> type:
         raise UnsupportedOperatorError(
             f"operator {shown} (opset {opset_version}) is not supported by olv_runtime"
         )
-    chosen = None
-    for since, cls in versions:
-        if since <= opset_version:
-            chosen = cls
-    if chosen is None:
-        have = ", ".join(str(v) for v, _ in versions)
-        raise UnsupportedOperatorError(
-            f"operator {shown} at opset {opset_version} is not supported; implemented since "
-            f"versions: {have}"
-        )
-    return chosen
+    for lo, hi, cls in versions:
+        if lo <= opset_version and (hi is None or opset_version <= hi):
+            return cls
+    have = ", ".join(_range_text(lo, hi) for lo, hi, _ in versions)
+    raise UnsupportedOperatorError(
+        f"operator {shown} at opset {opset_version} is not supported; implemented for opsets "
+        f"{have}"
+    )
 
 
 def registered() -> list[tuple[str, str, int]]:
     """All registered (domain, op_type, since_version) triples, sorted."""
+    return sorted((d, o, lo) for d, o, lo, _ in registered_ranges())
+
+
+def registered_ranges() -> list[tuple[str, str, int, int | None]]:
+    """All registered (domain, op_type, since_version, until_version) entries, sorted
+    (until None: no upper bound). The docs' operator list is generated from this."""
     out = []
     for (domain, op_type), versions in _REGISTRY.items():
-        out.extend((domain, op_type, v) for v, _ in versions)
-    return sorted(out)
+        out.extend((domain, op_type, lo, hi) for lo, hi, _ in versions)
+    return sorted(out, key=lambda r: (r[0], r[1], r[2]))
 
 
 def attribute_value(attr: AttributeProto) -> Any:
