@@ -27,7 +27,7 @@ def _check(op: Op, a: np.ndarray, b: np.ndarray, unsigned: bool) -> tuple:
         raise op.fail(f"shapes {list(a.shape)} and {list(b.shape)} do not broadcast") from None
 
 
-@register("BitShift", 11)
+@register("BitShift", 11, 27)  # BitShift-28 adds signed types (not implemented)
 class BitShift(Op):
     attributes = {"direction": Op.REQUIRED}
 
