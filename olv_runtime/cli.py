@@ -1,4 +1,4 @@
-"""The ``olv`` command line: convert, generate, bench, demo, inspect, export-standard.
+"""The ``olv`` command line: convert, generate, chat, eval, bench, demo, inspect, export-standard.
 
 Run ``olv --help`` or ``olv COMMAND --help``.
 """
@@ -77,35 +77,39 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
     model = olv_runtime.load(model_path)
     sess = olv_runtime.InferenceSession(model, _session_options(args))
     stats = olv_runtime.GenerationStats()
-    printed = []
 
-    shown = [0]  # characters of the decoded text already printed
-
-    def show(tok: int) -> None:
+    def show(tok: int) -> None:  # without a tokenizer: the ids
         _midline[0] = True
-        printed.append(tok)
-        if tokenizer is not None:
-            # decode the whole continuation and print what is new, holding back a trailing
-            # incomplete character (a byte-level token may end inside a UTF-8 sequence)
-            text = tokenizer.decode(printed, skip_special_tokens=False)
-            if text.endswith("\ufffd"):
-                return
-            print(text[shown[0]:], end="", flush=True)
-            shown[0] = len(text)
-        else:
-            print(tok, end=" ", flush=True)
+        print(tok, end=" ", flush=True)
 
-    eos = model.metadata().get("olv.eos_token_id")
-    olv_runtime.generate(
-        sess, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, callback=show, stats=stats,
-        eos_token_id=int(eos) if (eos and args.stop_at_eos) else None,
+    from olv_runtime.cli_chat import sampling_kwargs
+
+    kw = sampling_kwargs(args)
+    if kw["stop"] and tokenizer is None:
+        raise CliError(f"--stop needs tokenizer.json beside the model ({model_path.parent})")
+    if tokenizer is not None:  # stream through TextStream (stop strings, UTF-8 hold-back)
+        kw.update(tokenizer=tokenizer, text_callback=lambda piece: print(piece, end="", flush=True))
+        cb = lambda tok: _midline.__setitem__(0, True)  # noqa: E731
+    else:
+        cb = show
+    res = olv_runtime.generate(
+        sess, prompt_ids, args.max_new_tokens, callback=cb, stats=stats, return_result=True,
+        logprobs=bool(args.logprobs), top_logprobs=args.logprobs, **kw,
     )
-    if tokenizer is not None and printed:
-        text = tokenizer.decode(printed, skip_special_tokens=False)
-        print(text[shown[0]:], end="")
     print()
     _midline[0] = False
+    if res.logprobs:
+        def tok_text(t):
+            return repr(tokenizer.id_to_token(t)) if tokenizer is not None else str(t)
+
+        print("token logprobs (natural log, raw logits) and top alternatives:", file=sys.stderr)
+        for lp in res.logprobs:
+            alts = ", ".join(f"{tok_text(t)} {v:.4f}" for t, v in lp.top)
+            print(f"  {lp.token_id:>7} {tok_text(lp.token_id):>16} {lp.logprob:9.4f}   {alts}",
+                  file=sys.stderr)
+    if res.finish_reason != "length":
+        print(f"stopped: {res.finish_reason}"
+              + (f" ({res.stop_string!r})" if res.stop_string else ""), file=sys.stderr)
     print(
         f"prompt {stats.prompt_tokens} tokens: prefill {stats.prefill_tokens_per_second:.1f} tok/s; "
         f"generated {stats.new_tokens} tokens: decode {stats.decode_tokens_per_second:.1f} tok/s",
@@ -184,6 +188,8 @@ def cmd_demo(args) -> int:
     gen_args = argparse.Namespace(
         max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
         threads=args.threads, stop_at_eos=False, quantize_activations=args.quantize_activations,
+        min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+        penalty_last_n=0, stop=[], ignore_eos=True, logprobs=0,
     )
     _run_generate(out, ids, gen_args, tokenizer)
     if not args.workdir:
@@ -338,9 +344,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass in (0, 1] (default: 1.0 = all)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    g.add_argument("--stop-at-eos", action="store_true", help="stop at the model's eos token")
+    g.add_argument("--stop-at-eos", action="store_true",
+                   help="kept for compatibility: stopping at the eos ids is now the default "
+                        "(--ignore-eos turns it off)")
+    from olv_runtime.cli_chat import add_sampling_options
+
+    add_sampling_options(g, basic=False)
+    g.add_argument("--logprobs", type=_non_negative, default=0, metavar="N",
+                   help="print each token's logprob and the N best alternatives (stderr)")
     add_run_opts(g)
     g.set_defaults(func=cmd_generate)
+
+    from olv_runtime.cli_chat import add_chat_parser
+
+    add_chat_parser(sub, add_run_opts)
 
     b = sub.add_parser("bench", help="measure prefill and decode tokens per second")
     b.add_argument("model", help="converted .onnx model")

@@ -427,7 +427,6 @@ def generate(
             logits = state.run({"input_ids": step_ids})["logits"]
             state.tokens, state.cached_tokens = list(history), len(history)
             stats.prefill_tokens = len(feed)
-            t1 = None
             step = np.empty((1, 1), np.int64)
             while True:
                 row = logits[0, -1]
