@@ -358,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     from olv_runtime.cli_chat import add_chat_parser
 
     add_chat_parser(sub, add_run_opts)
+    from olv_runtime.cli_eval import add_eval_parser
+
+    add_eval_parser(sub, add_run_opts)
 
     b = sub.add_parser("bench", help="measure prefill and decode tokens per second")
     b.add_argument("model", help="converted .onnx model")
