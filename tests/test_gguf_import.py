@@ -252,3 +252,24 @@ def test_random_kquant_helper_is_finite():
     for name in ("Q4_K", "Q5_K", "Q6_K"):
         w = gguf.quants.dequantize(random_kquant(name, (4, 512), rng, 0.1), T[name])
         assert np.isfinite(w).all() and 0.01 < float(np.std(w)) < 1.0
+
+
+def test_export_standard_gguf_model_runs_in_onnxruntime(tmp_path):
+    """``olv export-standard --feedback`` inlines the ggml decoders; onnxruntime's logits match."""
+    import onnxruntime as ort
+
+    from olv_runtime.builder import export_standard
+
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", "Q4_K", layers=1)
+    olv_runtime.convert(path, tmp_path / "m.onnx")
+    model = olv_runtime.load(tmp_path / "m.onnx")
+    std = export_standard(model, feedback=True)
+    # F32 tensors stay external, in the .gguf beside it
+    (tmp_path / "std.onnx").write_bytes(std.proto.SerializeToString())
+    sess = ort.InferenceSession(str(tmp_path / "std.onnx"), providers=["CPUExecutionProvider"])
+    cache = olv_runtime.empty_cache(model)
+    ids = np.array([[5, 17, 99]], np.int64)
+    feeds = {"input_ids": ids, **{k: np.asarray(v) for k, v in cache.items()}}
+    (got,) = sess.run(["logits"], {i.name: feeds[i.name] for i in sess.get_inputs()})
+    ref = olv_runtime.make_state(model, cache).run({"input_ids": ids})["logits"]
+    assert float(np.max(np.abs(got - ref))) <= 1e-4
