@@ -8,6 +8,7 @@ Main entry points::
     state = olv_runtime.make_state(model, olv_runtime.empty_cache(model))
     out = state.run({"input_ids": ids})
     ids = olv_runtime.generate(model, prompt_ids, max_new_tokens=64)
+    olv_runtime.compile_model("out.onnx", "fast.onnx")   # persist prepacked weights (seed 004)
 """
 from olv_runtime.errors import OlvError  # noqa: F401
 from olv_runtime.generate import (  # noqa: F401
@@ -21,6 +22,16 @@ from olv_runtime.structs import decode_value, to_decoded  # noqa: F401
 from olv_runtime.structs.runtime import RuntimeStruct  # noqa: F401
 
 __version__ = "0.1.0"
+
+
+def compile_model(model, out_path, **kwargs):
+    """Persist the prepacked weights of ``model`` for this CPU (seed 004 compiled entries).
+
+    See :func:`olv_runtime.compiled.compile_model` (``olv compile``).
+    """
+    from olv_runtime.compiled import compile_model as _compile
+
+    return _compile(model, out_path, **kwargs)
 
 
 def convert(checkpoint_dir, out_path, weights: str = "int4-block32", **kwargs):

@@ -1,4 +1,5 @@
-"""The ``olv`` command line: convert, generate, chat, eval, bench, demo, inspect, export-standard.
+"""The ``olv`` command line: convert, compile, generate, chat, eval, bench, demo, inspect,
+export-standard.
 
 Run ``olv --help`` or ``olv COMMAND --help``.
 """
@@ -269,7 +270,47 @@ def cmd_inspect(args) -> int:
             if args.verbose and isinstance(v, StructValue) and v.type_id is None:
                 show_layout(v.layout, "      ")
     print(f"encoded payload bytes: {total}")
+    _print_compiled(model, args)
     return 0
+
+
+def cmd_compile(args) -> int:
+    from olv_runtime.compiled import compile_model
+
+    t0 = time.perf_counter()
+    rep = compile_model(args.model, args.output, options=_session_options(args),
+                        progress=(lambda msg: print(msg, file=sys.stderr, flush=True))
+                        if args.verbose else None)
+    for name, why in rep.skipped:
+        print(f"  not compiled: {name}: {why}", file=sys.stderr)
+    print(f"wrote {rep.path} with {rep.entries} compiled entries for {rep.device} "
+          f"({rep.bytes / 1e6:.1f} MB in {rep.compiled_path.name}) in "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _print_compiled(model, args) -> None:
+    p = model.proto
+    if not p.devices and not p.compiled_tensors:
+        print("compiled tensors: (none)")
+        return
+    import olv_runtime
+
+    print(f"devices {len(p.devices)}:")
+    for i, d in enumerate(p.devices):
+        idx = f" index {d.index}" if d.HasField("index") else ""
+        print(f"  device {i}: type {d.type!r}{idx}, architecture {d.architecture!r}, runtime "
+              f"{d.runtime!r} {d.runtime_version!r}")
+    sess = olv_runtime.InferenceSession(model, _session_options(args))
+    report = sess.compiled_report()
+    c = sess.counters.snapshot()
+    print(f"compiled tensors {len(report)} (this session: {c['compiled_hits']} hits, "
+          f"{c['compiled_misses']} misses):")
+    for st in report:
+        why = f" ({st.reason})" if st.reason else ""
+        if args.verbose or len(report) <= 64 or st.status != "hit":
+            print(f"  [{st.index}] {st.source_name}: device {st.device} ({st.device_text}), "
+                  f"{st.physical_type}: {st.status}{why}")
 
 
 def cmd_export_standard(args) -> int:
@@ -381,10 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_opts(d)
     d.set_defaults(func=cmd_demo)
 
-    i = sub.add_parser("inspect", help="list a model's struct types, encoded values and bindings")
+    i = sub.add_parser("inspect", help="list a model's struct types, encoded values, bindings "
+                                       "and compiled entries (with their hit/miss status)")
     i.add_argument("model", help=".onnx model")
     i.add_argument("-v", "--verbose", action="store_true", help="one line per encoded value")
+    add_run_opts(i)
     i.set_defaults(func=cmd_inspect)
+
+    k = sub.add_parser("compile", help="persist the prepacked weights for this CPU (seed 004 "
+                                       "compiled entries) so sessions skip repacking")
+    k.add_argument("model", help="input .onnx model")
+    k.add_argument("output", help="output .onnx path (payloads in OUTPUT.data and "
+                                  "OUTPUT.compiled beside it)")
+    k.add_argument("-v", "--verbose", action="store_true", help="one line per compiled weight")
+    add_run_opts(k)
+    k.set_defaults(func=cmd_compile)
 
     x = sub.add_parser("export-standard",
                        help="write a model as standard ONNX (DequantizeLinear, decoder nodes)")

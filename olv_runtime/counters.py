@@ -50,6 +50,12 @@ Counter names (integers; bytes unless noted):
                                 produced (summed over layers; per call, not meaningful summed)
 ``attention_workspace_peak``    (level, max) bytes of the paged attention workspace (running
                                 max/sum/accumulator and row scratch); independent of context
+``compiled_hits``               (count) seed 004 compiled entries a session used instead of
+``compiled_misses``             repacking, and entries it rejected (cache misses, see
+                                :mod:`olv_runtime.compiled`; the reasons are logged)
+``bytes_digest_verified``       bytes hashed at session creation to verify source / compiled
+                                digests (0 when the verifications are cached)
+``bytes_repacked``              source payload bytes (codes + scales) read to prepack weights
 =============================== ==================================================================
 """
 from __future__ import annotations
@@ -88,6 +94,10 @@ NAMES = (
     "bytes_read_kv_attention",
     "kv_committed_bytes",
     "attention_workspace_peak",
+    "compiled_hits",
+    "compiled_misses",
+    "bytes_digest_verified",
+    "bytes_repacked",
 )
 
 #: Counters that are levels (a per-call figure is the value after the call, not a difference).

@@ -53,6 +53,13 @@ class BindingError(ValidationError):
     """A persistent binding is invalid (unknown name, duplicate selection, type mismatch, ...)."""
 
 
+class CompiledTensorError(ValidationError):
+    """``ModelProto.devices`` / ``compiled_tensors`` break a checker rule of seed 004
+    "Validation" (device index, duplicate key or descriptor, missing source, empty digest,
+    inexact structured value, payload size, duplicate metadata key). Ordinary incompatibility or
+    a stale digest is not an error but a cache miss."""
+
+
 class ConversionError(OlvError, ValueError):
     """A checkpoint cannot be converted (unsupported architecture, missing tensor, bad config)."""
 

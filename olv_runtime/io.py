@@ -66,15 +66,21 @@ class Model:
         self._maps: dict[pathlib.Path, tuple[mmap.mmap, np.ndarray]] = {}
         self._stamps: dict[pathlib.Path, tuple[int, int, int, int]] = {}  # size, mtime, ino, dev
         self._payloads: dict[tuple[str, str], np.ndarray] = {}
+        self._paths: dict[str, pathlib.Path] = {}
 
     # -- payload access ----------------------------------------------------------------------
-    def payload(self, message: TensorProto | EncodedValueProto) -> np.ndarray:
+    def payload(self, message: TensorProto | EncodedValueProto, key: tuple | None = None
+                ) -> np.ndarray:
         """The payload bytes of a dense or encoded initializer, as a read-only ``uint8`` view.
 
         Parameters
         ----------
         message : TensorProto or EncodedValueProto
-            An initializer of this model (``raw_data`` inline or ``data_location = EXTERNAL``).
+            An initializer of this model (``raw_data`` inline or ``data_location = EXTERNAL``),
+            or the scale / zero_point TensorProto of an affine encoded initializer.
+        key : tuple, optional
+            Cache key; default ``("tensor" | "encoded", name)``. Affine parameters use
+            ``("scale" | "zero_point", encoded initializer name)``.
 
         Returns
         -------
@@ -89,7 +95,7 @@ class Model:
             that is absolute or escapes the model directory; a range past the end of the file.
         """
         kind = "encoded" if isinstance(message, EncodedValueProto) else "tensor"
-        key = (kind, message.name)
+        key = key or (kind, message.name)
         cached = self._payloads.get(key)
         if cached is not None:
             return cached
@@ -141,6 +147,14 @@ class Model:
         return data[offset : offset + length]
 
     def _external_path(self, name: str, kind: str, location: str) -> pathlib.Path:
+        got = self._paths.get(location)  # resolved once per location (hundreds of values)
+        if got is not None:
+            return got
+        full = self._check_external_path(name, kind, location)
+        self._paths[location] = full
+        return full
+
+    def _check_external_path(self, name: str, kind: str, location: str) -> pathlib.Path:
         if self.base_dir is None:
             raise PayloadError(
                 f"{kind} value {name!r} has external data {location!r} but the model was not "
@@ -383,10 +397,33 @@ def _decimal(text: str, field: str, kind: str, name: str) -> int:
     return int(text)
 
 
-def _payload_messages(proto: ModelProto) -> Iterator[TensorProto | EncodedValueProto]:
+def _payload_messages(proto: ModelProto, params: bool = True
+                      ) -> Iterator[TensorProto | EncodedValueProto]:
     g = proto.graph
     yield from g.initializer
     yield from g.encoded_initializer
+    for ev in g.encoded_initializer:  # affine scale / zero_point (large: one per block)
+        if ev.WhichOneof("layout") == "affine" and (
+                params or ev.affine.scale.data_location == TensorProto.EXTERNAL
+                or ev.affine.zero_point.data_location == TensorProto.EXTERNAL):
+            yield ev.affine.scale
+            if ev.affine.HasField("zero_point"):
+                yield ev.affine.zero_point
+
+
+def _payload_keys(proto: ModelProto, params: bool = True) -> Iterator[tuple]:
+    g = proto.graph
+    for t in g.initializer:
+        yield ("tensor", t.name)
+    for ev in g.encoded_initializer:
+        yield ("encoded", ev.name)
+    for ev in g.encoded_initializer:
+        if ev.WhichOneof("layout") == "affine" and (
+                params or ev.affine.scale.data_location == TensorProto.EXTERNAL
+                or ev.affine.zero_point.data_location == TensorProto.EXTERNAL):
+            yield ("scale", ev.name)
+            if ev.affine.HasField("zero_point"):
+                yield ("zero_point", ev.name)
 
 
 def save(
@@ -397,6 +434,7 @@ def save(
     location: str | None = None,
     threshold: int = EXTERNAL_THRESHOLD,
     keep_external: bool = False,
+    external_params: bool = False,
 ) -> pathlib.Path:
     """Write a model; large payloads optionally go to one external data file beside it.
 
@@ -419,6 +457,10 @@ def save(
         length; nothing read or copied): for models whose payloads live in another file, e.g.
         a GGUF import (``models/gguf.py``). The locations must resolve from ``path``'s
         directory.
+    external_params : bool
+        Also move the scale / zero_point tensors of affine encoded initializers (default False:
+        they stay inline; ``olv compile`` sets it so that a session using compiled entries never
+        parses them into the proto). Parameters already external always stay readable.
 
     Returns
     -------
@@ -450,11 +492,13 @@ def save(
             tmp_files.append((tmp_data, out.parent / data_name))
             with os.fdopen(fd, "wb") as fh:
                 offset = 0
-                for msg, src in zip(_payload_messages(proto), _payload_messages(m.proto)):
+                for msg, src, key in zip(_payload_messages(proto, external_params),
+                                         _payload_messages(m.proto, external_params),
+                                         _payload_keys(m.proto, external_params)):
                     if msg.data_location == TensorProto.EXTERNAL and keep_external:
                         continue
                     if msg.data_location == TensorProto.EXTERNAL:
-                        payload = m.payload(src)
+                        payload = m.payload(src, key)
                     elif msg.HasField("raw_data"):
                         payload = msg.raw_data
                     else:
@@ -476,9 +520,10 @@ def save(
                     msg.data_location = TensorProto.EXTERNAL
                     offset += len(payload)
         else:
-            for msg, src in zip(_payload_messages(proto), _payload_messages(m.proto)):
+            for msg, src, key in zip(_payload_messages(proto), _payload_messages(m.proto),
+                                     _payload_keys(m.proto)):  # inline everything
                 if msg.data_location == TensorProto.EXTERNAL and not keep_external:
-                    _inline(msg, m.payload(src))
+                    _inline(msg, m.payload(src, key))
         fd, tmp_model = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".onnx")
         tmp_files.append((tmp_model, out))
         with os.fdopen(fd, "wb") as fh:

@@ -85,6 +85,9 @@ class SessionOptions:
     kv_growth : float
         Capacity multiplier when a KV buffer is outgrown (the prefix is copied once then);
         finite and > 1.
+    use_compiled : bool
+        Use the model's seed 004 compiled entries (persisted prepacked weights) where every
+        loading rule holds (default True); False repacks every weight from its source.
 
     Raises
     ------
@@ -98,6 +101,7 @@ class SessionOptions:
     quantize_activations: bool = False
     kv_initial_capacity: int = 256
     kv_growth: float = 2.0
+    use_compiled: bool = True
 
     def __post_init__(self):
         if self.num_threads is not None:
@@ -190,7 +194,13 @@ class InferenceSession:
         if "" not in self._opsets:
             raise ValidationError("model has no opset_import for the standard ONNX domain")
         self._constants: dict[str, Any] = {}
-        self._encoded_values = resolve_encoded(self.model, self.counters).values  # seed 000 layer
+        resolved = resolve_encoded(self.model, self.counters)  # seed 000 layer + seed 004 checker
+        self._encoded_values = resolved.values
+        self.compiled = None  # seed 004 compiled entries (persisted prepacked weights)
+        if self.options.use_compiled and proto.compiled_tensors:
+            from olv_runtime.compiled import CompiledEntries
+
+            self.compiled = CompiledEntries(self.model, resolved.compiled_roots, self.counters)
         self._load_constants(graph)
         self._inputs = [vi for vi in graph.input if vi.name not in self._constants]
         self._input_infos = {vi.name: vi for vi in graph.input}
@@ -325,9 +335,10 @@ class InferenceSession:
             if name not in producers and name not in self._constants and name not in self._input_infos:
                 raise ValidationError(f"graph output {name!r} is not produced by any node")
         if self.options.enable_fusion:
-            steps = optimize(steps, self._constants, graph_outputs, self.options, self.counters)
+            steps = optimize(steps, self._constants, graph_outputs, self.options, self.counters,
+                             self.compiled)
         else:
-            prepare_linears(steps, self.counters)
+            prepare_linears(steps, self.counters, self.compiled)
         self._set_lifetimes(steps, graph_outputs)
         return steps
 
@@ -496,6 +507,12 @@ class InferenceSession:
     def get_modelmeta(self) -> dict[str, str]:
         """``metadata_props`` of the model."""
         return self.model.metadata()
+
+    def compiled_report(self) -> list:
+        """Use of each seed 004 compiled entry of the model by this session: a list of
+        :class:`olv_runtime.compiled.EntryStatus` (``status`` "hit", "miss" with its ``reason``,
+        or "unused"); empty when the model has none or ``use_compiled`` is False."""
+        return self.compiled.report() if self.compiled is not None else []
 
     def plan(self) -> list[tuple[str, str]]:
         """The execution plan as (kind, name) pairs — fused steps show as Linear/EncodedGather."""

@@ -12,7 +12,7 @@ from onnx.reference import ReferenceEvaluator
 
 import olv_runtime
 from olv_runtime import proto as pb
-from olv_runtime.errors import AffineLayoutError, EncodingError
+from olv_runtime.errors import AffineLayoutError, EncodingError, PayloadError
 from olv_runtime.helper import make_affine_encoded, make_tensor, make_tensor_type
 from olv_runtime.io import Model
 from olv_runtime.quantize import pack_codes
@@ -223,10 +223,13 @@ def test_unused_final_high_bits_zero():
            r"unused final high bits.*0x10, 4 unused bits")
 
 
-def test_external_quantization_parameters_rejected():
+def test_external_quantization_parameters_need_a_valid_location():
+    # external scales are supported (olv_runtime.save writes large ones to the data file, issue
+    # 14); an EXTERNAL scale without a location is a payload error naming the value
     ev = _good()
+    ev.affine.scale.ClearField("raw_data")
     ev.affine.scale.data_location = T.EXTERNAL
-    _fails(ev, "external scale tensors are not supported")
+    _fails(ev, "EXTERNAL payload without 'location'", exc=PayloadError)
 
 
 def test_bad_parameter_data():

@@ -33,7 +33,7 @@ from olv_runtime.builder.errors import (
 from olv_runtime.errors import DecoderError, EncodingError, PayloadError, RecordCountError
 from olv_runtime.proto import EncodedValueProto, StructTypeProto, TensorProto, TypeProto
 from olv_runtime.structs.catalogue import Catalogue, RootType, describe
-from olv_runtime.values import affine_value, dtype_name, param_tensor, tensor_type_shape
+from olv_runtime.values import NP_DTYPE, affine_value, dtype_name, param_tensor, tensor_type_shape
 
 Dim = Union[int, str, None]
 
@@ -314,11 +314,19 @@ def make_sym_encoded(ev: EncodedValueProto, catalogue: Catalogue) -> SymEncodedV
     kind = ev.WhichOneof("layout")
     if kind == "affine":
         a = ev.affine
-        for label, part in (("scale", a.scale), ("zero_point", a.zero_point)):
+        params = []
+        for part in (a.scale, a.zero_point):
             if part.data_location == TensorProto.EXTERNAL:
-                raise EncodingError(f"{what}: external {label} tensors are not supported")
-        scale = param_tensor(a.scale)
-        zp = param_tensor(a.zero_point) if a.HasField("zero_point") else None
+                # external parameters (olv compile writes them so): only their type and shape
+                # matter here, the payload is never read
+                dt = NP_DTYPE.get(part.data_type, np.dtype(np.int8))
+                params.append(np.broadcast_to(np.zeros((), dt), tuple(int(d) for d in part.dims)))
+            else:
+                params.append(None)
+        scale = params[0] if params[0] is not None else param_tensor(a.scale)
+        zp = None
+        if a.HasField("zero_point"):
+            zp = params[1] if params[1] is not None else param_tensor(a.zero_point)
         if external:  # extent only: a zero-stride view of the right length (no allocation)
             codes = np.broadcast_to(np.zeros(1, np.uint8), (size,))
         else:

@@ -26,10 +26,61 @@ import os
 
 import numba
 
-__all__ = ["JIT", "PJIT", "set_num_threads", "get_num_threads", "threading_layer"]
+__all__ = ["JIT", "PJIT", "set_num_threads", "get_num_threads", "threading_layer", "lazy_njit"]
 
 JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
 PJIT = dict(JIT, parallel=True)
+
+
+class LazyDispatcher:
+    """A numba function with an explicit signature, compiled (or loaded from the on-disk cache) at
+    its first call instead of at import.
+
+    ``numba.njit(signature)`` compiles eagerly when the module is imported, so every user paid
+    for every kernel (the paged attention kernels alone took about 6 s of a cold ``olv demo``).
+    This wrapper keeps the explicit signature (one specialisation, no per-call typing) and the
+    flags, but defers the work to the first call. Only for functions called from Python; a
+    jitted caller needs the real dispatcher (:attr:`dispatcher`).
+    """
+
+    def __init__(self, pyfunc, signature, flags):
+        import threading
+
+        self.py_func = pyfunc
+        self.signature = signature
+        self.flags = dict(flags)
+        self._dispatcher = None
+        self._lock = threading.Lock()
+        self.__name__ = getattr(pyfunc, "__name__", "lazy")
+        self.__doc__ = pyfunc.__doc__
+        self.__wrapped__ = pyfunc
+
+    @property
+    def dispatcher(self):
+        """The compiled numba dispatcher (compiles on first access)."""
+        d = self._dispatcher
+        if d is None:
+            with self._lock:
+                d = self._dispatcher
+                if d is None:
+                    d = self._dispatcher = numba.njit(self.signature, **self.flags)(self.py_func)
+        return d
+
+    @property
+    def compiled(self) -> bool:
+        """True once the function has been compiled or loaded (by a first call)."""
+        return self._dispatcher is not None
+
+    def __call__(self, *args):
+        return self.dispatcher(*args)
+
+
+def lazy_njit(signature, **flags):
+    """Decorator: like ``numba.njit(signature, **flags)`` but compiled at the first call
+    (:class:`LazyDispatcher`)."""
+    def deco(fn):
+        return LazyDispatcher(fn, signature, flags)
+    return deco
 
 
 def _omp_available() -> bool:

@@ -42,7 +42,7 @@ from numba import njit, prange, types
 
 from olv_runtime.errors import InvalidArgument
 
-from .config import JIT, PJIT
+from .config import JIT, PJIT, lazy_njit
 
 __all__ = ["FORMAT_CODES", "ChunkSide", "paged_attention", "convert_block", "F16_TABLE",
            "dummy_side"]
@@ -109,7 +109,7 @@ _SEG_SIG = types.void(
 )
 
 
-@njit(_SEG_SIG, **PJIT)
+@lazy_njit(_SEG_SIG, **PJIT)
 def _paged_segment(q, kslots, vslots, starts, lens, past_len, scale, causal,
                    kfmt, kf32, ku16, kcodes, kscale, ktable,
                    vfmt, vf32, vu16, vcodes, vscale, vtable,
@@ -299,7 +299,7 @@ _CONV_SIG = types.void(*_SIDE, types.int64, types.int64,          # source side,
                        types.Array(types.float32, 1, "C"))          # row scratch [D]
 
 
-@njit(_CONV_SIG, **JIT)
+@lazy_njit(_CONV_SIG, **JIT)
 def _convert_block(sfmt, sf32, su16, scodes, sscale, stable, sslot, ntok,
                    dfmt, dcodes, dscale, dtable, dslot, row):
     """Quantize block ``sslot`` (any format) into ``dslot`` of an int8/int4/codebook2 side.

@@ -150,6 +150,38 @@ class PersistentBindingProto(_message.Message):
     output_name: str
     def __init__(self, input_name: _Optional[str] = ..., output_name: _Optional[str] = ...) -> None: ...
 
+class DeviceProto(_message.Message):
+    __slots__ = ("type", "index", "architecture", "runtime", "runtime_version", "metadata_props")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_VERSION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_PROPS_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    index: int
+    architecture: str
+    runtime: str
+    runtime_version: str
+    metadata_props: _containers.RepeatedCompositeFieldContainer[StringStringEntryProto]
+    def __init__(self, type: _Optional[str] = ..., index: _Optional[int] = ..., architecture: _Optional[str] = ..., runtime: _Optional[str] = ..., runtime_version: _Optional[str] = ..., metadata_props: _Optional[_Iterable[_Union[StringStringEntryProto, _Mapping]]] = ...) -> None: ...
+
+class CompiledTensorProto(_message.Message):
+    __slots__ = ("source_name", "value", "device", "source_digest", "digest_algorithm", "metadata_props")
+    SOURCE_NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    METADATA_PROPS_FIELD_NUMBER: _ClassVar[int]
+    source_name: str
+    value: EncodedValueProto
+    device: int
+    source_digest: bytes
+    digest_algorithm: str
+    metadata_props: _containers.RepeatedCompositeFieldContainer[StringStringEntryProto]
+    def __init__(self, source_name: _Optional[str] = ..., value: _Optional[_Union[EncodedValueProto, _Mapping]] = ..., device: _Optional[int] = ..., source_digest: _Optional[bytes] = ..., digest_algorithm: _Optional[str] = ..., metadata_props: _Optional[_Iterable[_Union[StringStringEntryProto, _Mapping]]] = ...) -> None: ...
+
 class AttributeProto(_message.Message):
     __slots__ = ("name", "ref_attr_name", "doc_string", "type", "f", "i", "s", "t", "g", "sparse_tensor", "tp", "floats", "ints", "strings", "tensors", "graphs", "sparse_tensors", "type_protos")
     class AttributeType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -319,7 +351,7 @@ class TrainingInfoProto(_message.Message):
     def __init__(self, initialization: _Optional[_Union[GraphProto, _Mapping]] = ..., algorithm: _Optional[_Union[GraphProto, _Mapping]] = ..., initialization_binding: _Optional[_Iterable[_Union[StringStringEntryProto, _Mapping]]] = ..., update_binding: _Optional[_Iterable[_Union[StringStringEntryProto, _Mapping]]] = ...) -> None: ...
 
 class ModelProto(_message.Message):
-    __slots__ = ("ir_version", "opset_import", "producer_name", "producer_version", "domain", "model_version", "doc_string", "graph", "metadata_props", "training_info", "functions", "configuration", "struct_types")
+    __slots__ = ("ir_version", "opset_import", "producer_name", "producer_version", "domain", "model_version", "doc_string", "graph", "metadata_props", "training_info", "functions", "configuration", "struct_types", "devices", "compiled_tensors")
     IR_VERSION_FIELD_NUMBER: _ClassVar[int]
     OPSET_IMPORT_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +365,8 @@ class ModelProto(_message.Message):
     FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
     CONFIGURATION_FIELD_NUMBER: _ClassVar[int]
     STRUCT_TYPES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     ir_version: int
     opset_import: _containers.RepeatedCompositeFieldContainer[OperatorSetIdProto]
     producer_name: str
@@ -346,7 +380,9 @@ class ModelProto(_message.Message):
     functions: _containers.RepeatedCompositeFieldContainer[FunctionProto]
     configuration: _containers.RepeatedCompositeFieldContainer[DeviceConfigurationProto]
     struct_types: _containers.RepeatedCompositeFieldContainer[StructTypeProto]
-    def __init__(self, ir_version: _Optional[int] = ..., opset_import: _Optional[_Iterable[_Union[OperatorSetIdProto, _Mapping]]] = ..., producer_name: _Optional[str] = ..., producer_version: _Optional[str] = ..., domain: _Optional[str] = ..., model_version: _Optional[int] = ..., doc_string: _Optional[str] = ..., graph: _Optional[_Union[GraphProto, _Mapping]] = ..., metadata_props: _Optional[_Iterable[_Union[StringStringEntryProto, _Mapping]]] = ..., training_info: _Optional[_Iterable[_Union[TrainingInfoProto, _Mapping]]] = ..., functions: _Optional[_Iterable[_Union[FunctionProto, _Mapping]]] = ..., configuration: _Optional[_Iterable[_Union[DeviceConfigurationProto, _Mapping]]] = ..., struct_types: _Optional[_Iterable[_Union[StructTypeProto, _Mapping]]] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceProto]
+    compiled_tensors: _containers.RepeatedCompositeFieldContainer[CompiledTensorProto]
+    def __init__(self, ir_version: _Optional[int] = ..., opset_import: _Optional[_Iterable[_Union[OperatorSetIdProto, _Mapping]]] = ..., producer_name: _Optional[str] = ..., producer_version: _Optional[str] = ..., domain: _Optional[str] = ..., model_version: _Optional[int] = ..., doc_string: _Optional[str] = ..., graph: _Optional[_Union[GraphProto, _Mapping]] = ..., metadata_props: _Optional[_Iterable[_Union[StringStringEntryProto, _Mapping]]] = ..., training_info: _Optional[_Iterable[_Union[TrainingInfoProto, _Mapping]]] = ..., functions: _Optional[_Iterable[_Union[FunctionProto, _Mapping]]] = ..., configuration: _Optional[_Iterable[_Union[DeviceConfigurationProto, _Mapping]]] = ..., struct_types: _Optional[_Iterable[_Union[StructTypeProto, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceProto, _Mapping]]] = ..., compiled_tensors: _Optional[_Iterable[_Union[CompiledTensorProto, _Mapping]]] = ...) -> None: ...
 
 class DeviceConfigurationProto(_message.Message):
     __slots__ = ("name", "num_devices", "device")

@@ -159,12 +159,16 @@ class ResolvedModel:
         Every encoded initializer by name, in graph order.
     opsets : dict of str -> int
         The model's opset imports (decoder FunctionProtos without their own use these).
+    compiled_roots : dict of int -> RootType
+        Resolved value types of the seed 004 compiled entries (checked by
+        :func:`olv_runtime.compiled.check_compiled`).
     """
 
     def __init__(self, catalogue: Catalogue, values: dict, opsets: dict):
         self.catalogue = catalogue
         self.values = values
         self.opsets = opsets
+        self.compiled_roots: dict = {}
 
     def value(self, name: str):
         try:
@@ -222,7 +226,11 @@ def resolve(model: Model, counters=None) -> ResolvedModel:
         counters.add("payload_bytes_read", read)
         counters.add("payload_bytes_copied", 0)
     opsets = {canonical_domain(o.domain): int(o.version) for o in proto.opset_import}
+    from olv_runtime.compiled import check_compiled
+
+    compiled_roots = check_compiled(model, catalogue)  # seed 004 "Validation" (structural)
     resolved = ResolvedModel(catalogue, values, opsets)
+    resolved.compiled_roots = compiled_roots
     bind_decoders(resolved)  # after every value is validated
     _CACHE[model] = resolved
     return resolved
@@ -255,15 +263,16 @@ def encoded_value(model: Model, ev: EncodedValueProto, catalogue: Catalogue):
     layout = ev.WhichOneof("layout")
     if layout == "affine":
         a = ev.affine
+        # scale / zero_point may be external (olv_runtime.save writes large ones to the data
+        # file): then they are read-only views of the memory map, not bytes parsed into the proto
+        pay = {}
         for label, part in (("scale", a.scale), ("zero_point", a.zero_point)):
             if part.data_location == TensorProto.EXTERNAL:
-                raise AffineLayoutError(
-                    f"{what}: external {label} tensors are not supported (store quantization "
-                    "parameters inline)"
-                )
+                pay[label] = model.payload(part, (label, ev.name))  # PayloadError: location
         try:
-            scale = param_tensor(a.scale)
-            zp = param_tensor(a.zero_point) if a.HasField("zero_point") else None
+            scale = param_tensor(a.scale, pay.get("scale"))
+            zp = (param_tensor(a.zero_point, pay.get("zero_point"))
+                  if a.HasField("zero_point") else None)
         except EncodingError:
             raise
         except Exception as exc:

@@ -1,0 +1,998 @@
+"""Persisted prepacked weights: seed 004 ``CompiledTensorProto`` / ``DeviceProto``.
+
+A compiled entry is a cache of the packed form a session would build from one graph
+initializer (the INT4 row-group layouts of :mod:`olv_runtime.kernels`), never a new semantics:
+the graph keeps referencing the initializer, which stays the portable fallback. Three parts:
+
+* :func:`check_compiled` - the checker rules of seed 004 "Validation" (structural, independent of
+  the hardware): unique device descriptors and valid indices, unique
+  ``(source_name, device, physical type)`` keys, source initializers that exist, non-empty digest
+  and algorithm (and a digest of the algorithm's length), exact structured values (a type_ref or
+  an inline concrete declaration, never an unconstrained category) whose payload is a whole,
+  positive number of records, unique metadata keys. Violations raise
+  :class:`~olv_runtime.errors.CompiledTensorError` at session creation (and in ``olv inspect``).
+* :class:`CompiledEntries` - the loading rules of seed 004, applied per entry when a session
+  prepacks a weight: the source resolves to exactly one initializer; the device is this CPU
+  (``type cpu``, :func:`~olv_runtime.kernels.layouts.cpu_architecture`, ``runtime olv_runtime``,
+  ``runtime_version`` = :data:`~olv_runtime.kernels.layouts.PACKED_LAYOUT_VERSION`); the physical
+  type is a layout this runtime knows and the one the session would build; the fields have the
+  shapes and dtypes that layout has for the source's ``[N, K]``; the external payload lies inside
+  its file; the digest of the compiled bytes and the source digest match. Any failure is a
+  cache miss: the session repacks from the source, counts ``compiled_misses`` and logs the entry
+  and the reason at DEBUG level on the ``olv_runtime.compiled`` logger. A miss never changes
+  results (the packed form is rebuilt from the same source by the same prepacker).
+* :func:`compile_model` (``olv compile``) - writes a model with a device entry for this CPU and
+  one entry per prepacked initializer, whose payloads live in one external file
+  (``<model>.compiled``) that sessions memory-map (private, copy-on-write: pages are shared
+  with the page cache and never written).
+
+Canonical source content and digests
+------------------------------------
+``source_digest`` = blake2b with a 32-byte digest (``digest_algorithm = "blake2b-256"``, Python's
+``hashlib``) over the canonical form of the initializer, which covers its element type, its
+dimensions and its content but not its name, external-data location or storage method
+(``raw_data``, typed fields, external file give one digest):
+
+* header ``b"olv-canonical/1\\0"``, then little-endian integers;
+* dense ``TensorProto``: ``u32 0``, ``i32 elem_type``, ``u32 rank``, ``i64 dims...``, the
+  row-major little-endian element bytes (``u64 length`` first);
+* affine ``EncodedValueProto``: ``u32 1``, the logical ``elem_type``/rank/dims, ``i32
+  storage_type``, ``i64 axis`` (-1 when per-tensor), ``u64 block_size`` (0 when absent), the scale
+  as a dense tensor, ``u8 has_zero_point`` and the zero point (unpacked to one byte per value) as
+  a dense tensor, then the packed code bytes;
+* struct ``EncodedValueProto``: ``u32 2``, the logical type (rank ``u32 0xFFFFFFFF`` when absent),
+  the resolved declaration serialized deterministically, then the payload bytes.
+
+Deferring the digest comparison (seed 004 "Digest comparison ... may be deferred until load
+time"): hashing every source byte at each session creation would read (and make resident) the
+very pages a compiled entry exists to avoid, and costs ~0.3 s on a 0.5B model. A successful
+comparison is therefore remembered in a per-user cache (``$OLV_CACHE_DIR``, else
+``$XDG_CACHE_HOME/olv_runtime``, else ``~/.cache/olv_runtime``; one empty file per verified key).
+The key hashes the algorithm, the expected digest, every inline byte of the canonical form, and,
+for each part that lies in an external file, the file's real path, device, inode, size,
+modification and status-change times (nanoseconds) and the byte range. A changed, replaced,
+copied, truncated or rewritten file gets a new key and is hashed in full again (ctime cannot be
+set back by a user). Trade-off, stated plainly: a file modified in place while keeping size,
+inode, mtime *and* ctime (only possible with root access to the clock or the raw device) would
+not be re-hashed. ``OLV_VERIFY_DIGESTS=full`` disables the cache (every load hashes everything);
+``compile_model`` records the keys of what it wrote, so the first load is already cheap. The
+digest of the compiled bytes (entry metadata ``olv.payload_digest``) is verified the same way.
+
+Source: seed 004 "CompiledTensorProto" (stable contract, DeviceProto, loading rules,
+validation); seed 000 "Payload and lifetime contract" (external data).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import mmap
+import os
+import pathlib
+import struct
+import tempfile
+from typing import Any, Iterable
+
+import numpy as np
+
+from olv_runtime.errors import CompiledTensorError, OlvError
+from olv_runtime.io import Model, as_model
+from olv_runtime.proto import (
+    CompiledTensorProto,
+    DeviceProto,
+    EncodedValueProto,
+    ModelProto,
+    StructTypeProto,
+    TensorProto,
+)
+
+log = logging.getLogger("olv_runtime.compiled")
+
+RUNTIME = "olv_runtime"
+DEVICE_TYPE = "cpu"
+DEFAULT_DIGEST_ALGORITHM = "blake2b-256"
+#: digest_algorithm name -> digest size in bytes (hashlib.blake2b with that digest_size).
+DIGEST_ALGORITHMS = {"blake2b-256": 32}
+#: Entry metadata key: hex digest (entry's digest_algorithm) of the compiled field bytes.
+PAYLOAD_DIGEST_KEY = "olv.payload_digest"
+_ALIGN = 64
+_CANON = b"olv-canonical/1\0"
+
+__all__ = ["check_compiled", "CompiledEntries", "compile_model", "source_digest",
+           "canonical_parts", "this_device", "DEFAULT_DIGEST_ALGORITHM"]
+
+
+def _hasher(algorithm: str):
+    size = DIGEST_ALGORITHMS[algorithm]
+    return hashlib.blake2b(digest_size=size)
+
+
+# ------------------------------------------------------------------------------------------------
+# canonical source content
+# ------------------------------------------------------------------------------------------------
+def _find_initializer(proto: ModelProto, name: str) -> list:
+    g = proto.graph
+    found = [t for t in g.initializer if t.name == name]
+    found += [e for e in g.encoded_initializer if e.name == name]
+    found += [s for s in g.sparse_initializer if s.values.name == name]
+    return found
+
+
+def _dense_parts(t_type: int, dims, data) -> list:
+    dims = [int(d) for d in dims]
+    head = struct.pack("<IiI", 0, int(t_type), len(dims)) + struct.pack(f"<{len(dims)}q", *dims)
+    arr = np.ascontiguousarray(data)
+    return [head + struct.pack("<Q", arr.nbytes), arr.reshape(-1).view(np.uint8)]
+
+
+def canonical_parts(model: Model, name: str, value=None) -> list:
+    """The canonical form of initializer ``name`` (see the module docstring) as a list of parts:
+    ``bytes`` (small headers, built here) and ``uint8`` arrays (views of the model's payloads:
+    nothing is read until the parts are hashed).
+
+    Parameters
+    ----------
+    model : Model
+    name : str
+        A dense or encoded initializer of the root graph.
+    value : AffineValue or StructValue, optional
+        Its validated runtime view (avoids resolving it again).
+
+    Raises
+    ------
+    CompiledTensorError
+        ``name`` is not exactly one dense or encoded initializer.
+    """
+    from olv_runtime.values import AffineValue, tensor_from_proto
+
+    index = getattr(model, "_initializer_index", None)
+    if index is None:  # name -> messages, built once per model (sources are looked up by name)
+        index = {}
+        g = model.proto.graph
+        for msg in list(g.initializer) + list(g.encoded_initializer):
+            index.setdefault(msg.name, []).append(msg)
+        for sp in g.sparse_initializer:
+            index.setdefault(sp.values.name, []).append(sp)
+        model._initializer_index = index
+    found = index.get(name, [])
+    if len(found) != 1:
+        raise CompiledTensorError(
+            f"compiled tensor source {name!r}: resolves to {len(found)} initializers, expected "
+            "exactly one dense or encoded initializer of the root graph"
+        )
+    msg = found[0]
+    if isinstance(msg, TensorProto):
+        payload = None
+        if msg.data_location == TensorProto.EXTERNAL or msg.HasField("raw_data"):
+            payload = model.payload(msg)
+        arr = tensor_from_proto(msg, payload)
+        return [_CANON] + _dense_parts(msg.data_type, msg.dims, arr)
+    if not isinstance(msg, EncodedValueProto):
+        raise CompiledTensorError(f"compiled tensor source {name!r}: sparse initializers are not "
+                                  "supported sources")
+    if value is None:
+        from olv_runtime.structs import resolve
+
+        value = resolve(model).values[name]
+    if isinstance(value, AffineValue):
+        head = struct.pack("<IiI", 1, int(value.elem_type), len(value.shape))
+        head += struct.pack(f"<{len(value.shape)}q", *value.shape)
+        head += struct.pack("<iqQ", int(value.storage_type),
+                            -1 if value.axis is None else int(value.axis),
+                            0 if value.block_size is None else int(value.block_size))
+        parts = [_CANON, head]
+        scale = value.scale
+        parts += _dense_parts(int(msg.affine.scale.data_type), scale.shape, scale)
+        if value.zero_point is None:
+            parts.append(b"\0")
+        else:
+            zp = np.ascontiguousarray(value.zero_point)
+            parts.append(b"\1")
+            parts += _dense_parts(int(msg.affine.zero_point.data_type), zp.shape, zp)
+        parts += [struct.pack("<Q", value.codes.size), value.codes]
+        return parts
+    # struct-typed
+    decl = value.root.declaration
+    if value.logical is not None:
+        et, dims = value.logical
+        head = struct.pack("<IiI", 2, int(et), len(dims)) + struct.pack(f"<{len(dims)}q", *dims)
+    else:
+        head = struct.pack("<IiI", 2, 0, 0xFFFFFFFF)
+    d = decl.SerializeToString(deterministic=True)
+    return [_CANON, head, struct.pack("<Q", len(d)), d, struct.pack("<Q", value.payload.size),
+            value.payload]
+
+
+def _hash_parts(parts: Iterable, algorithm: str) -> tuple[bytes, int]:
+    h = _hasher(algorithm)
+    n = 0
+    for p in parts:
+        if isinstance(p, (bytes, bytearray)):
+            h.update(p)
+        else:
+            mv = memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8))
+            step = 1 << 24
+            for i in range(0, len(mv), step):  # bounded chunks
+                h.update(mv[i:i + step])
+            n += len(mv)
+    return h.digest(), n
+
+
+def source_digest(model, name: str, algorithm: str = DEFAULT_DIGEST_ALGORITHM) -> bytes:
+    """The seed 004 ``source_digest`` of initializer ``name`` (canonical form, module docstring).
+
+    Parameters
+    ----------
+    model : Model, ModelProto or path
+    name : str
+    algorithm : str
+        A key of :data:`DIGEST_ALGORITHMS` (``"blake2b-256"``).
+
+    Returns
+    -------
+    bytes
+        ``DIGEST_ALGORITHMS[algorithm]`` bytes.
+
+    Raises
+    ------
+    CompiledTensorError
+        Unknown algorithm, or ``name`` not exactly one initializer.
+    """
+    if algorithm not in DIGEST_ALGORITHMS:
+        raise CompiledTensorError(
+            f"digest algorithm {algorithm!r} is not supported; supported: {sorted(DIGEST_ALGORITHMS)}"
+        )
+    return _hash_parts(canonical_parts(as_model(model), name), algorithm)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# deferred digest verification (see the module docstring)
+# ------------------------------------------------------------------------------------------------
+def _cache_dir() -> pathlib.Path | None:
+    if os.environ.get("OLV_VERIFY_DIGESTS", "").strip().lower() == "full":
+        return None
+    base = os.environ.get("OLV_CACHE_DIR")
+    if base:
+        root = pathlib.Path(base)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = pathlib.Path(xdg) / "olv_runtime" if xdg else pathlib.Path.home() / ".cache" / "olv_runtime"
+    return root / "verified-digests"
+
+
+def _mapped_ranges(model: Model) -> list:
+    out = []
+    for path, (_mm, arr) in model._maps.items():
+        if arr.size:
+            out.append((arr.ctypes.data, arr.size, path))
+    out.extend(getattr(model, "_compiled_ranges", []))
+    return out
+
+
+def _identity(path: pathlib.Path, memo: dict | None = None) -> bytes:
+    if memo is not None and path in memo:
+        return memo[path]
+    st = os.stat(path)
+    got = repr((str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                st.st_ctime_ns)).encode()
+    if memo is not None:
+        memo[path] = got
+    return got
+
+
+def _quick_key(model: Model, parts: list, algorithm: str, expected: bytes,
+               memo: dict | None = None) -> str:
+    """Key of a verification: inline parts hashed, file-backed parts by file identity + range
+    (``memo``: file identities already taken by this caller)."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(algorithm.encode() + b"\0" + expected)
+    ranges = _mapped_ranges(model)
+    for p in parts:
+        if isinstance(p, (bytes, bytearray)):
+            h.update(b"b" + struct.pack("<Q", len(p)))
+            h.update(p)
+            continue
+        addr, size = p.ctypes.data, p.nbytes
+        for base, length, path in ranges:
+            if base <= addr and addr + size <= base + length:
+                h.update(b"f" + _identity(path, memo) + struct.pack("<QQ", addr - base, size))
+                break
+        else:
+            h.update(b"b" + struct.pack("<Q", size))
+            h.update(memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8)))
+    return h.hexdigest()
+
+
+def _verified(key: str) -> bool:
+    d = _cache_dir()
+    return d is not None and (d / key[:2] / key).exists()
+
+
+def _remember(key: str) -> None:
+    d = _cache_dir()
+    if d is None:
+        return
+    try:
+        (d / key[:2]).mkdir(parents=True, exist_ok=True)
+        (d / key[:2] / key).touch()
+    except OSError:  # an unwritable cache only costs a full hash next time
+        pass
+
+
+def verify_digest(model: Model, parts: list, algorithm: str, expected: bytes,
+                  counters=None, memo: dict | None = None) -> bool:
+    """True when the digest of ``parts`` equals ``expected`` (cached verification, see module
+    docstring). Bytes hashed are added to the ``bytes_digest_verified`` counter."""
+    key = _quick_key(model, parts, algorithm, expected, memo)
+    if _verified(key):
+        return True
+    got, n = _hash_parts(parts, algorithm)
+    if counters is not None:
+        counters.add("bytes_digest_verified", n)
+    if got != expected:
+        return False
+    _remember(key)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# checker (seed 004 "Validation")
+# ------------------------------------------------------------------------------------------------
+def _unique_keys(entries, where: str) -> None:
+    seen = set()
+    for e in entries:
+        if e.key in seen:
+            raise CompiledTensorError(f"{where}: metadata key {e.key!r} appears more than once")
+        seen.add(e.key)
+
+
+def _device_key(d: DeviceProto) -> tuple:
+    return (d.type, d.index if d.HasField("index") else None, d.architecture, d.runtime,
+            d.runtime_version, tuple(sorted((e.key, e.value) for e in d.metadata_props)))
+
+
+def physical_type(entry: CompiledTensorProto) -> tuple:
+    """The physical type of an entry's value: ``("type_id", id)`` or ``("inline", name)``."""
+    st = entry.value.struct_type
+    if st.WhichOneof("kind") == "type_ref":
+        return ("type_id", int(st.type_ref))
+    return ("inline", st.name)
+
+
+def check_compiled(model: Model, catalogue=None) -> dict:
+    """Apply the seed 004 checker rules to ``ModelProto.devices`` / ``compiled_tensors``.
+
+    Parameters
+    ----------
+    model : Model
+    catalogue : Catalogue, optional
+        The model's resolved struct catalogue (built when omitted).
+
+    Returns
+    -------
+    dict
+        Entry index -> resolved :class:`~olv_runtime.structs.catalogue.RootType` of its value.
+
+    Raises
+    ------
+    CompiledTensorError
+        Duplicate device descriptors or metadata keys; a device index out of range; duplicate
+        ``(source_name, device, physical type)`` keys; a source that is not exactly one
+        initializer; an empty digest or algorithm, or a digest whose length is not the known
+        algorithm's; a value that is not an exact structured value (affine, no layout,
+        unconstrained category, unresolved type), or whose payload is not a whole positive
+        number of records (inline length or external ``length``).
+    """
+    from olv_runtime.structs.catalogue import Catalogue
+
+    proto = model.proto
+    devices = list(proto.devices)
+    entries = list(proto.compiled_tensors)
+    if not devices and not entries:
+        return {}
+    if catalogue is None:
+        catalogue = Catalogue(proto.struct_types)
+    seen_dev: dict = {}
+    for i, d in enumerate(devices):
+        _unique_keys(d.metadata_props, f"device {i} ({d.type!r}, {d.architecture!r})")
+        key = _device_key(d)
+        if key in seen_dev:
+            raise CompiledTensorError(
+                f"devices {seen_dev[key]} and {i} are the same descriptor ({d.type!r}, "
+                f"{d.architecture!r}, {d.runtime!r} {d.runtime_version!r}); device descriptors "
+                "must be unique"
+            )
+        seen_dev[key] = i
+    names = {}
+    g = proto.graph
+    for t in g.initializer:
+        names[t.name] = names.get(t.name, 0) + 1
+    for e in g.encoded_initializer:
+        names[e.name] = names.get(e.name, 0) + 1
+    keys: dict = {}
+    roots: dict = {}
+    for i, e in enumerate(entries):
+        what = f"compiled tensor {i} (source {e.source_name!r})"
+        _unique_keys(e.metadata_props, what)
+        if not 0 <= e.device < len(devices):
+            raise CompiledTensorError(
+                f"{what}: device index {e.device} is out of range (the model has "
+                f"{len(devices)} devices)"
+            )
+        if not e.source_name:
+            raise CompiledTensorError(f"{what}: source_name is empty")
+        count = names.get(e.source_name, 0)
+        if count != 1:
+            raise CompiledTensorError(
+                f"{what}: source_name resolves to {count} initializers of the root graph, "
+                "expected exactly one"
+            )
+        if not e.digest_algorithm:
+            raise CompiledTensorError(f"{what}: digest_algorithm is empty")
+        if not e.source_digest:
+            raise CompiledTensorError(f"{what}: source_digest is empty")
+        size = DIGEST_ALGORITHMS.get(e.digest_algorithm)
+        if size is not None and len(e.source_digest) != size:
+            raise CompiledTensorError(
+                f"{what}: source_digest has {len(e.source_digest)} bytes, {e.digest_algorithm} "
+                f"digests have {size}"
+            )
+        if not e.HasField("value"):
+            raise CompiledTensorError(f"{what}: value is missing")
+        v = e.value
+        layout = v.WhichOneof("layout")
+        if layout != "struct_type":
+            raise CompiledTensorError(
+                f"{what}: value must be an exact structured value (struct_type), got "
+                f"{layout or 'no layout'}"
+            )
+        if v.struct_type.WhichOneof("kind") is None:
+            raise CompiledTensorError(
+                f"{what}: value struct_type is an unconstrained category (no kind); a compiled "
+                "value needs a type_ref or an inline concrete declaration"
+            )
+        try:
+            root = catalogue.root(v.struct_type, what)
+        except OlvError as exc:
+            raise CompiledTensorError(f"{what}: value type does not resolve: {exc}") from None
+        _unique_keys(root.declaration.metadata_props, f"{what} value type")
+        rb = root.record_bytes
+        if v.data_location == TensorProto.EXTERNAL:
+            ext = {x.key: x.value for x in v.external_data}
+            if v.HasField("raw_data"):
+                raise CompiledTensorError(f"{what}: raw_data and external_data are both set")
+            try:
+                nbytes = int(ext["length"])
+                int(ext.get("offset", "0"))
+            except (KeyError, ValueError):
+                raise CompiledTensorError(
+                    f"{what}: an external compiled payload needs 'location' and an integer "
+                    f"'length' (got {sorted(ext)})"
+                ) from None
+            if not ext.get("location"):
+                raise CompiledTensorError(f"{what}: external payload without 'location'")
+        else:
+            nbytes = len(v.raw_data)
+        if nbytes <= 0 or nbytes % rb:
+            raise CompiledTensorError(
+                f"{what}: payload of {nbytes} bytes is not a whole positive number of "
+                f"{rb}-byte records of {root.describe()}"
+            )
+        key = (e.source_name, int(e.device), physical_type(e))
+        if key in keys:
+            raise CompiledTensorError(
+                f"{what}: same cache key (source {e.source_name!r}, device {e.device}, physical "
+                f"type {key[2][1]!r}) as compiled tensor {keys[key]}"
+            )
+        keys[key] = i
+        roots[i] = root
+    return roots
+
+
+# ------------------------------------------------------------------------------------------------
+# loading rules
+# ------------------------------------------------------------------------------------------------
+def this_device() -> DeviceProto:
+    """The DeviceProto of this CPU for olv_runtime's packed layouts."""
+    from olv_runtime.kernels.layouts import PACKED_LAYOUT_VERSION, cpu_architecture
+
+    return DeviceProto(type=DEVICE_TYPE, architecture=cpu_architecture(), runtime=RUNTIME,
+                       runtime_version=PACKED_LAYOUT_VERSION)
+
+
+@dataclasses.dataclass
+class EntryStatus:
+    """Use of one compiled entry by a session (``olv inspect`` prints these).
+
+    ``status`` is ``"hit"`` (used), ``"miss"`` (rebuilt from the source; ``reason`` says why) or
+    ``"unused"`` (the session does not prepack this source, or a sibling of a merged weight
+    missed so the group was repacked).
+    """
+
+    index: int
+    source_name: str
+    device: int
+    device_text: str
+    physical_type: str
+    status: str = "unused"
+    reason: str = ""
+
+
+class CompiledEntries:
+    """A session's view of the model's compiled entries (loading rules of seed 004).
+
+    Parameters
+    ----------
+    model : Model
+    roots : dict
+        From :func:`check_compiled`.
+    counters : Counters, optional
+        ``compiled_hits``, ``compiled_misses``, ``bytes_digest_verified``.
+    """
+
+    def __init__(self, model: Model, roots: dict, counters=None):
+        self.model = model
+        self.counters = counters
+        self.roots = roots
+        proto = model.proto
+        self.entries = list(proto.compiled_tensors)
+        self.devices = list(proto.devices)
+        self.status: list[EntryStatus] = []
+        self.by_source: dict[str, list[int]] = {}
+        for i, e in enumerate(self.entries):
+            d = self.devices[e.device]
+            self.status.append(EntryStatus(
+                i, e.source_name, int(e.device),
+                f"{d.type}:{d.architecture} {d.runtime} {d.runtime_version}",
+                physical_type(e)[1] if physical_type(e)[0] == "inline"
+                else f"type_id {physical_type(e)[1]}"))
+            self.by_source.setdefault(e.source_name, []).append(i)
+        self._here = this_device()
+        # one private mapping per compiled file and model (shared by its sessions)
+        self._maps: dict = model.__dict__.setdefault("_compiled_maps", {})
+        self._stat: dict = {}  # file identities, taken once per session
+
+    # -- per-entry rules ---------------------------------------------------------------------
+    def _miss(self, i: int, reason: str) -> None:
+        st = self.status[i]
+        st.status, st.reason = "miss", reason
+        if self.counters is not None:
+            self.counters.add("compiled_misses", 1)
+        log.debug("compiled tensor %d (source %r, device %d): cache miss: %s", i,
+                  st.source_name, st.device, reason)
+
+    def _device_rule(self, d: DeviceProto) -> str | None:
+        here = self._here
+        if d.type != here.type:
+            return f"device type {d.type!r} is not {here.type!r}"
+        if d.architecture != here.architecture:
+            return f"architecture {d.architecture!r} is not this CPU's {here.architecture!r}"
+        if d.runtime != here.runtime:
+            return f"runtime {d.runtime!r} is not {here.runtime!r}"
+        if d.runtime_version != here.runtime_version:
+            return (f"runtime_version {d.runtime_version!r} is not this runtime's packed-layout "
+                    f"version {here.runtime_version!r}")
+        for e in d.metadata_props:
+            if e.key.startswith("olv.require."):
+                return f"required device metadata {e.key!r} is not known to this runtime"
+        return None
+
+    def _map(self, path: pathlib.Path):
+        got = self._maps.get(path)
+        if got is None:
+            with open(path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                size = st.st_size
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            stamps = getattr(self.model, "_stamps", None)
+            if stamps is not None:  # checked before every run like the other mapped files
+                stamps[path] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+            got = self._maps[path] = (mm, size)
+            if mm is not None:
+                base = np.frombuffer(mm, np.uint8)
+                ranges = getattr(self.model, "_compiled_ranges", None)
+                if ranges is None:
+                    ranges = self.model._compiled_ranges = []
+                ranges.append((base.ctypes.data, base.size, path))
+                self.model._compiled_keepalive = getattr(self.model, "_compiled_keepalive", [])
+                self.model._compiled_keepalive.append((mm, base))
+        return got
+
+    def _payload(self, v: EncodedValueProto, rb: int):
+        """(buffer, offset, nbytes) of the compiled payload, or a miss reason string."""
+        if v.data_location != TensorProto.EXTERNAL:
+            raw = v.raw_data
+            return (np.frombuffer(raw, np.uint8) if raw else None, 0, len(raw))
+        ext = {x.key: x.value for x in v.external_data}
+        location, offset, length = ext["location"], int(ext.get("offset", "0")), int(ext["length"])
+        base = self.model.base_dir
+        if base is None:
+            return "the model was not loaded from a file (no directory for the compiled payload)"
+        rel = pathlib.PurePosixPath(location.replace("\\", "/"))
+        full = (base / rel).resolve()
+        if rel.is_absolute() or base not in full.parents:
+            return f"compiled payload location {location!r} is not inside the model directory"
+        if not full.is_file():
+            return f"compiled payload file {location!r} not found"
+        mm, size = self._map(full)
+        if offset < 0 or offset + length > size:
+            return (f"compiled payload [{offset}, {offset + length}) lies past the end of "
+                    f"{location!r} ({size} bytes): truncated")
+        return (mm, offset, length)
+
+    def _fields(self, i: int, root, lay, source) -> tuple | str:
+        """(packed part, {array: (buffer, offset)}, hashed parts) or a miss reason."""
+        e = self.entries[i]
+        layout = root.layout
+        got = self._payload(e.value, root.record_bytes)
+        if isinstance(got, str):
+            return got
+        buf, off0, nbytes = got
+        if nbytes != root.record_bytes:
+            return (f"compiled payload has {nbytes} bytes, the olv layouts store one record of "
+                    f"{root.record_bytes} bytes")
+        ints = {}
+        for name in lay.ints:
+            c = layout.constant(name)
+            if c is None or c.value.size != 1:
+                return f"physical type {lay.name!r} has no scalar constant field {name!r}"
+            ints[name] = int(c.value.reshape(-1)[0])
+        n, k = source.shape
+        if (ints.get("n"), ints.get("k")) != (n, k):
+            return (f"compiled entry is for [N, K] = [{ints.get('n')}, {ints.get('k')}], the "
+                    f"source {source.name!r} is [{n}, {k}]")
+        want = lay.shapes(n, k, source.zero_point is not None)
+        arrays, where, parts = {}, {}, []
+        for name in lay.arrays:
+            leaf = layout.leaf(name)
+            dt, shape = want[name]
+            if leaf is None:
+                return f"physical type {lay.name!r} has no field {name!r}"
+            if leaf.dtype != np.dtype(dt) or tuple(leaf.shape) != tuple(shape) or \
+                    not leaf.byte_aligned():
+                return (f"field {name!r} is {leaf.dtype}{list(leaf.shape)}, the layout needs "
+                        f"{np.dtype(dt)}{list(shape)} for [N, K] = [{n}, {k}]")
+            off = off0 + leaf.offset // 8
+            if np.dtype(dt).itemsize and off % np.dtype(dt).alignment:
+                return f"field {name!r} at byte {off} is not {np.dtype(dt).alignment}-byte aligned"
+            if buf is None or 0 in shape:
+                arr = np.zeros(shape, dt)
+            else:
+                arr = np.ndarray(shape, dtype=dt, buffer=buf, offset=off)
+            arrays[name] = arr
+            where[name] = (buf, off)
+            parts.append(arr)
+        return lay.build(arrays, ints), where, parts
+
+    def lookup(self, source, layout_name: str):
+        """The packed part for ``source`` (an AffineValue) in layout ``layout_name`` from a valid
+        compiled entry, or None (every candidate entry that fails a loading rule is a miss).
+
+        Returns
+        -------
+        tuple or None
+            ``(entry index, packed object, {array name: (buffer, byte offset)})``.
+        """
+        from olv_runtime.kernels.layouts import layout_named
+
+        cands = self.by_source.get(source.name, [])
+        for i in cands:
+            e = self.entries[i]
+            d = self.devices[e.device]
+            why = self._device_rule(d)
+            if why is not None:
+                self._miss(i, why)
+                continue
+            root = self.roots[i]
+            pname = root.declaration.name
+            lay = layout_named(pname)
+            if lay is None:
+                self._miss(i, f"unknown physical type {pname!r} (this runtime packs "
+                              f"{layout_name!r})")
+                continue
+            if lay.name != layout_name:
+                self._miss(i, f"physical type {pname!r} is not the layout this session builds "
+                              f"for the source ({layout_name!r})")
+                continue
+            if e.digest_algorithm not in DIGEST_ALGORITHMS:
+                self._miss(i, f"digest algorithm {e.digest_algorithm!r} is not supported "
+                              f"(supported: {sorted(DIGEST_ALGORITHMS)})")
+                continue
+            got = self._fields(i, root, lay, source)
+            if isinstance(got, str):
+                self._miss(i, got)
+                continue
+            packed, where, parts = got
+            meta = {m.key: m.value for m in e.metadata_props}
+            pd = meta.get(PAYLOAD_DIGEST_KEY)
+            if pd is None:
+                self._miss(i, f"no {PAYLOAD_DIGEST_KEY!r} metadata (digest of the compiled bytes)")
+                continue
+            try:
+                want = bytes.fromhex(pd)
+            except ValueError:
+                self._miss(i, f"{PAYLOAD_DIGEST_KEY!r} is not a hex digest")
+                continue
+            if not verify_digest(self.model, parts, e.digest_algorithm, want, self.counters,
+                                 self._stat):
+                self._miss(i, "the digest of the compiled bytes does not match "
+                              f"{PAYLOAD_DIGEST_KEY} (corrupted payload)")
+                continue
+            sparts = canonical_parts(self.model, source.name, source)
+            if not verify_digest(self.model, sparts, e.digest_algorithm, e.source_digest,
+                                 self.counters, self._stat):
+                self._miss(i, "source_digest does not match the initializer (stale entry: the "
+                              "source tensor changed)")
+                continue
+            st = self.status[i]
+            st.status, st.reason = "hit", ""
+            if self.counters is not None:
+                self.counters.add("compiled_hits", 1)
+            return i, packed, where
+        return None
+
+    def release(self, hits: list) -> None:
+        """Mark entries that were valid but not used (a sibling of their merged weight missed)."""
+        for i in hits:
+            st = self.status[i]
+            st.status, st.reason = "unused", "a sibling of this merged weight missed; repacked"
+            if self.counters is not None:
+                self.counters.add("compiled_hits", -1)
+
+    def report(self) -> list[EntryStatus]:
+        """Status of every entry (after the session's preparation)."""
+        return list(self.status)
+
+
+def packed_from_entries(entries: CompiledEntries | None, weights: list, layout_name: str,
+                        counters=None):
+    """The packed weight of a (possibly merged) linear from compiled entries, or None.
+
+    Every weight must hit; merged weights are concatenated along N as one zero-copy view of the
+    compiled file when the parts are adjacent there (``olv compile`` writes them so), else copied
+    (``bytes_copied_other``).
+    """
+    if entries is None:
+        return None
+    from olv_runtime.kernels.layouts import layout_named
+
+    lay = layout_named(layout_name)
+    if lay is None:
+        return None
+    hits, parts, wheres, missed = [], [], [], False
+    for w in weights:  # every member is evaluated, so that each entry's status is reported
+        got = entries.lookup(w, layout_name)
+        if got is None:
+            missed = True
+            continue
+        hits.append(got[0])
+        parts.append(got[1])
+        wheres.append(got[2])
+    if missed:
+        entries.release(hits)
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    if any(p.n % lay.rows_per_group for p in parts[:-1]):
+        entries.release(hits)
+        for i in hits:
+            entries.status[i].reason = (f"merged rows are not multiples of {lay.rows_per_group}; "
+                                        "repacked")
+        return None
+    arrays = {}
+    for name in lay.arrays:
+        arrs = [getattr(p, name) for p in parts]
+        buf0, off0 = wheres[0][name]
+        adjacent = buf0 is not None and all(
+            wheres[j][name][0] is buf0 and
+            wheres[j][name][1] == wheres[j - 1][name][1] + arrs[j - 1].nbytes
+            for j in range(1, len(parts)))
+        shape = (sum(a.shape[0] for a in arrs),) + arrs[0].shape[1:]
+        if adjacent and all(a.shape[1:] == arrs[0].shape[1:] for a in arrs):
+            arrays[name] = np.ndarray(shape, dtype=arrs[0].dtype, buffer=buf0, offset=off0)
+        else:
+            arrays[name] = np.concatenate(arrs, axis=0)
+            if counters is not None:
+                counters.add("bytes_copied_other", arrays[name].nbytes)
+    return lay.concat_rows(parts, arrays)
+
+
+# ------------------------------------------------------------------------------------------------
+# writing (olv compile)
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class CompileReport:
+    """What :func:`compile_model` wrote."""
+
+    path: pathlib.Path
+    compiled_path: pathlib.Path
+    entries: int
+    bytes: int
+    device: str
+    skipped: list
+
+
+def _entry_type(lay, arrays: list, gaps: list, ints: dict) -> StructTypeProto:
+    from olv_runtime.structs.build import const_field, field, structure, tensor
+    from olv_runtime.values import DTYPE_TO_ONNX
+
+    fields = []
+    for j, (name, arr) in enumerate(arrays):
+        if gaps[j]:
+            fields.append(field(f"gap{j}", tensor(TensorProto.UINT8, [gaps[j]])))
+        fields.append(field(name, tensor(DTYPE_TO_ONNX[arr.dtype.newbyteorder("=")],
+                                         list(arr.shape))))
+    for name, v in ints.items():
+        fields.append(const_field(name, np.array(v, np.int64)))
+    st = structure(*fields)
+    st.name = lay.name
+    st.doc_string = ("olv_runtime prepacked weight (kernels/layouts.py); runtime-specific, no "
+                     "decoder: the source initializer is the portable form")
+    return st
+
+
+def compile_model(model, out_path, *, options=None, progress=None) -> CompileReport:
+    """Write ``out_path``: the model plus a device entry for this CPU and one compiled entry per
+    prepacked initializer (seed 004), payloads in ``<out name>.compiled`` beside it.
+
+    The source initializers are kept (external data in ``<out name>.data``, scales included, so
+    that a session using the entries never parses or touches them). Entries already in the model
+    for other devices are kept; those for this device are replaced.
+
+    Parameters
+    ----------
+    model : Model, ModelProto or path
+    out_path : path-like
+        Destination ``.onnx`` (may equal the input path: files are replaced atomically).
+    options : SessionOptions, optional
+        Session options whose packing is persisted (default options).
+    progress : callable, optional
+        ``progress(str)`` messages.
+
+    Returns
+    -------
+    CompileReport
+
+    Raises
+    ------
+    OlvError
+        The model does not validate or cannot run (the session's errors).
+    """
+    from olv_runtime.fusion import LinearStep
+    from olv_runtime.io import save
+    from olv_runtime.kernels.layouts import layout_of
+    from olv_runtime.session import InferenceSession, SessionOptions
+
+    m = as_model(model)
+    opts = dataclasses.replace(options or SessionOptions(), use_compiled=False)
+    sess = InferenceSession(m, opts)
+    out = pathlib.Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cname = out.name + ".compiled"
+    here = this_device()
+    proto = ModelProto()
+    proto.CopyFrom(m.proto)
+    # keep other devices' entries, drop this device's
+    old_devices = list(proto.devices)
+    keep = [e for e in proto.compiled_tensors
+            if _device_key(old_devices[e.device]) != _device_key(here)]
+    devices = [d for d in old_devices if _device_key(d) != _device_key(here)]
+    remap = {_device_key(d): i for i, d in enumerate(devices)}
+    del proto.devices[:]
+    proto.devices.extend(devices)
+    kept = []
+    for e in keep:
+        e2 = CompiledTensorProto()
+        e2.CopyFrom(e)
+        e2.device = remap[_device_key(old_devices[e.device])]
+        kept.append(e2)
+    dev_index = len(devices)
+    proto.devices.add().CopyFrom(here)
+    del proto.compiled_tensors[:]
+    proto.compiled_tensors.extend(kept)
+    skipped = []
+    written = 0
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".compiled")
+    pending = []
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            offset = 0
+
+            def pad_to(align):
+                nonlocal offset
+                p = (-offset) % align
+                if p:
+                    fh.write(b"\0" * p)
+                    offset += p
+
+            for step in sess._steps:
+                lin = step.impl
+                if not isinstance(lin, LinearStep) or lin.packed is None:
+                    continue
+                lay = layout_of(lin.packed)
+                if lay is None:
+                    skipped.append((step.name, f"packed class {type(lin.packed).__name__} has "
+                                               "no persisted layout"))
+                    continue
+                ws = lin.weights
+                if any(w.shape[0] % lay.rows_per_group for w in ws[:-1]):
+                    skipped.append((step.name, f"merged rows not multiples of "
+                                               f"{lay.rows_per_group}"))
+                    continue
+                arrays, _ints = lay.parts(lin.packed)
+                # per-weight parts: slices along the row-group axis
+                bounds, g0 = [], 0
+                for w in ws:
+                    g1 = g0 + -(-w.shape[0] // lay.rows_per_group)
+                    bounds.append((g0, g1))
+                    g0 = g1
+                starts = {}  # (array, weight index) -> file offset
+                for name in lay.arrays:
+                    a = arrays[name]
+                    pad_to(_ALIGN)
+                    for j, (a0, a1) in enumerate(bounds):
+                        part = np.ascontiguousarray(a[a0:a1]) if a.shape[0] else a
+                        starts[(name, j)] = (offset, part)
+                        b = part.reshape(-1).view(np.uint8) if part.size else b""
+                        fh.write(memoryview(b) if part.size else b"")
+                        offset += part.nbytes
+                for j, w in enumerate(ws):
+                    fields, gaps, pos, hashed = [], [], None, []
+                    for name in lay.arrays:
+                        o, part = starts[(name, j)]
+                        if pos is None:
+                            first, pos = o, o
+                        gaps.append(o - pos)
+                        fields.append((name, part))
+                        hashed.append(part)
+                        pos = o + part.nbytes
+                    length = pos - first
+                    st = _entry_type(lay, fields, gaps, {"n": w.shape[0], "k": w.shape[1]})
+                    e = CompiledTensorProto(source_name=w.name, device=dev_index,
+                                            digest_algorithm=DEFAULT_DIGEST_ALGORITHM)
+                    e.source_digest = _hash_parts(canonical_parts(m, w.name, w),
+                                                  DEFAULT_DIGEST_ALGORITHM)[0]
+                    pdig = _hash_parts(hashed, DEFAULT_DIGEST_ALGORITHM)[0]
+                    e.metadata_props.add(key=PAYLOAD_DIGEST_KEY, value=pdig.hex())
+                    v = e.value
+                    v.name = f"{w.name}/compiled"
+                    v.struct_type.CopyFrom(st)
+                    v.data_location = TensorProto.EXTERNAL
+                    v.external_data.add(key="location", value=cname)
+                    v.external_data.add(key="offset", value=str(first))
+                    v.external_data.add(key="length", value=str(length))
+                    proto.compiled_tensors.append(e)
+                    pending.append(w.name)
+                    written += 1
+                if progress is not None:
+                    progress(f"compiled {step.name}: {lay.name}, {len(ws)} entr"
+                             f"{'y' if len(ws) == 1 else 'ies'}")
+            total = offset
+        final_compiled = out.parent / cname
+        os.chmod(tmp, 0o644)
+        # payloads resolved as in m; scales external too (views of the file, never parsed)
+        save(Model(proto, m.path), out, external_data=True, external_params=True)
+        os.replace(tmp, final_compiled)
+        tmp = None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    # record the verifications of what was just written (the first load is then cheap too)
+    try:
+        from olv_runtime.io import load
+        from olv_runtime.structs import resolve
+
+        back = load(out)
+        roots = check_compiled(back)
+        entries = CompiledEntries(back, roots)
+        values = resolve(back).values
+        for i, e in enumerate(back.proto.compiled_tensors):
+            if e.device == dev_index and e.source_name in values:
+                entries.lookup(values[e.source_name], roots[i].declaration.name)
+    except OlvError:  # pragma: no cover - the written model is checked by the tests
+        pass
+    return CompileReport(out, out.parent / cname, written, total,
+                         f"{here.type}:{here.architecture}", skipped)
