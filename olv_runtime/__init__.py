@@ -10,7 +10,13 @@ Main entry points::
     ids = olv_runtime.generate(model, prompt_ids, max_new_tokens=64)
     olv_runtime.compile_model("out.onnx", "fast.onnx")   # persist prepacked weights (seed 004)
 """
-from olv_runtime.errors import OlvError  # noqa: F401
+import time as _time
+
+#: ``time.perf_counter()`` when ``import olv_runtime`` started (the CLI reports the time from it
+#: to the first generated token: the cold-start figure of bench/cold_start.py).
+IMPORT_TIME = _time.perf_counter()
+
+from olv_runtime.errors import OlvError  # noqa: F401,E402
 from olv_runtime.generate import (  # noqa: F401
     GenerationResult, GenerationStats, TextStream, eos_token_ids, generate, sample_token)
 from olv_runtime.prompt_cache import load_state, model_digest, save_state  # noqa: F401

@@ -76,11 +76,16 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
     import olv_runtime
 
     model = olv_runtime.load(model_path)
+    t_sess = time.perf_counter()
     sess = olv_runtime.InferenceSession(model, _session_options(args))
+    t_sess = time.perf_counter() - t_sess
     stats = olv_runtime.GenerationStats()
+    first = [None]  # perf_counter() at the first generated token
 
     def show(tok: int) -> None:  # without a tokenizer: the ids
         _midline[0] = True
+        if first[0] is None:
+            first[0] = time.perf_counter()
         print(tok, end=" ", flush=True)
 
     from olv_runtime.cli_chat import sampling_kwargs
@@ -90,7 +95,11 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
         raise CliError(f"--stop needs tokenizer.json beside the model ({model_path.parent})")
     if tokenizer is not None:  # stream through TextStream (stop strings, UTF-8 hold-back)
         kw.update(tokenizer=tokenizer, text_callback=lambda piece: print(piece, end="", flush=True))
-        cb = lambda tok: _midline.__setitem__(0, True)  # noqa: E731
+
+        def cb(tok: int) -> None:
+            _midline[0] = True
+            if first[0] is None:
+                first[0] = time.perf_counter()
     else:
         cb = show
     res = olv_runtime.generate(
@@ -116,6 +125,12 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
         f"generated {stats.new_tokens} tokens: decode {stats.decode_tokens_per_second:.1f} tok/s",
         file=sys.stderr,
     )
+    if first[0] is not None:
+        c = sess.counters.snapshot()
+        hits = (f", compiled entries {c['compiled_hits']} hits / {c['compiled_misses']} misses"
+                if model.proto.compiled_tensors else "")
+        print(f"first token {first[0] - olv_runtime.IMPORT_TIME:.2f} s after import olv_runtime "
+              f"(session creation {t_sess:.3f} s{hits})", file=sys.stderr)
 
 
 def cmd_generate(args) -> int:

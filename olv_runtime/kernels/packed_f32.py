@@ -249,23 +249,33 @@ def _store_rows(facc, g, i0, nr, n, out):
 
 @njit(**JIT)
 def _groups(codes, scale, g0, g1, x, m, n, out, facc):
+    # the row counts are passed as runtime int64 values, not literals: a literal argument makes
+    # numba compile one specialisation of _group_rows / _store_rows per value (4 each, ~5 s of
+    # a cold start); the branch on nr inside costs nothing measurable per group
     for g in range(g0, g1):
-        i0 = 0
+        i0 = np.int64(0)  # not Literal[int](0): one specialisation of the callees
         while m - i0 >= 8:
-            _group_rows(codes, scale, g, x, i0, 8, facc)
-            _store_rows(facc, g, i0, 8, n, out)
+            nr = np.int64(8)
+            _group_rows(codes, scale, g, x, i0, nr, facc)
+            _store_rows(facc, g, i0, nr, n, out)
             i0 += 8
+        nr = np.int64(0)
         if m - i0 >= 4:
-            _group_rows(codes, scale, g, x, i0, 4, facc)
-            _store_rows(facc, g, i0, 4, n, out)
-            i0 += 4
-        if m - i0 >= 2:
-            _group_rows(codes, scale, g, x, i0, 2, facc)
-            _store_rows(facc, g, i0, 2, n, out)
-            i0 += 2
-        if m - i0 >= 1:
-            _group_rows(codes, scale, g, x, i0, 1, facc)
-            _store_rows(facc, g, i0, 1, n, out)
+            nr = np.int64(4)
+        elif m - i0 >= 2:
+            nr = np.int64(2)
+        elif m - i0 >= 1:
+            nr = np.int64(1)
+        while nr > 0:
+            _group_rows(codes, scale, g, x, i0, nr, facc)
+            _store_rows(facc, g, i0, nr, n, out)
+            i0 += nr
+            if m - i0 >= 2:
+                nr = np.int64(2)
+            elif m - i0 >= 1:
+                nr = np.int64(1)
+            else:
+                nr = np.int64(0)
 
 
 @njit(**PJIT)
@@ -279,7 +289,7 @@ def _linear_par(x, m, codes, scale, n, out, ntasks, facc):
 
 @njit(**JIT)
 def _linear_ser(x, m, codes, scale, n, out, facc):
-    _groups(codes, scale, 0, codes.shape[0], x, m, n, out, facc)
+    _groups(codes, scale, np.int64(0), codes.shape[0], x, m, n, out, facc)  # not a literal 0
 
 
 def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,

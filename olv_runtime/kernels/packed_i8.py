@@ -651,7 +651,7 @@ def _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc):
     group's codes, <= 128 * KB bytes, are re-read from L1/L2 by later chunks, not from DRAM).
     ``facc``: float32 [>= 1, 8] scratch of this task (partial last group)."""
     for g in range(g0, g1):
-        i0 = 0
+        i0 = np.int64(0)  # not Literal[int](0): one specialisation of the callees
         while m - i0 >= 4:
             _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
             i0 += 4
@@ -680,7 +680,7 @@ def _linear_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc):
 def _linear_ser(x, m, k, codes, scale, n, out, xq, xd, xs8, facc):
     kb = codes.shape[1]
     _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
-    _groups(codes, scale, 0, codes.shape[0], xq, xd, xs8, m, n, out, facc)
+    _groups(codes, scale, np.int64(0), codes.shape[0], xq, xd, xs8, m, n, out, facc)  # not literal
 
 
 def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,

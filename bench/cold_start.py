@@ -1,0 +1,73 @@
+"""Cold start of ``olv demo``: time from ``import olv_runtime`` to the first token, each run with
+an empty numba cache (a new user, a fresh CI clone). Issue 14 target: <= 10 s.
+
+    python bench/cold_start.py [--runs 3] [--threads 2] [--warm]
+
+Each run starts a new process ``python -m olv_runtime.cli demo --max-new-tokens 4`` with
+``NUMBA_CACHE_DIR`` set to a new empty directory and reads the line the CLI prints
+(``first token X s after import olv_runtime``). ``--warm`` adds one run that reuses the cache of
+the last cold run. Prints every run, the median, and the process wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+_FIRST = re.compile(r"first token ([0-9.]+) s after import olv_runtime")
+
+
+def one_run(cache_dir: str, threads: int | None, workdir: str) -> tuple[float, float]:
+    """(seconds from import to first token, process wall seconds) of one ``olv demo``."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    cmd = [sys.executable, "-m", "olv_runtime.cli", "demo", "--max-new-tokens", "4",
+           "--workdir", workdir]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"olv demo failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    m = _FIRST.search(r.stderr)
+    if m is None:
+        raise SystemExit(f"no 'first token' line in the demo output:\n{r.stderr}")
+    return float(m.group(1)), wall
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="fresh-cache runs (default 3)")
+    ap.add_argument("--threads", type=int, default=None, help="--threads of olv demo")
+    ap.add_argument("--warm", action="store_true", help="also one warm-cache run")
+    ns = ap.parse_args(argv)
+    firsts = []
+    root = tempfile.mkdtemp(prefix="olv-cold-")
+    try:
+        cache = None
+        for i in range(ns.runs):
+            cache = os.path.join(root, f"numba-cache-{i}")
+            os.mkdir(cache)
+            first, wall = one_run(cache, ns.threads, os.path.join(root, f"demo-{i}"))
+            firsts.append(first)
+            print(f"cold run {i + 1}: first token {first:.2f} s after import olv_runtime "
+                  f"(process {wall:.2f} s)", flush=True)
+        if ns.warm and cache is not None:
+            first, wall = one_run(cache, ns.threads, os.path.join(root, "demo-warm"))
+            print(f"warm run: first token {first:.2f} s (process {wall:.2f} s)", flush=True)
+        if firsts:
+            print(f"cold start, median of {len(firsts)}: {statistics.median(firsts):.2f} s "
+                  f"(target <= 10 s); load average {os.getloadavg()[0]:.2f}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

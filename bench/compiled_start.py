@@ -1,0 +1,137 @@
+"""Warm start, session creation, peak RSS and decode speed with and without seed 004 compiled
+entries (issue 14), and llama.cpp's peak RSS on a GGUF of the same checkpoint.
+
+    python bench/compiled_start.py MODEL.onnx [COMPILED.onnx] [--gguf Q4_0.gguf] [--threads 2]
+        [--prompt-len 32] [--new-tokens 64] [--quantize-activations]
+
+Every measurement runs in its own fresh process (so peak RSS is that backend's alone, VmHWM):
+``import olv_runtime`` -> load -> InferenceSession -> prefill of a random prompt (first token)
+-> ``--new-tokens`` greedy decode tokens. Printed per model: time from import to the first token,
+session creation time, compiled hits/misses, bytes repacked, decode tok/s (1 / median per-token
+time), peak RSS (VmHWM) and the resident split after decode (RssAnon / RssFile). The llama.cpp
+row (llama-cpp-python, mmap on, same threads, same prompt length and tokens) reports peak RSS
+and decode tok/s. The numba cache must be warm (run once before; bench/cold_start.py measures
+the cold case). Run on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+
+def _status() -> dict:
+    out = {}
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def child_olv(spec: dict) -> dict:
+    import numpy as np
+
+    import olv_runtime
+
+    t_import = olv_runtime.IMPORT_TIME
+    model = olv_runtime.load(spec["model"])
+    t1 = time.perf_counter()
+    sess = olv_runtime.InferenceSession(model, olv_runtime.SessionOptions(
+        num_threads=spec["threads"], quantize_activations=spec["quantize"]))
+    t_sess = time.perf_counter() - t1
+    vocab = int(model.metadata().get("olv.vocab_size", "1000"))
+    prompt = np.random.default_rng(0).integers(0, vocab, size=spec["prompt_len"]).tolist()
+    stamps = []
+    olv_runtime.generate(sess, prompt, spec["new_tokens"],
+                         callback=lambda tok: stamps.append(time.perf_counter()))
+    per = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    c = sess.counters.snapshot()
+    st = _status()
+    return {"first_token": stamps[0] - t_import, "session": t_sess,
+            "hits": c["compiled_hits"], "misses": c["compiled_misses"],
+            "repacked": c["bytes_repacked"], "digest": c["bytes_digest_verified"],
+            "decode_tps": 1.0 / per[len(per) // 2] if per else 0.0, **st}
+
+
+def child_llama(spec: dict) -> dict:
+    import numpy as np
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["prompt_len"] + spec["new_tokens"] + 16,
+                          n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                          n_batch=512, logits_all=False, verbose=False)
+    t_sess = time.perf_counter() - t0
+    nv = llm.n_vocab()
+    prompt = np.random.default_rng(0).integers(0, nv, size=spec["prompt_len"]).tolist()
+
+    def logits():
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(nv,))
+
+    llm.eval([int(i) for i in prompt])
+    tok = int(np.argmax(logits()))
+    t_first = time.perf_counter() - t0
+    stamps = [time.perf_counter()]
+    for _ in range(spec["new_tokens"] - 1):
+        llm.eval([tok])
+        tok = int(np.argmax(logits()))
+        stamps.append(time.perf_counter())
+    per = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    return {"first_token": t_first, "session": t_sess, "decode_tps": 1.0 / per[len(per) // 2],
+            **_status()}
+
+
+def run_child(kind: str, spec: dict) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(spec)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{kind} run failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        kind, spec = sys.argv[2], json.loads(sys.argv[3])
+        out = child_olv(spec) if kind == "olv" else child_llama(spec)
+        print(json.dumps(out))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="+", help="olv .onnx models (e.g. plain and compiled)")
+    ap.add_argument("--gguf", help="llama.cpp GGUF of the same checkpoint (bench/gguf_export.py)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--quantize-activations", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per model (all printed)")
+    ns = ap.parse_args(argv)
+    base = {"threads": ns.threads, "prompt_len": ns.prompt_len, "new_tokens": ns.new_tokens,
+            "quantize": ns.quantize_activations}
+    print(f"threads {ns.threads}, prompt {ns.prompt_len}, {ns.new_tokens} new tokens, "
+          f"activations {'int8' if ns.quantize_activations else 'float32'}; load average "
+          f"{os.getloadavg()[0]:.2f}")
+    mb = 1e6
+    for path in ns.models:
+        for _ in range(ns.repeat):
+            r = run_child("olv", dict(base, model=path))
+            print(f"olv {path}: first token {r['first_token']:.3f} s after import, session creation {r['session']:.3f} s, compiled hits "
+                  f"{r['hits']} misses {r['misses']}, repacked {r['repacked'] / mb:.0f} MB, "
+                  f"decode {r['decode_tps']:.1f} tok/s, peak RSS {r['VmHWM'] / mb:.0f} MB "
+                  f"(after decode: anon {r['RssAnon'] / mb:.0f} MB, file {r['RssFile'] / mb:.0f} MB)",
+                  flush=True)
+    if ns.gguf:
+        for _ in range(ns.repeat):
+            r = run_child("llama", dict(base, gguf=ns.gguf))
+            print(f"llama.cpp {ns.gguf}: first token {r['first_token']:.3f} s after Llama(), "
+                  f"load {r['session']:.3f} s, decode {r['decode_tps']:.1f} tok/s, peak RSS "
+                  f"{r['VmHWM'] / mb:.0f} MB (after decode: anon {r['RssAnon'] / mb:.0f} MB, file "
+                  f"{r['RssFile'] / mb:.0f} MB)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
