@@ -38,8 +38,10 @@ Counter names (integers; bytes unless noted):
 ``payload_bytes_copied``        binding values at session creation (zero-copy views count nothing)
 ``bytes_repacked``              bytes written by native consumers that repack encoded blocks
                                 into a kernel layout at session creation (GGUF ggml blocks ->
-                                INT4 codes, scales, offsets; ``structs/ggml_native.py``): a
-                                layout change, not a payload copy
+                                INT4 codes, scales, offsets; ``structs/ggml_native.py``), and
+                                by the INT4 linear prepacking (``fusion.LinearStep``; 0 for
+                                weights served by seed 004 compiled entries): a layout change,
+                                not a payload copy
 ``kv_blocks_allocated``         (count) paged KV block slots taken (K and V sides counted apart;
                                 :mod:`olv_runtime.state.paged`)
 ``bytes_kv_converted``          payload bytes of paged KV block sides converted at sealing (the
@@ -55,7 +57,6 @@ Counter names (integers; bytes unless noted):
                                 :mod:`olv_runtime.compiled`; the reasons are logged)
 ``bytes_digest_verified``       bytes hashed at session creation to verify source / compiled
                                 digests (0 when the verifications are cached)
-``bytes_repacked``              source payload bytes (codes + scales) read to prepack weights
 =============================== ==================================================================
 """
 from __future__ import annotations
@@ -97,7 +98,6 @@ NAMES = (
     "compiled_hits",
     "compiled_misses",
     "bytes_digest_verified",
-    "bytes_repacked",
 )
 
 #: Counters that are levels (a per-call figure is the value after the call, not a difference).

@@ -184,15 +184,15 @@ class LinearStep:
             # specialisation of the prepack kernels instead of two (cold start)
             payload.flags.writeable = False
             scale.flags.writeable = False
-        if self.counters is not None:
-            self.counters.add("bytes_repacked", sum(
-                w.codes.nbytes + w.scale.nbytes
-                + (w.zero_point.nbytes if w.zero_point is not None else 0) for w in ws))
         if symmetric:
             from olv_runtime.kernels.packed_i8 import prepack_int4_i8
 
-            return prepack_int4_i8(payload, scale, None, self.n, self.k, 32)
-        return prepack_int4(payload, scale, zp, self.n, self.k, 32)
+            packed = prepack_int4_i8(payload, scale, None, self.n, self.k, 32)
+        else:
+            packed = prepack_int4(payload, scale, zp, self.n, self.k, 32)
+        if self.counters is not None:
+            self.counters.add("bytes_repacked", packed.nbytes)  # 0 when compiled entries hit
+        return packed
 
     def can_merge(self, other: "LinearStep") -> bool:
         return (self.k == other.k and not self.residual and not other.residual

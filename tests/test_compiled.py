@@ -497,3 +497,24 @@ def test_this_device():
     d = this_device()
     assert d.type == "cpu" and d.runtime == "olv_runtime"
     assert d.architecture.split("-")[-1] in ("avx512vnni", "avx2", "generic")
+
+
+def test_gguf_q4_0_model_compiles_and_hits(tmp_path):
+    # struct-typed (ggml block) sources repacked at session creation: the entry's digest is the
+    # digest of the GGUF block payload, the results equal the uncompiled model's
+    from gguf_models import write_gguf
+
+    src = write_gguf(tmp_path / "m.gguf", "qwen2", "Q4_0", layers=1, hidden=64, inter=128,
+                     vocab=256, tokenizer=False)
+    conv = tmp_path / "g" / "model.onnx"
+    olv_runtime.convert(src, conv)
+    out = tmp_path / "gc" / "model.onnx"
+    rep = olv_runtime.compile_model(conv, out)
+    assert rep.entries > 0
+    for e in olv_runtime.load(out).proto.compiled_tensors:
+        assert len(e.source_digest) == 32
+    ref, _ = run_logits(conv, steps=2)
+    got, sess = run_logits(out, steps=2)
+    assert sess.counters["compiled_hits"] == rep.entries
+    assert sess.counters["compiled_misses"] == 0
+    assert_bitwise(got, ref)
