@@ -59,8 +59,11 @@ def cmd_convert(args) -> int:
 
     ext = {"auto": None, "yes": True, "no": False}[args.external_data]
     t0 = time.perf_counter()
-    convert(args.checkpoint_dir, args.output, weights=args.weights, external_data=ext,
-            progress=lambda msg: print(msg, file=sys.stderr, flush=True), kv=args.kv)
+    from olv_runtime.progress import ConversionProgress
+
+    with ConversionProgress() as progress:  # a bar on a terminal, quiet otherwise
+        convert(args.checkpoint_dir, args.output, weights=args.weights, external_data=ext,
+                progress=progress, kv=args.kv)
     out = pathlib.Path(args.output)
     size = out.stat().st_size
     data = out.with_name(out.name + ".data")
@@ -166,16 +169,20 @@ def cmd_bench(args) -> int:
           f"{args.runs} runs (+1 warm-up), threads={args.threads or 'default'}, "
           f"activations {'int8' if args.quantize_activations else 'float32 (exact)'}",
           file=sys.stderr)
+    from olv_runtime.progress import bar
+
     prefill, decode = [], []
-    for r in range(args.runs + 1):
-        st = olv_runtime.GenerationStats()
-        olv_runtime.generate(sess, prompt, args.new_tokens, stats=st)
-        if r == 0:
-            continue
-        prefill.append(st.prefill_tokens_per_second)
-        decode.append(st.decode_tokens_per_second)
-        print(f"  run {r}: prefill {prefill[-1]:.1f} tok/s, decode {decode[-1]:.1f} tok/s",
-              file=sys.stderr)
+    with bar(args.runs + 1, "bench", "run") as progress:  # a bar on a terminal only
+        for r in range(args.runs + 1):
+            st = olv_runtime.GenerationStats()
+            olv_runtime.generate(sess, prompt, args.new_tokens, stats=st)
+            progress.update(1)
+            if r == 0:
+                continue
+            prefill.append(st.prefill_tokens_per_second)
+            decode.append(st.decode_tokens_per_second)
+            progress.write(f"  run {r}: prefill {prefill[-1]:.1f} tok/s, decode "
+                           f"{decode[-1]:.1f} tok/s", file=sys.stderr)
     c = sess.counters.snapshot()
     print(f"prefill {statistics.median(prefill):.1f} tok/s, decode {statistics.median(decode):.1f} "
           f"tok/s (median of {args.runs}); bytes dequantized {c['bytes_dequantized']}")

@@ -281,10 +281,9 @@ class EvalResult:
 
 
 def _progress_bar(total: int, enabled: bool | None, desc: str):
-    from tqdm import tqdm
+    from olv_runtime.progress import bar
 
-    return tqdm(total=total, unit="tok", desc=desc, disable=(None if enabled is None else not enabled),
-                file=sys.stderr, dynamic_ncols=True)
+    return bar(total, desc, "tok", enabled)
 
 
 def evaluate(model, tokens, reference=None, *, ctx: int = 512, stride: int | None = None,
