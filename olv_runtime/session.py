@@ -18,6 +18,7 @@ At creation the session
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from typing import Any, Iterable, Mapping, Sequence
@@ -309,6 +310,7 @@ class InferenceSession:
                             f"node {node.name!r} ({node.op_type}): {enc.describe()}: "
                             f"{enc.decoder_error}"
                         )
+            _check_output_count(node, domain, self._opsets[domain])
             impls[i] = cls(node, self)
         consumers: dict[str, list[tuple[int, int]]] = {}
         for i in order:
@@ -665,6 +667,35 @@ class InferenceSession:
         return outputs
 
 
+@functools.lru_cache(maxsize=None)
+def _schema_outputs(op_type: str, version: int, domain: str) -> tuple[int, int] | None:
+    import onnx.defs
+
+    try:
+        schema = onnx.defs.get_schema(op_type, int(version), domain)
+    except Exception:  # no schema (other domains, unknown op): the op class decides
+        return None
+    return schema.min_output, schema.max_output
+
+
+def _check_output_count(node, domain: str, version: int) -> None:
+    """A standard node declares no more outputs than its ONNX schema allows (ValidationError).
+
+    Source: the operator schemas of ``onnx.defs`` (min_output / max_output)."""
+    if domain != "" or not 0 < int(version) < 1 << 31:
+        return
+    got = _schema_outputs(node.op_type, int(version), "")
+    if got is None:
+        return
+    lo, hi = got
+    n = len(node.output)
+    if not lo <= n <= hi:
+        raise ValidationError(
+            f"node {node.name or node.op_type!r} ({node.op_type}): declares {n} outputs "
+            f"({list(node.output)}); the ONNX schema allows {lo} to {hi}"
+        )
+
+
 def as_array(name: str, value: Any) -> np.ndarray:
     """View a feed as a numpy array without copying (numpy arrays, DLPack CPU tensors).
 
@@ -706,6 +737,12 @@ def tensor_spec(vi: ValueInfoProto) -> TensorSpec:
     et = vi.type.tensor_type.elem_type if kind == "tensor_type" else 0
     want = NP_DTYPE.get(et)
     shape = _shape_of(vi)
+    for i, d in enumerate(shape or ()):
+        if isinstance(d, int) and d < 0:
+            raise ValidationError(
+                f"graph value {vi.name!r}: declared dimension {i} is negative ({d}); a "
+                "dim_value is a size >= 0 (use a dim_param for a symbolic size)"
+            )
     return TensorSpec(kind, _type_string(vi), et,
                       want.newbyteorder("=") if want is not None else None,
                       tuple(shape) if shape is not None else None)

@@ -313,3 +313,38 @@ def test_negative_token_ids_state_vs_generate(external_model):
     assert "negative" in (olv_runtime.State.run.__doc__ or "")
     with pytest.raises(InvalidArgument, match="index|indices|ids"):
         a.run({"input_ids": np.array([[-vocab - 1]], np.int64)})
+
+
+# -- found by the fuzz test (tests/test_fuzz.py) ------------------------------------------------
+def _model_with(nodes, outputs=("y",), inputs=()):
+    m = pb.ModelProto(ir_version=10)
+    m.opset_import.add(domain="", version=23)
+    m.opset_import.add(domain="olv", version=1)
+    m.graph.node.extend(nodes)
+    m.graph.input.extend(inputs)
+    for o in outputs:
+        m.graph.output.append(make_tensor_value_info(o, T.FLOAT, None))
+    return Model(m)
+
+
+def test_node_input_count_checked_at_session_creation():
+    with pytest.raises(ValidationError, match=r"\(Decode\): expected 1 inputs, got 0"):
+        olv_runtime.InferenceSession(_model_with([make_node("Decode", [], ["y"], domain="olv")]))
+    x = make_tensor_value_info("x", T.FLOAT, [2])
+    with pytest.raises(ValidationError, match=r"input #0 is required but its name is empty"):
+        olv_runtime.InferenceSession(_model_with([make_node("Add", ["", "x"], ["y"])], inputs=[x]))
+
+
+def test_node_output_count_checked_against_the_schema():
+    x = make_tensor_value_info("x", T.FLOAT, [2])
+    with pytest.raises(ValidationError, match=r"declares 2 outputs.*allows 1 to 1"):
+        olv_runtime.InferenceSession(_model_with([make_node("Add", ["x", "x"], ["y", "z"])],
+                                                 inputs=[x]))
+
+
+def test_negative_declared_input_dim():
+    x = make_tensor_value_info("x", T.FLOAT, [2])
+    x.type.tensor_type.shape.dim[0].dim_value = -1
+    with pytest.raises(ValidationError, match=r"'x': declared dimension 0 is negative"):
+        olv_runtime.InferenceSession(_model_with([make_node("Identity", ["x"], ["y"])],
+                                                 inputs=[x]))

@@ -180,6 +180,19 @@ class Op:
                     f"node {self.name!r} ({node.op_type}): unknown attribute {key!r}; "
                     f"expected one of {sorted(self.attributes)}"
                 )
+        lo, hi = type(self).input_arity()
+        if not lo <= len(node.input) <= hi:
+            want = f"{lo}" if lo == hi else f"{lo} to {hi}" if hi < 1 << 30 else f"at least {lo}"
+            raise ValidationError(
+                f"node {self.name!r} ({node.op_type}): expected {want} inputs, got "
+                f"{len(node.input)} ({list(node.input)})"
+            )
+        for i, name in enumerate(node.input[:lo]):
+            if not name:
+                raise ValidationError(
+                    f"node {self.name!r} ({node.op_type}): input #{i} is required but its name "
+                    "is empty (only optional inputs may be omitted)"
+                )
         self.attrs: dict[str, Any] = {}
         for key, default in self.attributes.items():
             if key in given:
@@ -191,6 +204,29 @@ class Op:
             else:
                 self.attrs[key] = default
         self.setup(session_info)
+
+    @classmethod
+    def input_arity(cls) -> tuple[int, int]:
+        """(fewest, most) node inputs :meth:`run` takes, from its signature (cached per class).
+
+        Ops whose run takes ``*inputs`` have no upper bound; a node with a different number of
+        inputs is rejected at session creation (ValidationError) instead of failing in ``run``.
+        """
+        got = cls.__dict__.get("_arity")
+        if got is None:
+            import inspect
+
+            lo, hi = 0, 0
+            for prm in list(inspect.signature(cls.run).parameters.values())[1:]:
+                if prm.kind == prm.VAR_POSITIONAL:
+                    hi = 1 << 30
+                elif prm.kind in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD):
+                    hi += 1
+                    if prm.default is prm.empty:
+                        lo += 1
+            got = (lo, hi)
+            cls._arity = got
+        return got
 
     def setup(self, session_info: Any) -> None:
         """Validate attributes / constant inputs once (override as needed)."""

@@ -45,6 +45,7 @@ from olv_runtime.errors import BindingError, InvalidArgument, StateError
 from olv_runtime.io import Model, as_model
 from olv_runtime.proto import TensorProto, TypeProto
 from olv_runtime.structs.runtime import RuntimeStruct, field_arrays
+from olv_runtime.values import dtype_name
 from olv_runtime.session import (
     InferenceSession,
     SessionOptions,
@@ -155,8 +156,7 @@ def _check_pair(what: str, vin, vout, catalogue: dict) -> None:
         ei, eo = ti.tensor_type.elem_type, to.tensor_type.elem_type
         if ei != eo:
             raise BindingError(
-                f"{what}: element types differ ({TensorProto.DataType.Name(ei)} vs "
-                f"{TensorProto.DataType.Name(eo)})"
+                f"{what}: element types differ ({dtype_name(ei)} vs {dtype_name(eo)})"
             )
         si, so = _shape_of(vin), _shape_of(vout)
         if si is not None and so is not None:
