@@ -41,9 +41,10 @@ def compile_model(model, out_path, **kwargs):
 
 
 def convert(checkpoint_dir, out_path, weights: str = "int4-block32", **kwargs):
-    """Convert a Hugging Face Qwen2/Qwen3 checkpoint directory to an olv ONNX model.
+    """Convert a Hugging Face Qwen2/Qwen3/Llama checkpoint directory, or a GGUF file (tensors
+    referenced in place, docs/gguf.md), to an olv ONNX model.
 
-    See :func:`olv_runtime.models.qwen.convert`.
+    See :func:`olv_runtime.models.qwen.convert` and :func:`olv_runtime.models.gguf.convert_gguf`.
     """
     from olv_runtime.models.qwen import convert as _convert
 

@@ -342,10 +342,8 @@ def convert_gguf(gguf_path, out_path, *, progress: Callable[[str], None] | None 
 
     gguf_path = pathlib.Path(gguf_path)
     out = pathlib.Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out_dir = out.parent.resolve()
     # parse and build before touching the output directory (a failure leaves it as it was)
-    GGUFFile(gguf_path).close()
     location = (gguf_path.resolve().relative_to(out_dir).as_posix()
                 if out_dir in gguf_path.resolve().parents else gguf_path.name)
     from olv_runtime.models.gguf_tokenizer import tokenizer_files
@@ -354,6 +352,7 @@ def convert_gguf(gguf_path, out_path, *, progress: Callable[[str], None] | None 
     with GGUFCheckpoint(gguf_path, location) as ckpt:
         model = build_model(ckpt, "gguf", progress=progress)
         files = tokenizer_files(ckpt.gguf) if tokenizer else {}
+    out_dir.mkdir(parents=True, exist_ok=True)
     if _location_for(gguf_path, out_dir) != location:  # pragma: no cover - defensive
         raise ConversionError(f"location of {gguf_path} changed during conversion")
     if progress:

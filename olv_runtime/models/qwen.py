@@ -464,9 +464,10 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
 def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
             progress: Callable[[str], None] | None = None,
             external_data: bool | None = None, kv: str = "contiguous") -> ModelProto:
-    """Convert a checkpoint directory to an ONNX file.
+    """Convert a checkpoint directory (or a GGUF file) to an ONNX file.
 
-    Writes the model of :func:`build_model` to ``out_path`` with :func:`olv_runtime.io.save`
+    A file path is a GGUF file: :func:`olv_runtime.models.gguf.convert_gguf` (tensors referenced
+    in place; ``weights`` and ``external_data`` do not apply). Otherwise writes the model of :func:`build_model` to ``out_path`` with :func:`olv_runtime.io.save`
     and copies ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``
     from the checkpoint directory next to it when present.
 
