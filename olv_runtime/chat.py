@@ -310,24 +310,6 @@ class Conversation:
         self.state.reset(empty_cache(self.session))
         self._text = ""
 
-    def _trim(self, ids: list[int]) -> int:
-        """Cut the cache back to the longest common prefix of its tokens and ``ids``."""
-        from olv_runtime.state import empty_cache
-
-        st = self.state
-        n = 0
-        limit = min(len(ids), st.cached_tokens)
-        while n < limit and st.tokens[n] == ids[n]:
-            n += 1
-        values = st.values
-        if n and all(isinstance(v, np.ndarray) and v.ndim == 4 for v in values.values()):
-            st.reset({k: v[:, :, :n] for k, v in values.items()})
-        else:
-            n = 0
-            st.reset(empty_cache(self.session))
-        st.tokens, st.cached_tokens = list(ids[:n]), n
-        return n
-
     def send(self, content: str, max_new_tokens: int = 256, *,
              text_callback: Callable[[str], object] | None = None, **generate_kwargs) -> TurnReport:
         """Add a user message, generate the assistant's answer, record it.
@@ -354,6 +336,7 @@ class Conversation:
             The template raised; the conversation is left as it was.
         """
         from olv_runtime.generate import GenerationStats, TextStream, generate
+        from olv_runtime.prompt_cache import trim_state
 
         self.messages.append({"role": "user", "content": content})
         try:
@@ -367,7 +350,7 @@ class Conversation:
             new_ids = self.tokenizer.encode(rendered[len(self._text):], add_special_tokens=False).ids
         else:
             full = self.tokenizer.encode(rendered, add_special_tokens=False).ids
-            n = self._trim(full)
+            n = trim_state(st, full, leave_one=False)
             new_ids = full[n:]
         kwargs = {**self.generate_kwargs, **generate_kwargs}
         shown = TextStream(self.tokenizer, kwargs.get("stop") or (), skip_special_tokens=True) \

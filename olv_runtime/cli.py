@@ -105,10 +105,23 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
                 first[0] = time.perf_counter()
     else:
         cb = show
+    state, feed = None, prompt_ids
+    cache = getattr(args, "prompt_cache", None)
+    if cache:  # reuse the KV of the longest cached prefix of the prompt
+        from olv_runtime.prompt_cache import trim_state
+
+        if pathlib.Path(cache).is_file():
+            state = olv_runtime.load_state(sess, cache)
+            feed = list(prompt_ids)[trim_state(state, prompt_ids):]
+        else:
+            state = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
     res = olv_runtime.generate(
-        sess, prompt_ids, args.max_new_tokens, callback=cb, stats=stats, return_result=True,
-        logprobs=bool(args.logprobs), top_logprobs=args.logprobs, **kw,
+        sess, feed, args.max_new_tokens, callback=cb, stats=stats, return_result=True,
+        logprobs=bool(args.logprobs), top_logprobs=args.logprobs, state=state, **kw,
     )
+    if state is not None:
+        state.save(cache)
+        state.close()
     print()
     _midline[0] = False
     if res.logprobs:
@@ -124,6 +137,8 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
         print(f"stopped: {res.finish_reason}"
               + (f" ({res.stop_string!r})" if res.stop_string else ""), file=sys.stderr)
     print(
+        (f"prefill {stats.prefill_tokens} tokens ({stats.cached_tokens} from the prompt "
+         f"cache); " if cache else "") +
         f"prompt {stats.prompt_tokens} tokens: prefill {stats.prefill_tokens_per_second:.1f} tok/s; "
         f"generated {stats.new_tokens} tokens: decode {stats.decode_tokens_per_second:.1f} tok/s",
         file=sys.stderr,
@@ -413,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     from olv_runtime.cli_chat import add_sampling_options
 
     add_sampling_options(g, basic=False)
+    g.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="reuse the KV cache saved in FILE for the prompt's longest cached prefix, "
+                        "and save the state there afterwards (refused for another model)")
     g.add_argument("--logprobs", type=_non_negative, default=0, metavar="N",
                    help="print each token's logprob and the N best alternatives (stderr)")
     add_run_opts(g)

@@ -204,3 +204,43 @@ def load_state(model, path):
         rng.bit_generator.state = header["rng"]
         state.rng = rng
     return state
+
+
+def trim_state(state, ids, *, leave_one: bool = True) -> int:
+    """Keep the longest prefix of the state's cached tokens that ``ids`` starts with.
+
+    A contiguous KV cache is cut back to that prefix (views, no copy; the next append copies
+    the prefix once, :mod:`olv_runtime.state.kv`); any other state kind is emptied when the
+    prefix is shorter than what it holds. ``state.tokens`` becomes that prefix.
+
+    Parameters
+    ----------
+    state : State
+    ids : sequence of int
+        The token sequence about to be processed.
+    leave_one : bool
+        Keep at most ``len(ids) - 1`` tokens, so the caller still feeds one (it needs its
+        logits).
+
+    Returns
+    -------
+    int
+        The number of leading ``ids`` whose KV is reused; feed ``ids[n:]`` next.
+    """
+    from olv_runtime.state import empty_cache
+
+    ids = [int(t) for t in ids]
+    limit = min(len(ids) - (1 if leave_one else 0), state.cached_tokens)
+    n = 0
+    while n < limit and state.tokens[n] == ids[n]:
+        n += 1
+    if n == state.cached_tokens == len(state.tokens):
+        return n
+    values = state.values
+    if n and all(isinstance(v, np.ndarray) and v.ndim == 4 for v in values.values()):
+        state.reset({k: v[:, :, :n] for k, v in values.items()})
+    else:
+        n = 0
+        state.reset(empty_cache(state.session))
+    state.tokens, state.cached_tokens = ids[:n], n
+    return n

@@ -2,6 +2,8 @@
 cache) with the model digest check, stop strings, several eos ids, logprobs, Ctrl-C."""
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -170,3 +172,29 @@ def test_keyboard_interrupt_leaves_state_consistent(sess):
     seen.clear()
     res = olv_runtime.generate(sess, PROMPT, 9, state=state2, callback=cb, return_result=True)
     assert res.finish_reason == "interrupted" and res.ids.tolist() == full[:4]
+
+
+def test_cli_prompt_cache(tiny_chat_models, tmp_path, capsys):
+    from olv_runtime.cli import main as cli_main
+
+    m = str(tiny_chat_models["int4"])
+    cache = str(tmp_path / "p.npz")
+    ids = ",".join(map(str, PROMPT))
+    args = ["generate", m, "--prompt-ids", ids, "--max-new-tokens", "6", "--ignore-eos",
+            "--prompt-cache", cache]
+    assert cli_main(args) == 0
+    first = capsys.readouterr()
+    assert "(0 from the prompt cache)" in first.err
+    assert cli_main(args) == 0  # the same prompt again: all but its last token reused
+    second = capsys.readouterr()
+    assert f"prefill 1 tokens ({len(PROMPT) - 1} from the prompt cache)" in second.err
+    assert second.out == first.out
+    longer = ",".join(map(str, PROMPT + [1, 2, 3]))
+    assert cli_main(["generate", m, "--prompt-ids", longer, "--max-new-tokens", "2",
+                     "--prompt-cache", cache]) == 0
+    assert f"prefill 3 tokens ({len(PROMPT)} from the prompt cache)" in capsys.readouterr().err
+    before = pathlib.Path(cache).read_bytes()
+    assert cli_main(["generate", str(tiny_chat_models["float32"]), "--prompt-ids", ids,
+                     "--prompt-cache", cache]) == 2
+    assert "saved for another model" in capsys.readouterr().err
+    assert pathlib.Path(cache).read_bytes() == before
