@@ -10,9 +10,11 @@ bandwidth (numba parallel sum over ``OLV_BENCH_STREAM_BYTES``, default 1 GiB, be
 threads), computed from the *minimum* time (the cleanest figure on a shared machine) and from
 the median:
 
-* INT4 linear (``olv_runtime.kernels.linear_packed`` on ``prepack_int4`` weights), exact
-  (float activations) and quantized (int8 activation blocks) modes, for q 896x896, k/v 128x896,
-  o 896x896, gate/up 4864x896, down 896x4864, lm_head 151936x896 at M = 1, 4, 32, 128:
+* INT4 linear -- the kernels the session runs: ``linear_packed_i8_exact`` (exact mode, float
+  activations) and ``linear_packed_i8`` (quantized mode, int8 activation blocks) on
+  ``prepack_int4_i8`` weights (float16 block scales, the converter default) -- for q 896x896,
+  k/v 128x896, o 896x896, the merged q/k/v 1152x896, gate/up 4864x896 and merged 9728x896, down
+  896x4864, lm_head 151936x896 at M = 1, 4, 32, 128:
   ``weight_GBps`` = packed weight bytes / time (and ``pct_of_stream``), ``GFLOPs`` = 2*M*N*K /
   time. For M <= 4 the call cycles through enough copies of the packed weight (>= the stream
   size, above the L3 cache the CPU reports) that every call reads its weight from DRAM, as in
@@ -37,19 +39,22 @@ import time
 import numba
 import numpy as np
 
-from _bandwidth import stream_sum
+from _bandwidth import above_bound, stream_bandwidth, stream_sum
 import pytest
 from numba import njit, prange
 
 from olv_runtime import kernels
-from olv_runtime.kernels.packed import PackedInt4, make_workspace, prepack_int4
+from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact, make_workspace_f32
+from olv_runtime.kernels.packed_i8 import (PackedInt4I8, linear_packed_i8, make_workspace_i8,
+                                           prepack_int4_i8)
 
 THREADS = int(os.environ.get("OLV_BENCH_THREADS", "2"))
 STREAM_BYTES = int(os.environ.get("OLV_BENCH_STREAM_BYTES", str(1 << 30)))
 
 SHAPES = [  # name, N, K
-    ("q", 896, 896), ("kv", 128, 896), ("o", 896, 896), ("gate_up", 4864, 896),
-    ("down", 896, 4864), ("lm_head", 151936, 896),
+    ("q", 896, 896), ("kv", 128, 896), ("o", 896, 896), ("qkv", 1152, 896),
+    ("gate_up", 4864, 896), ("gate_up_merged", 9728, 896), ("down", 896, 4864),
+    ("lm_head", 151936, 896),
 ]
 MS = [1, 4, 32, 128]
 H, KVH, D = 14, 2, 64
@@ -79,14 +84,19 @@ class _Summary:
         tr.write_line("")
         tr.section(f"olv kernel figures ({THREADS} threads; from the min time, median in brackets)")
         stream = self.rows[0][1].get("stream_GBps")
-        tr.write_line(f"streaming read: {stream} GB/s (numba parallel sum over "
-                      f"{STREAM_BYTES / 2**30:.2f} GiB, best of 5)")
+        tr.write_line(f"streaming read: {stream} GB/s (fastest of the read kernels of "
+                      f"bench/_bandwidth.py over {STREAM_BYTES / 2**30:.2f} GiB, best of 5)")
         for name, info in self.rows:
             parts = []
             for key in ("weight_GBps", "kv_GBps", "GBps"):
                 if key in info:
+                    flag = ""
+                    if above_bound(info[key], info["stream_GBps"]):
+                        flag = (" ABOVE the DRAM streaming bound (data cache-resident)"
+                                if info.get("cache_resident") else
+                                " ABOVE the streaming bound: check the measurement")
                     parts.append(f"{info[key]:8.2f} GB/s ({info[key + '_median']:.2f}) "
-                                 f"{info['pct_of_stream']:5.1f} % of stream")
+                                 f"{info['pct_of_stream']:5.1f} % of stream{flag}")
             parts.append(f"{info['GFLOPs']:8.2f} GFLOP/s ({info['GFLOPs_median']:.2f})")
             if "other_load_pct" in info:
                 parts.append(f"other load {info['other_load_pct']:.0f} %")
@@ -109,16 +119,9 @@ def threads(request):
 
 @pytest.fixture(scope="session")
 def stream_gbps(threads):
-    """Streaming-read bandwidth (GB/s) with the benchmark's thread count, best of 5."""
-    a = np.ones(STREAM_BYTES, np.uint8).view(np.uint64).reshape(-1, 16)
-    nt = numba.get_num_threads()
-    _stream_sum(a, nt)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        _stream_sum(a, nt)
-        ts.append(time.perf_counter() - t0)
-    return STREAM_BYTES / min(ts) / 1e9
+    """Streaming-read bandwidth (GB/s) with the benchmark's thread count: the fastest read
+    kernel of bench/_bandwidth.py (vectorised float32 / uint32 sums, numpy.sum), best of 5."""
+    return stream_bandwidth(STREAM_BYTES, 5, numba.get_num_threads())[0]
 
 
 def _busy_jiffies():
@@ -176,12 +179,13 @@ def _rounds(seconds_per_call: float, budget: float = 2.0, lo: int = 3, hi: int =
 # ------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _weights(n, k, cycled):
-    """A packed random weight and, if ``cycled``, views of enough copies to exceed the L3 cache."""
+    """A packed random weight (float16 block scales) and, if ``cycled``, views of enough copies
+    to exceed the L3 cache."""
     rng = np.random.default_rng(n * 7 + k)
     kb = k // 32
     payload = rng.integers(0, 256, size=n * k // 2, dtype=np.uint8)
-    scale = (rng.random((n, kb), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
-    pk = prepack_int4(payload, scale, None, n, k, 32)
+    scale = (rng.random((n, kb), dtype=np.float32) * 0.02 + 1e-3).astype(np.float16)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
     if not cycled:
         return [pk]
     target = max(STREAM_BYTES, 2 * _l3_bytes())
@@ -190,7 +194,7 @@ def _weights(n, k, cycled):
     codes[:] = pk.codes
     scales = np.empty((ncopy,) + pk.scale.shape, pk.scale.dtype)
     scales[:] = pk.scale
-    return [PackedInt4(codes[i], scales[i], pk.zero_point, n, k) for i in range(ncopy)]
+    return [PackedInt4I8(codes[i], scales[i], n, k) for i in range(ncopy)]
 
 
 LINEAR_CASES = [(name, n, k, m) for name, n, k in SHAPES for m in MS]
@@ -204,14 +208,15 @@ def test_linear_int4(benchmark, stream_gbps, name, n, k, m, mode):
     pks = _weights(n, k, cycled)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     out = np.empty((m, n), np.float32)
-    ws = make_workspace(m, k)
     qa = mode == "quant"
+    ws = make_workspace_i8(m, k) if qa else make_workspace_f32(m, k)
+    fn = linear_packed_i8 if qa else linear_packed_i8_exact
     i = [0]
 
     def call():
         p = pks[i[0] % len(pks)]
         i[0] += 1
-        kernels.linear_packed(x, p, out, quantize_activations=qa, workspace=ws)
+        fn(x, p, out, workspace=ws)
 
     call()
     t0 = time.perf_counter()
@@ -219,7 +224,7 @@ def test_linear_int4(benchmark, stream_gbps, name, n, k, m, mode):
     rounds = _rounds(time.perf_counter() - t0)
     benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
     benchmark.extra_info.update(shape=f"{n}x{k}", M=m, mode=mode, packed_bytes=pks[0].nbytes,
-                                copies_cycled=len(pks))
+                                copies_cycled=len(pks), cache_resident=not cycled)
     _report(benchmark, stream_gbps, nbytes=pks[0].nbytes, flops=2 * m * n * k, key="weight_GBps")
 
 
@@ -234,7 +239,8 @@ def test_attention_decode(benchmark, stream_gbps, ctx):
     vc = rng.standard_normal((1, KVH, ctx, D)).astype(np.float32)
     out = np.empty_like(q)
     benchmark(kernels.attention, q, kc, vc, ctx - 1, 1.0 / np.sqrt(D), True, out)
-    benchmark.extra_info.update(context=ctx, heads=H, kv_heads=KVH, head_dim=D)
+    benchmark.extra_info.update(context=ctx, heads=H, kv_heads=KVH, head_dim=D,
+                                cache_resident=True)
     _report(benchmark, stream_gbps, nbytes=kc.nbytes + vc.nbytes, flops=4 * H * ctx * D,
             key="kv_GBps")
 
@@ -246,7 +252,7 @@ def test_rms_norm(benchmark, stream_gbps, m):
     w = rng.standard_normal(896).astype(np.float32)
     out = np.empty_like(x)
     benchmark(kernels.rms_norm, x, w, 1e-6, out)
-    benchmark.extra_info.update(shape=f"{m}x896")
+    benchmark.extra_info.update(shape=f"{m}x896", cache_resident=True)
     _report(benchmark, stream_gbps, nbytes=2 * x.nbytes + w.nbytes, flops=4 * x.size)
 
 
@@ -258,6 +264,6 @@ def test_rotary_embedding(benchmark, stream_gbps, m):
     cos, sin = np.cos(ang), np.sin(ang)
     out = np.empty_like(x)
     benchmark(kernels.rotary_embedding, x, cos, sin, False, D, out)
-    benchmark.extra_info.update(shape=f"1x{m}x{H}x{D}")
+    benchmark.extra_info.update(shape=f"1x{m}x{H}x{D}", cache_resident=True)
     _report(benchmark, stream_gbps, nbytes=2 * x.nbytes + cos.nbytes + sin.nbytes,
             flops=3 * x.size)

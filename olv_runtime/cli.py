@@ -63,7 +63,7 @@ def cmd_convert(args) -> int:
 
     with ConversionProgress() as progress:  # a bar on a terminal, quiet otherwise
         convert(args.checkpoint_dir, args.output, weights=args.weights, external_data=ext,
-                progress=progress, kv=args.kv)
+                progress=progress, kv=args.kv, scale_dtype=args.scale_dtype)
     out = pathlib.Path(args.output)
     size = out.stat().st_size
     data = out.with_name(out.name + ".data")
@@ -393,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("output", help="output .onnx path")
     c.add_argument("--weights", choices=["int4-block32", "float32"], default="int4-block32",
                    help="linear weight storage (default: int4-block32)")
+    c.add_argument("--scale-dtype", choices=["float16", "float32"], default="float16",
+                   help="INT4 block-scale type (default float16: 4.5 bits/weight, the bytes of "
+                        "GGUF Q4_0; float32: 5 bits/weight)")
     c.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
                    help="write payloads to OUTPUT.data (auto: when the model exceeds 256 MiB)")
     c.add_argument("--kv", choices=["contiguous", "paged", "paged-int8", "paged-int4", "paged-mixed"],

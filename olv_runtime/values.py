@@ -270,7 +270,9 @@ class AffineValue:
     shape : tuple of int
         Logical shape (the decoded tensor's dims).
     elem_type : int
-        Logical element type (FLOAT, FLOAT16 or DOUBLE); equals the scale's type.
+        Logical element type (FLOAT, FLOAT16 or DOUBLE): the scale's type, or FLOAT with a
+        FLOAT16 scale (DequantizeLinear with ``output_dtype`` FLOAT, ONNX opset 23: the float16
+        scale is widened exactly and the product computed in float32).
     axis : int or None
         Normalised quantization axis (None: per-tensor).
     block_size : int or None
@@ -314,7 +316,8 @@ class AffineValue:
             and self.storage_type == TensorProto.INT4
             and self.axis == 1
             and self.block_size is not None
-            and self.scale.dtype == np.float32
+            and self.scale.dtype in (np.float32, np.float16)
+            and self.elem_type == TensorProto.FLOAT
         )
 
     def decode(self, out: np.ndarray | None = None) -> np.ndarray:
@@ -389,10 +392,12 @@ def affine_value(ev: EncodedValueProto, codes: np.ndarray, scale: np.ndarray,
         raise AffineLayoutError(
             f"{what}: scale must be FLOAT, FLOAT16 or DOUBLE, got {dtype_name(a.scale.data_type)}"
         )
-    if elem_type != a.scale.data_type:
+    widened = elem_type == TensorProto.FLOAT and a.scale.data_type == TensorProto.FLOAT16
+    if elem_type != a.scale.data_type and not widened:
         raise AffineLayoutError(
             f"{what}: logical element type {dtype_name(elem_type)} differs from the scale's "
-            f"{dtype_name(a.scale.data_type)} (DequantizeLinear output type is the scale's type)"
+            f"{dtype_name(a.scale.data_type)} (DequantizeLinear's output type is the scale's "
+            "type, or FLOAT for a FLOAT16 scale as with output_dtype=FLOAT)"
         )
     if zero_point is not None and a.zero_point.data_type != st:
         raise AffineLayoutError(

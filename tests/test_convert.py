@@ -53,12 +53,13 @@ def _unpack_int4_reference(payload: bytes, count: int) -> np.ndarray:
     return np.array(out[:count], dtype=np.int64)
 
 
-def _quantize_reference(w: np.ndarray, block: int = 32):
-    """Scalar reference of the symmetric block quantizer (codes int [N, K], scale [N, nb])."""
+def _quantize_reference(w: np.ndarray, block: int = 32, scale_dtype=np.float32):
+    """Scalar reference of the symmetric block quantizer (codes int [N, K], scale [N, nb] of
+    ``scale_dtype``; with float16 the scale is rounded first and the codes use the rounded one)."""
     n, k = w.shape
     nb = -(-k // block)
     codes = np.zeros((n, k), dtype=np.int64)
-    scale = np.zeros((n, nb), dtype=np.float32)
+    scale = np.zeros((n, nb), dtype=scale_dtype)
     for r in range(n):
         for b in range(nb):
             vals = [np.float32(v) for v in w[r, b * block:(b + 1) * block]]
@@ -67,6 +68,7 @@ def _quantize_reference(w: np.ndarray, block: int = 32):
                 if abs(v) > abs(m):
                     m = v
             d = np.float32(m / np.float32(-8))
+            d = np.float32(scale_dtype(d))
             scale[r, b] = d
             for j, v in enumerate(vals):
                 q = 0 if d == 0 else int(np.clip(np.rint(np.float32(v / d)), -8, 7))
@@ -217,18 +219,21 @@ def test_quantize_int4_known_answers():
     assert payload[0] == 0x48  # -8 low nibble, 4 high nibble
 
 
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("shape", [(5, 64), (7, 45), (3, 31), (1, 1), (9, 96)])
-def test_quantize_int4_matches_scalar_reference(shape):
+def test_quantize_int4_matches_scalar_reference(shape, scale_dtype):
     rng = np.random.default_rng(sum(shape))
     w = rng.standard_normal(shape).astype(np.float32)
     w[0, : min(3, shape[1])] = 0.0
-    payload, scale = quantize_int4_blockwise(w)
+    payload, scale = quantize_int4_blockwise(w, 32, scale_dtype)
+    assert scale.dtype == scale_dtype
     n, k = shape
     assert payload.size == -(-n * k // 2)
     if (n * k) % 2:
         assert payload[-1] >> 4 == 0
-    ref_codes, ref_scale = _quantize_reference(w)
+    ref_codes, ref_scale = _quantize_reference(w, scale_dtype=scale_dtype)
     np.testing.assert_array_equal(scale, ref_scale)
+    scale = scale.astype(np.float32)
     codes = _unpack_int4_reference(payload.tobytes(), n * k).reshape(n, k)
     np.testing.assert_array_equal(codes, ref_codes)
     # Round trip: the decoded value is within half a step of the original, except where
@@ -236,10 +241,23 @@ def test_quantize_int4_matches_scalar_reference(shape):
     deq = codes * np.repeat(scale, 32, axis=1)[:, :k]
     step = np.abs(np.repeat(scale, 32, axis=1)[:, :k])
     err = np.abs(deq - w)
-    assert np.all(err <= step + 1e-6)
-    assert np.all(err[codes != 7] <= step[codes != 7] / 2 + 1e-6)
+    # float16: the stored scale may be up to 2^-11 relative smaller than m / 8, so |x| / d can
+    # exceed 8 by that much; +-1 step still bounds every code, half a step all but the clipped
+    slack = 1e-6 + (8.0 * step * 2.0 ** -11 if scale_dtype == np.float16 else 0.0 * step)
+    assert np.all(err <= step + slack)
+    inner = (codes != 7) & (codes != -8)
+    assert np.all(err[inner] <= step[inner] / 2 + slack[inner])
     np.testing.assert_array_equal(
         quantize_mod.dequantize_int4_blockwise(payload, scale, shape), deq.astype(np.float32))
+
+
+def test_quantize_int4_float16_overflow_is_an_error(tmp_path):
+    w = np.zeros((1, 32), np.float32)
+    w[0, 0] = 1e6  # scale 1.25e5 > 65504
+    with pytest.raises(ValueError, match="overflows float16.*use float32"):
+        quantize_int4_blockwise(w, 32, np.float16)
+    payload, scale = quantize_int4_blockwise(w, 32, np.float32)
+    assert scale[0, 0] == np.float32(-1.25e5)
 
 
 def test_quantize_int4_chunking_is_invisible(monkeypatch):
@@ -447,7 +465,7 @@ def _structure_checks(model: ModelProto, weights: str, tied: bool, qk_norm: bool
         assert ev.affine.storage_type == TensorProto.INT4
         assert ev.affine.axis == 1 and ev.affine.block_size == 32
         assert not ev.affine.HasField("zero_point")
-        assert ev.affine.scale.data_type == TensorProto.FLOAT
+        assert ev.affine.scale.data_type == TensorProto.FLOAT16  # the default: 4.5 bits/weight
         assert list(ev.affine.scale.dims) == [n, -(-k // 32)]
         assert len(ev.raw_data) == -(-n * k // 2)
     if weights == "int4-block32":
@@ -496,8 +514,10 @@ def test_int4_payloads_decode_to_quantized_checkpoint(fixture, request):
     with Checkpoint(path) as ckpt:
         for ev in model.graph.encoded_initializer:
             w = ckpt.get(ev.name)
-            codes, scale = _quantize_reference(w)
-            np.testing.assert_array_equal(tensor_to_array(ev.affine.scale), scale)
+            codes, scale = _quantize_reference(w, scale_dtype=np.float16)  # the default
+            got = tensor_to_array(ev.affine.scale)
+            assert got.dtype == np.float16
+            np.testing.assert_array_equal(got, scale)
             np.testing.assert_array_equal(
                 _unpack_int4_reference(ev.raw_data, w.size).reshape(w.shape), codes)
         # Dense values are the checkpoint's, exactly.

@@ -161,9 +161,36 @@ def test_scale_must_be_floating_point():
 
 
 def test_logical_type_must_match_the_scale_type():
+    # FLOAT16 logical type with a FLOAT scale: DequantizeLinear would output FLOAT
     ev = _good()
-    ev.affine.scale.CopyFrom(make_tensor("", np.ones(5, np.float16)))
-    _fails(ev, "logical element type FLOAT differs from the scale's FLOAT16")
+    ev.logical_type.tensor_type.elem_type = T.FLOAT16
+    _fails(ev, "logical element type FLOAT16 differs from the scale's FLOAT")
+    ev = _good()
+    ev.affine.scale.CopyFrom(make_tensor("", np.ones(5, np.float64)))
+    _fails(ev, "logical element type FLOAT differs from the scale's DOUBLE")
+
+
+def test_float16_scale_with_float_logical_type_is_output_dtype_float():
+    """A FLOAT16 scale with a FLOAT logical type is DequantizeLinear with output_dtype=FLOAT
+    (opset 23): the scale is widened and the product computed in float32, exactly as the
+    onnx reference evaluates it."""
+    rng = np.random.default_rng(7)
+    shape, block = (4, 64), 32
+    codes = rng.integers(-8, 8, size=shape)
+    scale = (rng.standard_normal((4, 2)) * 0.1).astype(np.float16)
+    ev = make_affine_encoded("w", pack_codes(codes, 4).tobytes(), T.INT4, shape, scale,
+                             axis=1, block_size=block)
+    got = resolve(_model(ev)).values["w"].decode()
+    assert got.dtype == np.float32
+    want = codes.astype(np.float32) * np.repeat(scale.astype(np.float32), block, axis=1)
+    np.testing.assert_array_equal(got, want)
+    x = oh.make_tensor("x", T.INT4, shape, codes.reshape(-1).tolist())
+    s = oh.make_tensor("s", T.FLOAT16, scale.shape, scale.reshape(-1).tolist())
+    node = oh.make_node("DequantizeLinear", ["x", "s"], ["y"], axis=1, block_size=block,
+                        output_dtype=T.FLOAT)
+    g = oh.make_graph([node], "g", [], [oh.make_tensor_value_info("y", T.FLOAT, shape)], [x, s])
+    ref = ReferenceEvaluator(oh.make_model(g, opset_imports=[oh.make_opsetid("", 23)]))
+    np.testing.assert_array_equal(got, ref.run(None, {})[0])
 
 
 def test_zero_point_must_have_the_storage_type():

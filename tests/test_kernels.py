@@ -273,6 +273,22 @@ def test_linear_int4_m128_and_thread_independence():
     np.testing.assert_array_equal(got1, got)  # fixed summation order, whatever the threads
 
 
+def test_float16_scales_equal_widened_float32():
+    """float16 block scales are read through their bits and widened exactly: the row-major
+    linear and the row gather give bitwise the results of the float32-widened scales."""
+    from olv_runtime.kernels import gather_rows_int4
+
+    codes, payload, scale, zp = _int4_matrix(9, 70, 32, True)
+    s16 = scale.astype(np.float16)
+    s32 = s16.astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((3, 70)).astype(np.float32)
+    np.testing.assert_array_equal(linear_int4(x, payload, s16, zp, 9, 70, 32),
+                                  linear_int4(x, payload, s32, zp, 9, 70, 32))
+    ids = np.array([[0, 8], [4, -1]])
+    np.testing.assert_array_equal(gather_rows_int4(payload, s16, zp, 9, 70, 32, ids),
+                                  gather_rows_int4(payload, s32, zp, 9, 70, 32, ids))
+
+
 def test_linear_int4_errors():
     codes, payload, scale, zp = _int4_matrix(4, 64, 32, True)
     x = np.zeros((2, 64), np.float32)
@@ -284,8 +300,8 @@ def test_linear_int4_errors():
         linear_int4(np.zeros((64, 2), np.float32).T, payload, scale, zp, 4, 64, 32)
     with pytest.raises(InvalidArgument, match="payload.*at least 128 bytes"):
         linear_int4(x, payload[:100], scale, zp, 4, 64, 32)
-    with pytest.raises(InvalidArgument, match="scale"):
-        linear_int4(x, payload, scale.astype(np.float16), zp, 4, 64, 32)
+    with pytest.raises(InvalidArgument, match="scale.*float32 or float16.*float64"):
+        linear_int4(x, payload, scale.astype(np.float64), zp, 4, 64, 32)
     with pytest.raises(InvalidArgument, match="out.*shape \\[2, 4\\]"):
         linear_int4(x, payload, scale, zp, 4, 64, 32, out=np.empty((4, 2), np.float32))
     with pytest.raises(InvalidArgument, match="block_size"):

@@ -224,3 +224,25 @@ def test_wide_dynamic_range_activations():
     np.testing.assert_array_equal(y, _model(x, q, scale))
     yq = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32), quantize_activations=True)
     np.testing.assert_array_equal(y, yq)
+
+
+@pytest.mark.parametrize("n,k,m", [(8, 32, 1), (100, 40, 3), (24, 1000, 5), (130, 100, 9)])
+def test_float16_scales_stay_float16_and_equal_the_widened_float32(n, k, m):
+    """float16 block scales (the converter default) are kept as their bits in the packed layout
+    (half the scale bytes) and give bitwise the results of the same scales widened to float32,
+    in both activation modes; the int8 mode also matches the numpy model."""
+    from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact
+
+    rng = np.random.default_rng(n + k + m)
+    q, payload, scale = _weight(n, k, rng)
+    s16 = scale.astype(np.float16)
+    s32 = s16.astype(np.float32)  # exact widening
+    p16 = prepack_int4_i8(payload, s16, None, n, k, 32)
+    p32 = prepack_int4_i8(payload, s32, None, n, k, 32)
+    assert p16.scale.dtype == np.uint16 and p32.scale.dtype == np.float32
+    assert p16.nbytes == p32.nbytes - p16.scale.nbytes
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y16 = linear_packed_i8(x, p16)
+    np.testing.assert_array_equal(y16, linear_packed_i8(x, p32))
+    np.testing.assert_array_equal(y16, _model(x, q, s32))
+    np.testing.assert_array_equal(linear_packed_i8_exact(x, p16), linear_packed_i8_exact(x, p32))

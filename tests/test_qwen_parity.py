@@ -2,7 +2,8 @@
 
 (a) ``--weights float32``: logits within 1e-4 of transformers, identical greedy ids.
 (b) ``--weights int4-block32``: transformers run with weights dequantized independently here
-    (numpy, from the saved EncodedValueProto payloads): logits within 1e-4, identical greedy ids.
+    (numpy, from the saved EncodedValueProto payloads): logits within 1e-4, identical greedy ids;
+    with the default float16 block scales and with ``scale_dtype="float32"``.
 Plus: prefill split across two calls, and the state loop against the manual past/present loop.
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ def independent_int4_dequant(ev: pb.EncodedValueProto, payload: np.ndarray) -> n
     q[q >= 8] -= 16
     q = q.reshape(n, k).astype(np.float32)
     kb = -(-k // a.block_size)
-    scale = np.frombuffer(a.scale.raw_data, np.float32).reshape(n, kb)
+    sdt = {pb.TensorProto.FLOAT: np.float32, pb.TensorProto.FLOAT16: np.float16}[a.scale.data_type]
+    scale = np.frombuffer(a.scale.raw_data, sdt).reshape(n, kb).astype(np.float32)  # exact
     s = np.repeat(scale, a.block_size, axis=1)[:, :k]
     return q * s
 
@@ -91,11 +93,17 @@ CHECKPOINTS = ["tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen2_untied_dir"]
 
 
 @pytest.mark.parametrize("ckpt", CHECKPOINTS)
-@pytest.mark.parametrize("weights", ["float32", "int4-block32"])
+@pytest.mark.parametrize("weights", ["float32", "int4-block32", "int4-block32/float32-scales"])
 def test_matches_transformers(request, tmp_path, ckpt, weights):
     ckpt_dir = request.getfixturevalue(ckpt)
     path = tmp_path / "model.onnx"
-    olv_runtime.convert(ckpt_dir, path, weights=weights)
+    kw = {"scale_dtype": "float32"} if weights.endswith("/float32-scales") else {}
+    weights = weights.split("/")[0]
+    olv_runtime.convert(ckpt_dir, path, weights=weights, **kw)
+    if weights == "int4-block32":  # the default stores float16 scales (4.5 bits per weight)
+        want = pb.TensorProto.FLOAT if kw else pb.TensorProto.FLOAT16
+        encoded = olv_runtime.load(path).graph.encoded_initializer
+        assert encoded and all(ev.affine.scale.data_type == want for ev in encoded)
     ref = reference_model(ckpt_dir, path if weights == "int4-block32" else None)
     ref_ids, ref_logits = hf_greedy(ref, PROMPT, N_DECODE)
     ids, logits = olv_greedy(path, PROMPT, N_DECODE)

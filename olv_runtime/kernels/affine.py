@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
+from .half import scale_bits, widen
 from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_int, check_out
 
 __all__ = ["unpack_codes", "dequantize_affine", "gather_rows_int4"]
@@ -65,7 +66,7 @@ def _dequant_range(payload, bits, signed, f0, f1, inner, dim, bs,
         q = _code_at(payload, bits, signed, f)
         db = d // bs
         z = zp[o * z_o + db * z_d + i * z_i]
-        out[f] = np.float32(q - z) * scale[o * s_o + db * s_d + i * s_i]
+        out[f] = np.float32(q - z) * widen(scale[o * s_o + db * s_d + i * s_i])
         i += 1
         if i == inner:
             i = 0
@@ -79,7 +80,7 @@ def _dequant_range(payload, bits, signed, f0, f1, inner, dim, bs,
 def _gather_row_int4(payload, scale, zp, has_zp, n, k, bs, out_row):
     kb = scale.shape[1]
     for b in range(kb):
-        s = scale[n, b]
+        s = widen(scale[n, b])
         z = np.int32(zp[n, b]) if has_zp else np.int32(0)
         k0 = b * bs
         k1 = min(k0 + bs, k)
@@ -266,7 +267,7 @@ def dequantize_affine(payload: np.ndarray, bits: int, signed: bool, shape: tuple
         outer, dim, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
         strides = (0, 1, 0)
         bs = 1
-    scale32 = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+    scale32 = scale_bits(np.ascontiguousarray(scale)).reshape(-1)  # float16: bits, widened per read
     if zero_point is None:
         zp32 = np.zeros(1, dtype=np.int32)
         zstrides = (0, 0, 0)
@@ -299,7 +300,7 @@ def _check_int4_matrix(payload, scale, zero_point, n_rows, k, block_size):
     block_size = min(check_int(block_size, "block_size", lo=1), k)  # one block when >= K
     _check_payload(payload, n_rows * k, 4)
     kb = -(-k // block_size)
-    check_array(scale, "scale", dtype=np.float32, shape=(n_rows, kb))
+    check_array(scale, "scale", dtype=(np.float32, np.float16), shape=(n_rows, kb))
     if zero_point is None:
         zp = np.zeros((1, 1), dtype=np.int8)
     else:
@@ -320,7 +321,8 @@ def gather_rows_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndar
     payload : ndarray of uint8, shape [>= ceil(N*K/2)]
         Signed INT4 codes of ``W`` row-major, two per byte, low nibble first. Element ``(n, k)``
         is code ``n*K + k`` (rows may start mid-byte when K is odd).
-    scale : ndarray of float32, shape [N, ceil(K/block_size)]
+    scale : ndarray of float32 or float16, shape [N, ceil(K/block_size)]
+        (float16 is read through its bits and widened exactly, never copied)
     zero_point : ndarray of int8, shape [N, ceil(K/block_size)], or None (symmetric)
     n_rows, k : int
         ``N`` and ``K``.
@@ -347,6 +349,6 @@ def gather_rows_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndar
     out = check_out(out, "out", np.float32, tuple(ids.shape) + (k,))
     if ids_flat.size:
         drv = _gather_int4_par if ids_flat.size * k >= PARALLEL_MIN_WORK else _gather_int4_ser
-        drv(payload, scale, zp, zero_point is not None, n_rows, k, block_size,
+        drv(payload, scale_bits(scale), zp, zero_point is not None, n_rows, k, block_size,
             ids_flat, out.reshape(ids_flat.size, k))
     return out

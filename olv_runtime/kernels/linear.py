@@ -28,6 +28,7 @@ from numpy.lib.stride_tricks import as_strided
 from numba import njit, prange
 
 from .affine import _check_int4_matrix
+from .half import scale_bits, widen
 from .config import JIT, PJIT, check_array, check_out
 
 __all__ = ["linear_int4", "linear_f32"]
@@ -55,7 +56,7 @@ def _rows_int4_even(xe3, xo3, xet, xot, p3, pt, scale, zp, has_zp, r0, r1, y, we
             for j in range(2 * hb):
                 acc[m, j] = 0.0
         for b in range(kbf):
-            s = scale[r, b]
+            s = widen(scale[r, b])
             z = np.int32(zp[r, b]) if has_zp else np.int32(0)
             for j in range(hb):
                 v = p3[r, b, j]
@@ -69,7 +70,7 @@ def _rows_int4_even(xe3, xo3, xet, xot, p3, pt, scale, zp, has_zp, r0, r1, y, we
                 for j in range(hb):
                     acc[m, hb + j] += wo[j] * xo3[m, b, j]
         if tl > 0:
-            s = scale[r, kbf]
+            s = widen(scale[r, kbf])
             z = np.int32(zp[r, kbf]) if has_zp else np.int32(0)
             for j in range(tl):
                 v = pt[r, j]
@@ -102,7 +103,7 @@ def _rows_int4_general(x, payload, scale, zp, has_zp, k, bs, r0, r1, y, w, acc):
             for p in range(bs):
                 acc[m, p] = 0.0
         for b in range(kb):
-            s = scale[r, b]
+            s = widen(scale[r, b])
             z = np.int32(zp[r, b]) if has_zp else np.int32(0)
             k0 = b * bs
             ln = min(bs, k - k0)
@@ -167,7 +168,7 @@ def linear_int4(x: np.ndarray, payload: np.ndarray, scale: np.ndarray,
     payload : ndarray of uint8, shape [>= ceil(N*K/2)]
         INT4 codes of ``W`` row-major, low nibble first (code of ``(n, k)`` is number
         ``n*K + k``).
-    scale : ndarray of float32, shape [N, ceil(K/block_size)]
+    scale : ndarray of float32 or float16, shape [N, ceil(K/block_size)]
     zero_point : ndarray of int8, shape [N, ceil(K/block_size)], or None (symmetric)
     n, k : int
         ``N`` (output features) and ``K`` (input features).
@@ -180,6 +181,7 @@ def linear_int4(x: np.ndarray, payload: np.ndarray, scale: np.ndarray,
     ndarray of float32, shape [M, N]
     """
     n, k, block_size, zp = _check_int4_matrix(payload, scale, zero_point, n, k, block_size)
+    scale = scale_bits(scale)  # float16: its uint16 bits, widened per read (kernels/half.py)
     check_array(x, "x", dtype=np.float32, shape=(None, k))
     m = x.shape[0]
     out = check_out(out, "out", np.float32, (m, n))

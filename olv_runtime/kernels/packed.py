@@ -56,6 +56,7 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
+from .half import scale_bits, widen
 from .config import JIT, PJIT, check_array, check_int, check_out
 
 __all__ = ["PackedInt4", "PackedWorkspace", "prepack_int4", "make_workspace", "linear_packed",
@@ -200,7 +201,7 @@ def _prepack_par(payload, scale, zp, has_zp, n, k, codes, pscale, pzp):
             valid = row < n
             for b in range(kb):
                 if valid:
-                    pscale[t, b, r] = scale[row, b]
+                    pscale[t, b, r] = widen(scale[row, b])  # float16: widened once (a repack)
                     if has_zp:
                         pzp[t, b, r] = zp[row, b]
                 else:
@@ -260,7 +261,7 @@ def prepack_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarray 
         raise InvalidArgument(f"payload: expected at least {need} bytes for [{n}, {k}] INT4 "
                               f"codes, got {payload.shape[0]}")
     kb = -(-k // BLOCK)
-    check_array(scale, "scale", dtype=np.float32, shape=(n, kb))
+    check_array(scale, "scale", dtype=(np.float32, np.float16), shape=(n, kb))
     has_zp = zero_point is not None
     if has_zp:
         check_array(zero_point, "zero_point", dtype=np.int8, shape=(n, kb))
@@ -271,7 +272,7 @@ def prepack_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarray 
     codes = np.empty((n_tiles, kb, QUADS, TILE_ROWS), dtype=np.uint16)
     pscale = np.empty((n_tiles, kb, TILE_ROWS), dtype=np.float32)
     pzp = np.empty((n_tiles, kb, TILE_ROWS) if has_zp else (0, 0, 0), dtype=np.int8)
-    _prepack_par(payload, scale, zp_in, has_zp, n, k, codes, pscale, pzp)
+    _prepack_par(payload, scale_bits(scale), zp_in, has_zp, n, k, codes, pscale, pzp)
     return PackedInt4(codes, pscale, pzp, n, k)
 
 

@@ -58,7 +58,7 @@ from .config import JIT, PJIT, check_array, check_int, check_out
 from .packed import _pad_rows, prepare_call, workspace_args
 from .packed_i8 import (
     BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, PackedInt4I8, _check_array_arg, _elem_ptr,
-    _prefetch, _splat,
+    _is_scale_array, _load_scales8, _prefetch, _splat,
 )
 
 __all__ = ["PackedF32Workspace", "make_workspace_f32", "linear_packed_i8_exact"]
@@ -122,7 +122,7 @@ def _emit_blocks(context, builder, sig, args, nrows, nblk):
                         s[bl][r] = builder.call(fma, [w, xb, s[bl][r]])
     for bl in range(nblk):
         soff = builder.add(so, ir.Constant(so.type, bl * GROUP_ROWS))
-        sc = builder.load(_elem_ptr(context, builder, aty[2], scale, soff, _LV8F32), align=4)
+        sc = _load_scales8(context, builder, aty[2], scale, soff)
         for r in range(nrows):
             accs[r] = builder.call(fma, [s[bl][r], sc, accs[r]])
     for r in range(nrows):
@@ -136,7 +136,7 @@ def _make_blocks(nrows, nblk):
     def _blocks(typingctx, codes, cb, scale, so, x, xo, kx, facc):
         """facc[r, :] = fma(block sums of rows xo + r*kx, scale, facc[r, :]) for ``nblk``
         blocks from codes byte ``cb`` / scale element ``so`` / x element ``xo``."""
-        if not (_check_array_arg(codes, types.uint8) and _check_array_arg(scale, types.float32)
+        if not (_check_array_arg(codes, types.uint8) and _is_scale_array(scale)
                 and _check_array_arg(x, types.float32)
                 and _check_array_arg(facc, types.float32)):
             return None

@@ -31,8 +31,9 @@ Packed layout (:class:`PackedInt4I8`)
   ``c`` gives, after ``& 0x0F`` (low nibbles) or ``>> 4 & 0x0F`` (high nibbles), 8 rows x 4 codes
   as unsigned bytes; the int32 lane ``r`` of ``vpmaddwd(vpmaddubsw(u, bcast32(xq[k..k+3])), 1)``
   is then ``sum_{j<4} u[r, k+j] * xq[k+j]`` for row ``r`` -- no horizontal sums anywhere.
-* ``scale``: float32 ``[NG, KB, 8]`` (64-byte aligned) = the stored ``scale[8g + r, b]`` bits
-  (0 on padding rows).
+* ``scale``: ``[NG, KB, 8]`` (64-byte aligned) = the stored ``scale[8g + r, b]`` bits (0 on
+  padding rows): float32, or the uint16 bits of float16 scales (the converter default, 4.5 bits
+  per weight like Q4_0), widened exactly with ``vcvtph2ps`` as they are loaded.
 
 Inner loop per (group, block, activation row): 8 x (``vpbroadcastd`` of 4 int8 activations,
 ``vpmaddubsw``), 7 ``vpaddw``, 1 ``vpmaddwd`` (with ones), ``vpsubd`` of ``8 * sum(xq)``
@@ -53,7 +54,12 @@ Overflow: each ``vpmaddubsw`` lane is ``u0*x0 + u1*x1`` with ``|.| <= 2*15*127 =
 saturates); the 8 lanes summed with ``vpaddw`` per block give ``|.| <= 16*15*127 = 30480 < 32767``
 (int16 exact); ``vpmaddwd`` with ones widens to int32 (``|sum u*x| <= 60960``).
 
-Bytes read per call: ``packed.nbytes`` = ``16 * NG * Kp`` codes + ``32 * NG * KB`` scales.
+Bytes read per call: ``packed.nbytes`` = ``16 * NG * Kp`` codes + ``32 * NG * KB`` float32 scales
+(``16 * NG * KB`` float16 scales).
+
+:data:`LAYOUT_VERSION` identifies this packed layout (codes and scale arrays as described here);
+it is bumped whenever the layout changes, so a persisted prepacked copy (seed 004) of an older
+layout is never read as this one.
 
 Zero points are not supported (:func:`prepack_int4_i8` raises
 :class:`~olv_runtime.errors.InvalidArgument`, so callers fall back to :mod:`.packed`).
@@ -70,11 +76,15 @@ from numba.core.extending import intrinsic, models, register_model
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int, check_out
+from .half import scale_bits
 from .packed import _quantize_block, prepare_call, workspace_args  # shared
 
-__all__ = ["PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
+__all__ = ["LAYOUT_VERSION", "PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
 
+#: Version of the packed layout of :class:`PackedInt4I8` (bump on any layout change).
+#: 2: scales float32 or float16 bits (uint16); 1: float32 scales only.
+LAYOUT_VERSION = 2
 GROUP_ROWS = 8      # rows per group: the 8 lanes of one ymm of int32 / float32
 BLOCK = 32          # quantization block along K (the only block size supported)
 GROUP_BLOCK_BYTES = 128  # codes bytes per (group, block): 8 rows x 32 codes x 4 bits
@@ -128,6 +138,26 @@ def _splat(builder, val, vty):
 
 def _check_array_arg(arr, dtype):
     return isinstance(arr, types.Array) and arr.dtype == dtype
+
+
+def _is_scale_array(arr):
+    """float32 scales, or float16 scales as their uint16 bits (kernels/half.py)."""
+    return isinstance(arr, types.Array) and arr.dtype in (types.float32, types.uint16)
+
+
+_LV8I16 = ir.VectorType(ir.IntType(16), 8)
+_LV8F16 = ir.VectorType(ir.HalfType(), 8)
+
+
+def _load_scales8(context, builder, aty, arr, off):
+    """8 consecutive scales from linear element ``off`` as float32 lanes: a float32 load, or a
+    uint16 (float16 bits) load widened exactly with ``fpext`` (``vcvtph2ps``)."""
+    if aty.dtype == types.uint16:
+        p = _elem_ptr(context, builder, aty, arr, off, _LV8I16)
+        h = builder.bitcast(builder.load(p, align=2), _LV8F16)
+        return builder.fpext(h, _LV8F32)
+    p = _elem_ptr(context, builder, aty, arr, off, _LV8F32)
+    return builder.load(p, align=4)
 
 
 @intrinsic
@@ -254,7 +284,7 @@ def _block_acc(typingctx, acc, s16, s8, scale, soff, d):
     ``s16``: per row two int16 partial sums of ``u * xq``; ``s8 = 8 * sum(xq)`` of the block, so
     the int32 is the exact ``sum q * xq``. Separate multiply and add (no FMA), as in packed.py.
     """
-    if acc != V8F32 or s16 != V16I16 or not _check_array_arg(scale, types.float32):
+    if acc != V8F32 or s16 != V16I16 or not _is_scale_array(scale):
         return None
 
     def codegen(context, builder, sig, args):
@@ -265,8 +295,7 @@ def _block_acc(typingctx, acc, s16, s8, scale, soff, d):
         sx = context.cast(builder, sx, sig.args[2], types.int32)
         i32 = builder.sub(i32, _splat(builder, sx, _LV8I32))
         f = builder.sitofp(i32, _LV8F32)
-        p = _elem_ptr(context, builder, sig.args[3], sc, so, _LV8F32)
-        ws = builder.load(p, align=4)
+        ws = _load_scales8(context, builder, sig.args[3], sc, so)
         dd = context.cast(builder, dd, sig.args[5], types.float32)
         v = builder.fmul(ws, _splat(builder, dd, _LV8F32))
         return builder.fadd(a, builder.fmul(f, v))
@@ -355,8 +384,9 @@ class PackedInt4I8:
     ----------
     codes : ndarray of uint8, shape [NG, KB, 128]
         See the module docstring (8-row groups, 4 chunks of 8 rows x 4 codes per byte nibble).
-    scale : ndarray of float32, shape [NG, KB, 8]
-        ``scale[g, b, r]`` = original ``scale[8g + r, b]`` (0 on padding rows).
+    scale : ndarray of float32 or uint16, shape [NG, KB, 8]
+        ``scale[g, b, r]`` = original ``scale[8g + r, b]`` (0 on padding rows); uint16 holds
+        the bits of float16 scales (widened exactly in the kernels).
     n, k, k_padded, k_blocks, n_groups : int
     """
 
@@ -379,7 +409,7 @@ class PackedInt4I8:
     def copy(self) -> "PackedInt4I8":
         codes = _aligned_empty(self.codes.shape, np.uint8)
         codes[...] = self.codes
-        scale = _aligned_empty(self.scale.shape, np.float32)
+        scale = _aligned_empty(self.scale.shape, self.scale.dtype)
         scale[...] = self.scale
         return PackedInt4I8(codes, scale, self.n, self.k)
 
@@ -443,9 +473,9 @@ def _prepack_par(payload, scale, n, k, codes, pscale):
             for r in range(GROUP_ROWS):
                 row = g * GROUP_ROWS + r
                 if row < n:
-                    pscale[g, b, r] = scale[row, b]
+                    pscale[g, b, r] = scale[row, b]  # same dtype: float32, or float16 bits
                 else:
-                    pscale[g, b, r] = np.float32(0.0)
+                    pscale[g, b, r] = 0
                 for c in range(4):
                     for j in range(4):
                         kk = b * BLOCK + 4 * c + j
@@ -462,7 +492,8 @@ def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarr
     ----------
     payload : ndarray of uint8, shape [>= ceil(N*K/2)]
         Signed INT4 codes in ``[-8, 7]`` of ``W`` row-major, two per byte, low nibble first.
-    scale : ndarray of float32, shape [N, ceil(K/32)]
+    scale : ndarray of float32 or float16, shape [N, ceil(K/32)]
+        float16 scales are kept as float16 in the packed layout (no float32 copy).
     zero_point : None
         Must be None (symmetric); anything else raises
         :class:`~olv_runtime.errors.InvalidArgument` so the caller falls back to :mod:`.packed`.
@@ -485,11 +516,13 @@ def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarr
         raise InvalidArgument(f"payload: expected at least {need} bytes for [{n}, {k}] INT4 "
                               f"codes, got {payload.shape[0]}")
     kb = -(-k // BLOCK)
-    check_array(scale, "scale", dtype=np.float32, shape=(n, kb))
+    check_array(scale, "scale", dtype=(np.float32, np.float16), shape=(n, kb))
     ng = -(-n // GROUP_ROWS)
     codes = _aligned_empty((ng, kb, GROUP_BLOCK_BYTES), np.uint8)
-    pscale = _aligned_empty((ng, kb, GROUP_ROWS), np.float32)
-    _prepack_par(payload, scale, n, k, codes, pscale)
+    # float16 scales stay float16 (as uint16 bits): 4.5 bits per weight, like Q4_0
+    sdt = np.uint16 if scale.dtype == np.float16 else np.float32
+    pscale = _aligned_empty((ng, kb, GROUP_ROWS), sdt)
+    _prepack_par(payload, scale_bits(scale), n, k, codes, pscale)
     return PackedInt4I8(codes, pscale, n, k)
 
 

@@ -34,6 +34,10 @@ __all__ = [
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 WEIGHT_FORMATS = ("int4-block32", "float32")
+#: INT4 block-scale types: float16 (default; 4.5 bits per weight, the bytes of GGUF Q4_0; the
+#: encoded value is DequantizeLinear with a FLOAT16 scale and FLOAT output, exact in float32) or
+#: float32 (5 bits per weight).
+SCALE_DTYPES = ("float16", "float32")
 OPSET = 23
 OLV_DOMAIN = "olv"
 OLV_OPSET = 1
@@ -166,10 +170,12 @@ class _QwenBuilder:
     and nodes are added with the names of ``docs/qwen_graph.md``. Every node's output types are
     inferred as it is added, so a wrong wiring fails here, naming the node."""
 
-    def __init__(self, graph: GraphBuilder, weights: str, ckpt: Checkpoint):
+    def __init__(self, graph: GraphBuilder, weights: str, ckpt: Checkpoint,
+                 scale_dtype: str = "float16"):
         self.b = graph
         self.weights = weights
         self.ckpt = ckpt
+        self.scale_dtype = np.dtype(scale_dtype)
         # sources that store tensors in place (models/gguf.py GGUFCheckpoint) give the message
         # holding each tensor; the builder references it instead of reading the values
         self.stored = getattr(ckpt, "stored", None)
@@ -233,7 +239,10 @@ class _QwenBuilder:
         if ckpt_name in self.b.initializer_names:
             return ckpt_name
         arr = self._checked(ckpt_name, expect_shape)
-        payload, scale = quantize_int4_blockwise(arr, BLOCK_SIZE)
+        try:
+            payload, scale = quantize_int4_blockwise(arr, BLOCK_SIZE, self.scale_dtype)
+        except ValueError as exc:
+            raise ConversionError(f"tensor {ckpt_name!r}: {exc}") from None
         return self.b.make_encoded_initializer(make_affine_encoded(
             ckpt_name, payload.tobytes(), TensorProto.INT4, list(arr.shape), scale,
             None, axis=1, block_size=BLOCK_SIZE,
@@ -311,7 +320,7 @@ def _qk_norm(b: _QwenBuilder, x: str, weight: str, heads: int, cfg: QwenConfig, 
 
 def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4-block32",
                 *, progress: Callable[[str], None] | None = None,
-                kv: str = "contiguous") -> ModelProto:
+                kv: str = "contiguous", scale_dtype: str = "float16") -> ModelProto:
     """Build the ``docs/qwen_graph.md`` model of a checkpoint.
 
     Parameters
@@ -325,6 +334,10 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
     kv : {"contiguous", "paged", "paged-int8", "paged-int4", "paged-mixed"}
         KV cache kind: past/present tensors (default) or per-layer paged cache structs
         (:func:`olv_runtime.models.paged.to_paged`, ``docs/kv_cache.md``).
+    scale_dtype : {"float16", "float32"}
+        Type of the INT4 block-32 scales (default float16: 4.5 bits per weight, equal bytes
+        with GGUF Q4_0; decoded values are ``float32(q) * float32(scale)``, exact). A scale that
+        overflows float16 raises ConversionError (use float32).
 
     Returns
     -------
@@ -349,7 +362,7 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
                       ir_version=IR_VERSION)
     if in_place:
         gb.add_struct_types(ckpt.struct_types())
-    b = _QwenBuilder(gb, weights, ckpt)
+    b = _QwenBuilder(gb, weights, ckpt, scale_dtype)
 
     L, H, KVH, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     hidden, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -463,7 +476,8 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
 
 def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
             progress: Callable[[str], None] | None = None,
-            external_data: bool | None = None, kv: str = "contiguous") -> ModelProto:
+            external_data: bool | None = None, kv: str = "contiguous",
+            scale_dtype: str = "float16") -> ModelProto:
     """Convert a checkpoint directory (or a GGUF file) to an ONNX file.
 
     A file path is a GGUF file: :func:`olv_runtime.models.gguf.convert_gguf` (tensors referenced
@@ -485,6 +499,8 @@ def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
         Passed to :func:`olv_runtime.io.save` (None: external data only above 256 MiB).
     kv : str
         KV cache kind, see :func:`build_model`.
+    scale_dtype : {"float16", "float32"}
+        INT4 block-scale type, see :func:`build_model`.
 
     Returns
     -------
@@ -502,7 +518,7 @@ def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
         return convert_gguf(checkpoint_dir, out_path, progress=progress)
     out_path = os.fspath(out_path)
     with Checkpoint(checkpoint_dir) as ckpt:
-        model = build_model(ckpt, weights, progress=progress, kv=kv)
+        model = build_model(ckpt, weights, progress=progress, kv=kv, scale_dtype=scale_dtype)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
     if progress:
