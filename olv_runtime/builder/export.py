@@ -9,7 +9,8 @@ rewrites it, and re-imports the result (so the exported graph passes the builder
   ``<name>::scale`` (and ``<name>::zero_point``) initializers; each ``olv.Decode(name)`` becomes
   ``DequantizeLinear(name, <name>::scale[, <name>::zero_point], axis, block_size)``. Needs the
   default-domain opset of DequantizeLinear for the form: 10 (per-tensor 8-bit), 13 (per-axis),
-  21 (blocked, INT4/UINT4), 25 (INT2/UINT2).
+  21 (blocked, INT4/UINT4), 25 (INT2/UINT2); a FLOAT value over a FLOAT16 scale (the converter's
+  default INT4 form) adds ``output_dtype=FLOAT`` and needs opset 23.
 * **Struct encoded initializers with a FunctionProto decoder** become one dense initializer per
   decoder input, ``<name>::<leaf path>`` (the field array ``[records, *field_shape]``, sub-byte
   integers widened to INT8/UINT8 exactly as olv_runtime binds them; constants with their own
@@ -46,7 +47,18 @@ FEEDBACK_METADATA_KEY = "olv.feedback"
 _OLV = "olv"
 
 
+def _widened(sym: SymEncodedValue) -> bool:
+    """FLOAT logical type over a FLOAT16 scale: DequantizeLinear with output_dtype=FLOAT."""
+    return (sym.layout.affine.scale.data_type == TensorProto.FLOAT16
+            and sym.logical_tensor.elem_type == TensorProto.FLOAT)
+
+
 def _dq_opset(sym: SymEncodedValue) -> int:
+    base = _dq_opset_form(sym)
+    return max(base, 23) if _widened(sym) else base  # output_dtype needs opset 23
+
+
+def _dq_opset_form(sym: SymEncodedValue) -> int:
     a = sym.layout.affine
     st = a.storage_type
     if st in (TensorProto.INT2, TensorProto.UINT2):
@@ -187,6 +199,8 @@ def _lower_affine(b: GraphBuilder, ev, sym: SymEncodedValue):
         attrs["axis"] = int(a.axis)
     if a.HasField("block_size"):
         attrs["block_size"] = int(a.block_size)
+    if _widened(sym):
+        attrs["output_dtype"] = TensorProto.FLOAT
     return ("affine", inputs, attrs)
 
 
