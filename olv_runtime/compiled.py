@@ -644,7 +644,7 @@ class CompiledEntries:
         if (ints.get("n"), ints.get("k")) != (n, k):
             return (f"compiled entry is for [N, K] = [{ints.get('n')}, {ints.get('k')}], the "
                     f"source {source.name!r} is [{n}, {k}]")
-        want = lay.shapes(n, k, source.zero_point is not None)
+        want = lay.shapes(n, k, source.zero_point is not None, source.scale.dtype)
         arrays, where, parts = {}, {}, []
         for name in lay.arrays:
             leaf = layout.leaf(name)

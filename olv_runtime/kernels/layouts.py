@@ -27,7 +27,8 @@ __all__ = ["PACKED_LAYOUT_VERSION", "PackedLayout", "LAYOUTS", "layout_of", "lay
 
 #: Version of every packed layout below (DeviceProto.runtime_version of compiled entries).
 #: Bump on any layout change.
-PACKED_LAYOUT_VERSION = "1"
+#: "2": the 8-row layout keeps float16 block scales as their uint16 bits (was float32 only).
+PACKED_LAYOUT_VERSION = "2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,9 @@ class PackedLayout:
         Output rows per step of axis 0: parts whose ``n`` is a multiple of it concatenate along
         axis 0 into the packed form of the rows concatenated (the sibling merge).
     shapes : callable
-        ``shapes(n, k, has_zero_point) -> {array name: (dtype, shape)}``: what the prepacker
-        produces for an ``[N, K]`` weight (a compiled entry must match it exactly).
+        ``shapes(n, k, has_zero_point, scale_dtype=float32) -> {array name: (dtype, shape)}``:
+        what the prepacker produces for an ``[N, K]`` weight whose block scales have
+        ``scale_dtype`` (a compiled entry must match it exactly).
     """
 
     name: str
@@ -86,12 +88,13 @@ def _make_layouts() -> dict:
 
     from .packed_i8 import GROUP_BLOCK_BYTES
 
-    def i8_shapes(n, k, has_zp):
+    def i8_shapes(n, k, has_zp, scale_dtype=np.float32):
         ng, kb = -(-n // GROUP_ROWS), -(-k // 32)
+        sdt = np.uint16 if np.dtype(scale_dtype) == np.float16 else np.float32  # float16 bits
         return {"codes": (np.uint8, (ng, kb, GROUP_BLOCK_BYTES)),
-                "scale": (np.float32, (ng, kb, GROUP_ROWS))}
+                "scale": (sdt, (ng, kb, GROUP_ROWS))}
 
-    def tile_shapes(n, k, has_zp):
+    def tile_shapes(n, k, has_zp, scale_dtype=np.float32):  # scales widened to float32
         t, kb = -(-n // TILE_ROWS), -(-k // 32)
         return {"codes": (np.uint16, (t, kb, 8, TILE_ROWS)),
                 "scale": (np.float32, (t, kb, TILE_ROWS)),

@@ -57,9 +57,9 @@ saturates); the 8 lanes summed with ``vpaddw`` per block give ``|.| <= 16*15*127
 Bytes read per call: ``packed.nbytes`` = ``16 * NG * Kp`` codes + ``32 * NG * KB`` float32 scales
 (``16 * NG * KB`` float16 scales).
 
-:data:`LAYOUT_VERSION` identifies this packed layout (codes and scale arrays as described here);
-it is bumped whenever the layout changes, so a persisted prepacked copy (seed 004) of an older
-layout is never read as this one.
+:data:`olv_runtime.kernels.layouts.PACKED_LAYOUT_VERSION` (the one layout-version constant) is
+bumped whenever this layout changes, so a persisted prepacked copy (seed 004) of an older layout
+is never read as this one.
 
 Zero points are not supported (:func:`prepack_int4_i8` raises
 :class:`~olv_runtime.errors.InvalidArgument`, so callers fall back to :mod:`.packed`).
@@ -79,12 +79,9 @@ from .config import JIT, PJIT, check_array, check_int, check_out
 from .half import scale_bits
 from .packed import _quantize_block, prepare_call, workspace_args  # shared
 
-__all__ = ["LAYOUT_VERSION", "PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
+__all__ = ["PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
 
-#: Version of the packed layout of :class:`PackedInt4I8` (bump on any layout change).
-#: 2: scales float32 or float16 bits (uint16); 1: float32 scales only.
-LAYOUT_VERSION = 2
 GROUP_ROWS = 8      # rows per group: the 8 lanes of one ymm of int32 / float32
 BLOCK = 32          # quantization block along K (the only block size supported)
 GROUP_BLOCK_BYTES = 128  # codes bytes per (group, block): 8 rows x 32 codes x 4 bits
