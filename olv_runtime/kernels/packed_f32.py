@@ -190,7 +190,8 @@ def make_workspace_f32(m_max: int, k_max: int, n_tasks: int | None = None) -> Pa
 # ------------------------------------------------------------------------------------------------
 @njit(**JIT)
 def _group_rows(codes, scale, g, x, i0, nr, facc):
-    """facc[r*8:(r+1)*8] = y[i0 + r, 8g:8g+8] for r < nr (nr in 1, 2, 4, 8)."""
+    """facc[r*8:(r+1)*8] = y[i0 + r, 8g:8g+8] for r < nr (nr in 1, 2, 4; 8 rows:
+    :func:`_group_rows8`, kept apart so that models never running M >= 8 never compile it)."""
     kb = codes.shape[1]
     kx = x.shape[1]
     for t in range(nr * GROUP_ROWS):
@@ -201,10 +202,8 @@ def _group_rows(codes, scale, g, x, i0, nr, facc):
         nb = NB_R1
     elif nr == 2:
         nb = NB_R2
-    elif nr == 4:
-        nb = NB_R4
     else:
-        nb = NB_R8
+        nb = NB_R4
     b = 0
     while b + nb <= kb:
         cb = (base + b) * GROUP_BLOCK_BYTES
@@ -219,10 +218,8 @@ def _group_rows(codes, scale, g, x, i0, nr, facc):
             _blk_r1_n(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
         elif nr == 2:
             _blk_r2_n(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
-        elif nr == 4:
-            _blk_r4_n(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
         else:
-            _blk_r8_n(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
+            _blk_r4_n(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
         b += nb
     while b < kb:
         cb = (base + b) * GROUP_BLOCK_BYTES
@@ -231,10 +228,36 @@ def _group_rows(codes, scale, g, x, i0, nr, facc):
             _blk_r1_1(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
         elif nr == 2:
             _blk_r2_1(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
-        elif nr == 4:
-            _blk_r4_1(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
         else:
-            _blk_r8_1(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
+            _blk_r4_1(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
+        b += 1
+
+
+@njit(**JIT)
+def _group_rows8(codes, scale, g, x, i0, facc):
+    """facc[r*8:(r+1)*8] = y[i0 + r, 8g:8g+8] for r < 8."""
+    kb = codes.shape[1]
+    kx = x.shape[1]
+    for t in range(8 * GROUP_ROWS):
+        facc[t] = np.float32(0.0)
+    base = g * kb
+    xo = i0 * kx
+    nb = NB_R8
+    b = 0
+    while b + nb <= kb:
+        cb = (base + b) * GROUP_BLOCK_BYTES
+        if PF_BYTES > 0:
+            for q in range(nb):
+                _prefetch(codes, cb + PF_BYTES + 128 * q)
+                _prefetch(codes, cb + PF_BYTES + 128 * q + 64)
+                _prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES // 16)
+        so = (base + b) * GROUP_ROWS
+        _blk_r8_n(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
+        b += nb
+    while b < kb:
+        cb = (base + b) * GROUP_BLOCK_BYTES
+        so = (base + b) * GROUP_ROWS
+        _blk_r8_1(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
         b += 1
 
 
@@ -248,17 +271,13 @@ def _store_rows(facc, g, i0, nr, n, out):
 
 
 @njit(**JIT)
-def _groups(codes, scale, g0, g1, x, m, n, out, facc):
-    # the row counts are passed as runtime int64 values, not literals: a literal argument makes
-    # numba compile one specialisation of _group_rows / _store_rows per value (4 each, ~5 s of
-    # a cold start); the branch on nr inside costs nothing measurable per group
+def _groups_small(codes, scale, g0, g1, x, i_start, m, n, out, facc):
+    """Groups g0..g1-1 of rows i_start..m-1 (fewer than 8 left): chunks of 4, 2, 1 rows.
+
+    Row counts are runtime int64 values, never literals: a literal argument makes numba compile
+    one specialisation of the callee per value (cold start)."""
     for g in range(g0, g1):
-        i0 = np.int64(0)  # not Literal[int](0): one specialisation of the callees
-        while m - i0 >= 8:
-            nr = np.int64(8)
-            _group_rows(codes, scale, g, x, i0, nr, facc)
-            _store_rows(facc, g, i0, nr, n, out)
-            i0 += 8
+        i0 = i_start
         nr = np.int64(0)
         if m - i0 >= 4:
             nr = np.int64(4)
@@ -270,7 +289,9 @@ def _groups(codes, scale, g0, g1, x, m, n, out, facc):
             _group_rows(codes, scale, g, x, i0, nr, facc)
             _store_rows(facc, g, i0, nr, n, out)
             i0 += nr
-            if m - i0 >= 2:
+            if m - i0 >= 4:
+                nr = np.int64(4)
+            elif m - i0 >= 2:
                 nr = np.int64(2)
             elif m - i0 >= 1:
                 nr = np.int64(1)
@@ -278,18 +299,47 @@ def _groups(codes, scale, g0, g1, x, m, n, out, facc):
                 nr = np.int64(0)
 
 
-@njit(**PJIT)
-def _linear_par(x, m, codes, scale, n, out, ntasks, facc):
-    ng = codes.shape[0]
-    for task in prange(ntasks):
-        g0 = task * ng // ntasks
-        g1 = (task + 1) * ng // ntasks
-        _groups(codes, scale, g0, g1, x, m, n, out, facc[task])
-
-
 @njit(**JIT)
-def _linear_ser(x, m, codes, scale, n, out, facc):
-    _groups(codes, scale, np.int64(0), codes.shape[0], x, m, n, out, facc)  # not a literal 0
+def _groups8(codes, scale, g0, g1, x, m, n, out, facc):
+    """Groups g0..g1-1 of all m rows: chunks of 8 rows, then :func:`_groups_small`."""
+    eight = np.int64(8)
+    for g in range(g0, g1):
+        i0 = np.int64(0)
+        while m - i0 >= 8:
+            _group_rows8(codes, scale, g, x, i0, facc)
+            _store_rows(facc, g, i0, eight, n, out)
+            i0 += 8
+        if i0 < m:
+            _groups_small(codes, scale, g, g + 1, x, i0, m, n, out, facc)
+
+
+# One driver per row class, each serial (ntasks == 1: no parallel region) or parallel: M < 8
+# (decode, short prompts) never compiles the 8-row code, and no separate serial driver is
+# compiled (each top-level driver re-optimises the kernels linked into it: seconds of a cold
+# start).
+@njit(**PJIT)
+def _linear_small(x, m, codes, scale, n, out, ntasks, facc):
+    ng = codes.shape[0]
+    zero = np.int64(0)
+    if ntasks <= 1:
+        _groups_small(codes, scale, zero, ng, x, zero, m, n, out, facc[0])
+    else:
+        for task in prange(ntasks):
+            g0 = task * ng // ntasks
+            g1 = (task + 1) * ng // ntasks
+            _groups_small(codes, scale, g0, g1, x, zero, m, n, out, facc[task])
+
+
+@njit(**PJIT)
+def _linear_big(x, m, codes, scale, n, out, ntasks, facc):
+    ng = codes.shape[0]
+    if ntasks <= 1:
+        _groups8(codes, scale, np.int64(0), ng, x, m, n, out, facc[0])
+    else:
+        for task in prange(ntasks):
+            g0 = task * ng // ntasks
+            g1 = (task + 1) * ng // ntasks
+            _groups8(codes, scale, g0, g1, x, m, n, out, facc[task])
 
 
 def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,
@@ -323,8 +373,8 @@ def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray 
         _pad_rows(x, m, k, kp, ws.xpad)
         xx = ws.xpad[:m]  # rows k_max >= Kp long (the kernels use x.shape[1] as row stride)
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
-    if m * n * kp < SERIAL_MAX_WORK or ntasks == 1:
-        _linear_ser(xx, m, packed.codes, packed.scale, n, out, ws.facc[0])
-    else:
-        _linear_par(xx, m, packed.codes, packed.scale, n, out, ntasks, ws.facc)
+    if m * n * kp < SERIAL_MAX_WORK:
+        ntasks = 1  # too small to pay for a parallel region
+    driver = _linear_big if m >= 8 else _linear_small
+    driver(xx, m, packed.codes, packed.scale, n, out, ntasks, ws.facc)
     return out
