@@ -208,3 +208,27 @@ def test_ctrl_c_in_a_terminal(tiny_chat_models, tmp_path):
     assert turns[1]["cached_tokens"] == 0  # after /reset
     assert all(0 < len(t["ids"]) < 100000 for t in turns)
     assert b"Traceback" not in buf
+
+
+def test_template_that_rewrites_the_answer_cuts_the_cache_back(tiny_chat_models, tok):
+    """A template that changes the recorded answer (here: wraps it) breaks the text prefix;
+    the cache is cut back to the longest common token prefix and the turn stays exact."""
+    from olv_runtime.chat import Conversation
+
+    template, special = load_chat_template(tiny_chat_models["int4"])
+    rewriting = template.replace("{{ message['content'] }}",
+                                 "{{ '[' + message['content'] + ']' if message['role'] == "
+                                 "'assistant' else message['content'] }}")
+    sess = olv_runtime.InferenceSession(olv_runtime.load(tiny_chat_models["int4"]))
+    conv = Conversation(sess, tok, rewriting, special)
+    r1 = conv.send("hello", 6)
+    r2 = conv.send("again", 6)
+    assert r1.reused_prefix and not r2.reused_prefix
+    full = tok.encode(r2.rendered, add_special_tokens=False).ids
+    assert 0 < r2.cached_tokens < len(full) and r2.prefill_tokens == len(full) - r2.cached_tokens
+    fresh = olv_runtime.generate(sess, full, 6, eos_token_id="auto")
+    assert fresh.tolist() == r2.ids.tolist()
+    conv.reset()
+    r3 = conv.send("hello", 6)
+    assert r3.cached_tokens == 0 and r3.ids.tolist() == r1.ids.tolist()
+    conv.close()
