@@ -68,6 +68,8 @@ def cmd_chat(args) -> int:
         raise CliError(f"chat needs tokenizer.json beside the model ({path.parent})")
     template, special = load_chat_template(path)
     if args.chat_template:
+        if not pathlib.Path(args.chat_template).is_file():
+            raise CliError(f"--chat-template {args.chat_template}: no such file")
         template = pathlib.Path(args.chat_template).read_text(encoding="utf-8")
     if template is None:
         raise CliError(f"no chat template: {path.parent} has neither chat_template.jinja nor a "

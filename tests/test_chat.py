@@ -232,3 +232,16 @@ def test_template_that_rewrites_the_answer_cuts_the_cache_back(tiny_chat_models,
     r3 = conv.send("hello", 6)
     assert r3.cached_tokens == 0 and r3.ids.tolist() == r1.ids.tolist()
     conv.close()
+
+
+def test_chat_errors(tiny_qwen2_dir, tiny_chat_models, tmp_path, capsys):
+    from olv_runtime.cli import main as cli_main
+
+    olv_runtime.convert(tiny_qwen2_dir, tmp_path / "m.onnx")  # its tokenizer_config has no template
+    capsys.readouterr()
+    assert cli_main(["chat", str(tmp_path / "m.onnx")]) == 2
+    assert "no chat template" in capsys.readouterr().err
+    assert cli_main(["chat", str(tiny_chat_models["int4"]), "--chat-template", "/nonexistent"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert cli_main(["chat", str(tiny_chat_models["int4"]), "--min-p", "2"]) == 2
+    assert "min_p must be in [0, 1]" in capsys.readouterr().err
