@@ -315,9 +315,12 @@ def cmd_compile(args) -> int:
     from olv_runtime.compiled import compile_model
 
     t0 = time.perf_counter()
-    rep = compile_model(args.model, args.output, options=_session_options(args),
-                        progress=(lambda msg: print(msg, file=sys.stderr, flush=True))
-                        if args.verbose else None)
+    try:
+        rep = compile_model(args.model, args.output, options=_session_options(args),
+                            progress=(lambda msg: print(msg, file=sys.stderr, flush=True))
+                            if args.verbose else None)
+    except OSError as exc:  # unwritable directory, disk full: nothing is left half-written
+        raise CliError(f"cannot write {args.output!r}: {exc.strerror or exc}") from None
     for name, why in rep.skipped:
         print(f"  not compiled: {name}: {why}", file=sys.stderr)
     print(f"wrote {rep.path} with {rep.entries} compiled entries for {rep.device} "

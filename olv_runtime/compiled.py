@@ -251,7 +251,19 @@ def source_digest(model, name: str, algorithm: str = DEFAULT_DIGEST_ALGORITHM) -
 # ------------------------------------------------------------------------------------------------
 # deferred digest verification (see the module docstring)
 # ------------------------------------------------------------------------------------------------
+_CACHE_DIRS: dict = {}
+
+
 def _cache_dir() -> pathlib.Path | None:
+    env = (os.environ.get("OLV_VERIFY_DIGESTS", ""), os.environ.get("OLV_CACHE_DIR"),
+           os.environ.get("XDG_CACHE_HOME"))
+    got = _CACHE_DIRS.get(env, False)
+    if got is False:
+        got = _CACHE_DIRS[env] = _find_cache_dir()
+    return got
+
+
+def _find_cache_dir() -> pathlib.Path | None:
     if os.environ.get("OLV_VERIFY_DIGESTS", "").strip().lower() == "full":
         return None
     base = os.environ.get("OLV_CACHE_DIR")
@@ -263,11 +275,15 @@ def _cache_dir() -> pathlib.Path | None:
     return root / "verified-digests"
 
 
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
 def _mapped_ranges(model: Model) -> list:
     out = []
     for path, (_mm, arr) in model._maps.items():
         if arr.size:
-            out.append((arr.ctypes.data, arr.size, path))
+            out.append((_addr(arr), arr.size, path))
     out.extend(getattr(model, "_compiled_ranges", []))
     return out
 
@@ -295,7 +311,7 @@ def _quick_key(model: Model, parts: list, algorithm: str, expected: bytes,
             h.update(b"b" + struct.pack("<Q", len(p)))
             h.update(p)
             continue
-        addr, size = p.ctypes.data, p.nbytes
+        addr, size = _addr(p), p.nbytes
         for base, length, path in ranges:
             if base <= addr and addr + size <= base + length:
                 h.update(b"f" + _identity(path, memo) + struct.pack("<QQ", addr - base, size))
@@ -414,6 +430,7 @@ def check_compiled(model: Model, catalogue=None) -> dict:
         names[e.name] = names.get(e.name, 0) + 1
     keys: dict = {}
     roots: dict = {}
+    resolved_types: dict = {}
     for i, e in enumerate(entries):
         what = f"compiled tensor {i} (source {e.source_name!r})"
         _unique_keys(e.metadata_props, what)
@@ -454,10 +471,14 @@ def check_compiled(model: Model, catalogue=None) -> dict:
                 f"{what}: value struct_type is an unconstrained category (no kind); a compiled "
                 "value needs a type_ref or an inline concrete declaration"
             )
-        try:
-            root = catalogue.root(v.struct_type, what)
-        except OlvError as exc:
-            raise CompiledTensorError(f"{what}: value type does not resolve: {exc}") from None
+        key_bytes = v.struct_type.SerializeToString(deterministic=True)
+        root = resolved_types.get(key_bytes)
+        if root is None:  # layers repeat the same few declarations: resolve each once
+            try:
+                root = catalogue.root(v.struct_type, what)
+            except OlvError as exc:
+                raise CompiledTensorError(f"{what}: value type does not resolve: {exc}") from None
+            resolved_types[key_bytes] = root
         _unique_keys(root.declaration.metadata_props, f"{what} value type")
         rb = root.record_bytes
         if v.data_location == TensorProto.EXTERNAL:
@@ -542,18 +563,19 @@ class CompiledEntries:
         self.devices = list(proto.devices)
         self.status: list[EntryStatus] = []
         self.by_source: dict[str, list[int]] = {}
+        dev_text = [f"{d.type}:{d.architecture} {d.runtime} {d.runtime_version}"
+                    for d in self.devices]
         for i, e in enumerate(self.entries):
-            d = self.devices[e.device]
+            kind, ident = physical_type(e)
             self.status.append(EntryStatus(
-                i, e.source_name, int(e.device),
-                f"{d.type}:{d.architecture} {d.runtime} {d.runtime_version}",
-                physical_type(e)[1] if physical_type(e)[0] == "inline"
-                else f"type_id {physical_type(e)[1]}"))
+                i, e.source_name, int(e.device), dev_text[e.device],
+                ident if kind == "inline" else f"type_id {ident}"))
             self.by_source.setdefault(e.source_name, []).append(i)
         self._here = this_device()
         # one private mapping per compiled file and model (shared by its sessions)
         self._maps: dict = model.__dict__.setdefault("_compiled_maps", {})
         self._stat: dict = {}  # file identities, taken once per session
+        self._paths: dict = {}  # location -> resolved compiled payload file
 
     # -- per-entry rules ---------------------------------------------------------------------
     def _miss(self, i: int, reason: str) -> None:
@@ -596,7 +618,7 @@ class CompiledEntries:
                 ranges = getattr(self.model, "_compiled_ranges", None)
                 if ranges is None:
                     ranges = self.model._compiled_ranges = []
-                ranges.append((base.ctypes.data, base.size, path))
+                ranges.append((_addr(base), base.size, path))
                 self.model._compiled_keepalive = getattr(self.model, "_compiled_keepalive", [])
                 self.model._compiled_keepalive.append((mm, base))
         return got
@@ -608,15 +630,22 @@ class CompiledEntries:
             return (np.frombuffer(raw, np.uint8) if raw else None, 0, len(raw))
         ext = {x.key: x.value for x in v.external_data}
         location, offset, length = ext["location"], int(ext.get("offset", "0")), int(ext["length"])
-        base = self.model.base_dir
-        if base is None:
-            return "the model was not loaded from a file (no directory for the compiled payload)"
-        rel = pathlib.PurePosixPath(location.replace("\\", "/"))
-        full = (base / rel).resolve()
-        if rel.is_absolute() or base not in full.parents:
-            return f"compiled payload location {location!r} is not inside the model directory"
-        if not full.is_file():
-            return f"compiled payload file {location!r} not found"
+        full = self._paths.get(location)
+        if full is None:
+            base = self.model.base_dir
+            if base is None:
+                return ("the model was not loaded from a file (no directory for the compiled "
+                        "payload)")
+            rel = pathlib.PurePosixPath(location.replace("\\", "/"))
+            try:
+                full = (base / rel).resolve()
+            except (OSError, RuntimeError, ValueError) as exc:
+                return f"compiled payload location {location!r} cannot be resolved: {exc}"
+            if rel.is_absolute() or base not in full.parents:
+                return f"compiled payload location {location!r} is not inside the model directory"
+            if not full.is_file():
+                return f"compiled payload file {location!r} not found"
+            self._paths[location] = full
         mm, size = self._map(full)
         if offset < 0 or offset + length > size:
             return (f"compiled payload [{offset}, {offset + length}) lies past the end of "
