@@ -214,6 +214,9 @@ class InferenceSession:
         self._outputs = list(graph.output)
         self._output_names = [o.name for o in self._outputs]
         self._steps = self._plan(graph)
+        from olv_runtime.structs.ggml_native import release_repacks
+
+        release_repacks(self._encoded_values.values(), self._steps)
         self._strided_ok = self._strided_inputs(graph)
 
     # -- construction --------------------------------------------------------------------

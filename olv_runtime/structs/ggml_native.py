@@ -261,3 +261,28 @@ def linear_weight(value, counters=None):
     except AttributeError:  # pragma: no cover - StructValue has a __dict__
         pass
     return out
+
+
+class _Released:
+    """Stands in for a repacked plane once its prepacked copy exists (name and shape only)."""
+
+    def __init__(self, w):
+        self.name, self.shape, self.nbytes = w.name, w.shape, 0
+
+
+def release_repacks(values, steps) -> None:
+    """After planning: drop the row-major INT4 planes of :class:`PlanesLinear` steps (their
+    prepacked copies are what runs), keeping the planes a gather still reads, and clear the
+    per-value repack cache. (Q4_0 weights in ordinary linear steps keep theirs: the step's
+    weights are also read by ``olv compile``.)"""
+    from olv_runtime.fusion import PlanesLinear
+
+    for v in values:
+        if hasattr(v, "__dict__"):
+            v.__dict__.pop("_ggml_repack", None)
+    for st in steps:
+        impl = st.impl
+        if isinstance(impl, PlanesLinear) and all(lin.packed is not None for lin in impl.lins):
+            for lin in impl.lins:
+                lin.weights = [_Released(w) for w in lin.weights]
+            impl.weight = None
