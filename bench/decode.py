@@ -719,7 +719,8 @@ def gguf_rows(args, base, ckpt, model, tmp, add_row):
         logits = tmp / f"gguf_{f.stem}_logits.npy"
         res = {"file": str(f), "types": types}
         for key, quant in (("olv", False), ("olv_q", True)):
-            if ("olv" if not quant else "olv-q") not in args.backends:
+            name = "olv" if not quant else "olv-q"
+            if name not in args.backends and f"gguf-{name}" not in args.backends:
                 continue
             log(f"[gguf olv_runtime {'int8 act.' if quant else 'exact'}] {tag}")
             r = run_phase("olv", dict(base, model=str(target), quantize=quant,
@@ -727,7 +728,7 @@ def gguf_rows(args, base, ckpt, model, tmp, add_row):
                                       if quant else str(logits)))
             add_row(f"olv_runtime {'int8 act.' if quant else 'exact'} on GGUF {tag}", r)
             res[key] = r.get("decode_tps")
-        if "llama" in args.backends:
+        if "llama" in args.backends or "gguf-llama" in args.backends:
             log(f"[gguf llama.cpp] {tag}")
             r = run_phase("llama", dict(base, gguf=str(f), weight_bytes=wbytes,
                                         ref_logits=str(logits) if logits.is_file() else None))
@@ -774,7 +775,8 @@ def main(argv=None):
     ap.add_argument("--gguf", default="",
                     help="comma-separated GGUF files of the same checkpoint shape: each is "
                          "converted with olv convert (tensors read in place) and run by olv "
-                         "(exact, int8 act.) and llama.cpp on the same file (GGUF rows)")
+                         "(exact, int8 act.) and llama.cpp on the same file (GGUF rows; "
+                         "--backends gguf-olv,gguf-olv-q,gguf-llama runs only these)")
     ap.add_argument("--gguf-q4km", action="store_true",
                     help="also quantize the checkpoint to Q4_K_M with llama.cpp's own quantizer "
                          "(llama_cpp.llama_model_quantize of an F16 GGUF) and add its GGUF rows")

@@ -152,3 +152,26 @@ def test_generate_with_gguf_only_download(tmp_path):
                         "--prompt", "the a", "--max-new-tokens", "4"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_merges_that_cannot_apply_are_dropped(tmp_path):
+    """A merge whose result is not a token (placeholder vocabularies) cannot apply; the
+    tokenizer is built without it."""
+    from olv_runtime.models.gguf_reader import GGUFFile
+    from olv_runtime.models.gguf_tokenizer import build_tokenizer
+
+    tokens = ["<t0>", "<t1>", "<t2>", "a", "b", "ab"]
+    _write(tmp_path / "p.gguf", "gpt2", tokens, [1] * len(tokens), merges=["<t1> <t2>", "a b"])
+    with GGUFFile(tmp_path / "p.gguf") as g:
+        tok, _ = build_tokenizer(g)
+    assert tok.encode("ab").ids == [5]
+
+
+def test_unknown_tokenizer_model_is_a_conversion_error(tmp_path):
+    from olv_runtime.errors import ConversionError
+    from olv_runtime.models.gguf_reader import GGUFFile
+    from olv_runtime.models.gguf_tokenizer import tokenizer_files
+
+    _write(tmp_path / "u.gguf", "rwkv", ["a", "b"], [1, 1])
+    with GGUFFile(tmp_path / "u.gguf") as g, pytest.raises(ConversionError, match="rwkv"):
+        tokenizer_files(g)

@@ -351,7 +351,16 @@ def convert_gguf(gguf_path, out_path, *, progress: Callable[[str], None] | None 
 
     with GGUFCheckpoint(gguf_path, location) as ckpt:
         model = build_model(ckpt, "gguf", progress=progress)
-        files = tokenizer_files(ckpt.gguf) if tokenizer else {}
+        files = {}
+        if tokenizer:
+            try:
+                files = tokenizer_files(ckpt.gguf)
+            except ConversionError as exc:  # the model converts; text prompts will not work
+                import warnings
+
+                warnings.warn(f"no tokenizer written: {exc}", stacklevel=2)
+                if progress:
+                    progress(f"no tokenizer written: {exc}")
     out_dir.mkdir(parents=True, exist_ok=True)
     if _location_for(gguf_path, out_dir) != location:  # pragma: no cover - defensive
         raise ConversionError(f"location of {gguf_path} changed during conversion")

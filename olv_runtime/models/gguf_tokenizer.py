@@ -110,6 +110,10 @@ def build_tokenizer(g):
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
+    if merges is not None:
+        # a merge whose pieces or result are not tokens can never apply (llama.cpp looks the
+        # merged symbol up and finds nothing); tokenizers' BPE rejects such merges, so drop them
+        merges = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
 
     def token_of(key):
         i = g.get(_T + key)
@@ -197,5 +201,11 @@ def tokenizer_files(g) -> dict[str, str]:
     vocabulary (empty when it has none). Raises ConversionError as :func:`build_tokenizer`."""
     if not has_tokenizer(g):
         return {}
-    tok, config = build_tokenizer(g)
+    try:
+        tok, config = build_tokenizer(g)
+    except ConversionError:
+        raise
+    except Exception as exc:  # tokenizers' own validation (a Rust exception)
+        raise ConversionError(f"{g.path}: the tokenizer.ggml.* metadata does not make a "
+                              f"tokenizer: {exc}") from None
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
