@@ -172,6 +172,6 @@ def test_unknown_tokenizer_model_is_a_conversion_error(tmp_path):
     from olv_runtime.models.gguf_reader import GGUFFile
     from olv_runtime.models.gguf_tokenizer import tokenizer_files
 
-    _write(tmp_path / "u.gguf", "rwkv", ["a", "b"], [1, 1])
+    _write(tmp_path / "u.gguf", "rwkv", ["a", "b", "c"], [1, 1, 1])
     with GGUFFile(tmp_path / "u.gguf") as g, pytest.raises(ConversionError, match="rwkv"):
         tokenizer_files(g)
