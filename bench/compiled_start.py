@@ -7,7 +7,8 @@ entries (issue 14), and llama.cpp's peak RSS on a GGUF of the same checkpoint.
 Every measurement runs in its own fresh process (so peak RSS is that backend's alone, VmHWM):
 ``import olv_runtime`` -> load -> InferenceSession -> prefill of a random prompt (first token)
 -> ``--new-tokens`` greedy decode tokens. Printed per model: time from import to the first token,
-session creation time, compiled hits/misses, bytes repacked, decode tok/s (1 / median per-token
+session creation time (also as process CPU time, close to what a quiet machine shows),
+compiled hits/misses, bytes repacked, decode tok/s (1 / median per-token
 time), peak RSS (VmHWM) and the resident split after decode (RssAnon / RssFile). The llama.cpp
 row (llama-cpp-python, mmap on, same threads, same prompt length and tokens) reports peak RSS
 and decode tok/s. The numba cache must be warm (run once before; bench/cold_start.py measures
@@ -34,6 +35,7 @@ def _status() -> dict:
 
 
 def child_olv(spec: dict) -> dict:
+    c0 = time.process_time()
     import numpy as np
 
     import olv_runtime
@@ -41,18 +43,27 @@ def child_olv(spec: dict) -> dict:
     t_import = olv_runtime.IMPORT_TIME
     model = olv_runtime.load(spec["model"])
     t1 = time.perf_counter()
+    c1 = time.process_time()
     sess = olv_runtime.InferenceSession(model, olv_runtime.SessionOptions(
         num_threads=spec["threads"], quantize_activations=spec["quantize"]))
     t_sess = time.perf_counter() - t1
+    c_sess = time.process_time() - c1
     vocab = int(model.metadata().get("olv.vocab_size", "1000"))
     prompt = np.random.default_rng(0).integers(0, vocab, size=spec["prompt_len"]).tolist()
     stamps = []
-    olv_runtime.generate(sess, prompt, spec["new_tokens"],
-                         callback=lambda tok: stamps.append(time.perf_counter()))
+    cpu_first = []
+
+    def cb(tok):
+        stamps.append(time.perf_counter())
+        if len(stamps) == 1:
+            cpu_first.append(time.process_time() - c0)
+
+    olv_runtime.generate(sess, prompt, spec["new_tokens"], callback=cb)
     per = sorted(b - a for a, b in zip(stamps, stamps[1:]))
     c = sess.counters.snapshot()
     st = _status()
-    return {"first_token": stamps[0] - t_import, "session": t_sess,
+    return {"first_token": stamps[0] - t_import, "session": t_sess, "session_cpu": c_sess,
+            "first_token_cpu": cpu_first[0],
             "hits": c["compiled_hits"], "misses": c["compiled_misses"],
             "repacked": c["bytes_repacked"], "digest": c["bytes_digest_verified"],
             "decode_tps": 1.0 / per[len(per) // 2] if per else 0.0, **st}
@@ -118,7 +129,9 @@ def main(argv=None) -> int:
     for path in ns.models:
         for _ in range(ns.repeat):
             r = run_child("olv", dict(base, model=path))
-            print(f"olv {path}: first token {r['first_token']:.3f} s after import, session creation {r['session']:.3f} s, compiled hits "
+            print(f"olv {path}: first token {r['first_token']:.3f} s after import "
+                  f"({r['first_token_cpu']:.3f} s CPU), session creation {r['session']:.3f} s "
+                  f"({r['session_cpu']:.3f} s CPU), compiled hits "
                   f"{r['hits']} misses {r['misses']}, repacked {r['repacked'] / mb:.0f} MB, "
                   f"decode {r['decode_tps']:.1f} tok/s, peak RSS {r['VmHWM'] / mb:.0f} MB "
                   f"(after decode: anon {r['RssAnon'] / mb:.0f} MB, file {r['RssFile'] / mb:.0f} MB)",
