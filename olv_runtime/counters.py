@@ -25,6 +25,9 @@ Counter names (integers; bytes unless noted):
 ``kv_reallocations``            (count) new KV capacity buffers
 ``bytes_copied_other``          other payload copies reported by kernels
 ``bytes_dequantized``           bytes of tensors materialised by decoding an encoded value
+``bytes_repacked``              bytes of weight codes converted once at session creation into
+                                the form a kernel takes (e.g. UINT4 -> INT4, [K, N] -> [N, K];
+                                :mod:`olv_runtime.recognize`); prepacked tile layouts excluded
 ``workspace_peak``              (level, max) peak bytes of arrays allocated by a run and alive
                                 at the same time (activations; KV buffers excluded)
 ``retained_state_bytes``        (level) bytes of retained state values (logical, ``nbytes`` of
@@ -82,6 +85,7 @@ NAMES = (
     "kv_reallocations",
     "bytes_copied_other",
     "bytes_dequantized",
+    "bytes_repacked",
     "workspace_peak",
     "retained_state_bytes",
     "retained_state_buffer_bytes",

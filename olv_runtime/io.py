@@ -341,7 +341,11 @@ def load(path: PathLike) -> Model:
             "ModelProto with no graph and no opset_import)"
         )
     check_strings(proto, str(p))
-    return Model(proto, p)
+    model = Model(proto, p)
+    from olv_runtime.models.genai import adapt  # onnxruntime-genai folder: KV feedback in memory
+
+    adapt(model)
+    return model
 
 
 def check_strings(message, what: str) -> None:

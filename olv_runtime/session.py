@@ -27,6 +27,8 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.counters import Counters
+from olv_runtime.recognize import gather_table
+from olv_runtime.recognize import linear_weight as affine_linear_weight
 from olv_runtime.fusion import (
     EncodedGather,
     LinearStep,
@@ -53,7 +55,9 @@ from olv_runtime.structs.ggml_native import PlanesWeight
 from olv_runtime.structs import resolve as resolve_encoded
 from olv_runtime.values import (
     NP_DTYPE,
+    SUBBYTE,
     AffineValue,
+    param_tensor,
     dtype_name,
     tensor_from_proto,
 )
@@ -253,12 +257,30 @@ class InferenceSession:
                 )
             seen[name] = kind
 
+        self._initializer_protos: dict[str, TensorProto] = {}
+        self._initializer_payloads: dict[str, np.ndarray] = {}
+        self.constant_types: dict[str, int] = {}  # initializer name -> TensorProto data type
+        self._recognized: set[str] = set()  # sub-byte initializers held as AffineValues
+        subbyte = []
         for t in graph.initializer:
             claim(t.name, "dense")
             payload = None
             if t.data_location == TensorProto.EXTERNAL or t.HasField("raw_data"):
                 payload = self.model.payload(t)
+            self._initializer_protos[t.name] = t
+            self.constant_types[t.name] = t.data_type
+            if payload is not None:
+                self._initializer_payloads[t.name] = payload
+            if t.data_type in SUBBYTE:
+                subbyte.append((t, payload))
+                continue
             self._constants[t.name] = tensor_from_proto(t, payload)
+        dq_inputs = {n.input[0] for n in graph.node
+                     if n.op_type == "DequantizeLinear" and canonical_domain(n.domain) == ""
+                     and n.input}
+        # quantization parameters (sub-byte zero points) first, then the values they describe
+        for t, payload in sorted(subbyte, key=lambda tp: tp[0].name in dq_inputs):
+            self._constants[t.name] = self._subbyte_constant(graph, t, payload)
         for sp in graph.sparse_initializer:
             claim(sp.values.name, "sparse")
             raise ValidationError(
@@ -267,6 +289,33 @@ class InferenceSession:
         for ev in graph.encoded_initializer:
             claim(ev.name, "encoded")
             self._constants[ev.name] = self._encoded(ev)
+
+    def _subbyte_constant(self, graph, t: TensorProto, payload):
+        """An INT4/UINT4/INT2/UINT2 initializer: the zero-copy affine value its DequantizeLinear
+        consumers denote when every consumer is one DequantizeLinear form over initializer
+        parameters (olv_runtime.recognize), else its values unpacked to int8/uint8."""
+        from olv_runtime.recognize import from_dequantize_linear
+
+        uses = [(n, j) for n in graph.node for j, name in enumerate(n.input) if name == t.name]
+        forms = set()
+        for n, j in uses:
+            if canonical_domain(n.domain) != "" or n.op_type != "DequantizeLinear" or j != 0:
+                forms = None
+                break
+            attrs = {a.name: a.i for a in n.attribute if a.name in ("axis", "block_size")}
+            params = tuple(n.input[1:3]) + ("",) * (3 - len(n.input))
+            forms.add((params[0], params[1], attrs.get("axis", 1), attrs.get("block_size", 0)))
+        if forms and len(forms) == 1:
+            scale_name, zp_name, axis, block = next(iter(forms))
+            scale = self._constants.get(scale_name)
+            zp = self._constants.get(zp_name) if zp_name else None
+            if (isinstance(scale, np.ndarray) and (not zp_name or isinstance(zp, np.ndarray))
+                    and payload is not None):
+                av = from_dequantize_linear(t.name, t, payload, scale, zp, axis, block)
+                if av is not None:
+                    self._recognized.add(t.name)
+                    return av
+        return param_tensor(t, payload)
 
     def _encoded(self, ev: EncodedValueProto):
         """The validated AffineValue / StructValue (olv_runtime.structs.resolve, decoders bound)."""
@@ -301,7 +350,9 @@ class InferenceSession:
                               and self._input_infos[name].type.WhichOneof("value") == "struct_type")
                 if isinstance(enc, (AffineValue, StructValue)) or structured:
                     what = "an encoded value" if enc is not None else "a structured graph input"
-                    if (domain, node.op_type) not in ENCODED_CONSUMERS and not (
+                    recognized = (name in self._recognized and domain == ""
+                                  and node.op_type == "DequantizeLinear")
+                    if (domain, node.op_type) not in ENCODED_CONSUMERS and not recognized and not (
                             structured and getattr(cls, "accepts_structured", False)):
                         raise MissingDecoderError(
                             f"node {node.name!r} ({node.op_type}) is a tensor-only operator but "
@@ -324,7 +375,7 @@ class InferenceSession:
         fused: dict[int, Step] = {}
         dead: set[int] = set()
         if self.options.enable_fusion:
-            fused, dead = self._fuse(nodes, order, producers, consumers, graph_outputs)
+            fused, dead = self._fuse(nodes, order, producers, consumers, graph_outputs, impls)
         steps: list[Step] = []
         for i in order:
             if i in dead:
@@ -377,24 +428,34 @@ class InferenceSession:
             raise ValidationError(f"the graph has a cycle through nodes {stuck[:5]}")
         return order
 
-    def _fuse(self, nodes, order, producers, consumers, graph_outputs):
+    def _fuse(self, nodes, order, producers, consumers, graph_outputs, impls=None):
         """Pattern fusion; returns (fused steps by node index, dead node indices)."""
         fused: dict[int, Step] = {}
         removable: dict[int, set[tuple[int, int]]] = {}  # producer node → fused consumer uses
 
-        def const_source(name: str):
-            """(weight object, chain of node indices) for Decode(enc) or a dense constant."""
+        def const_source(name: str, form: str = "nk"):
+            """(weight object, chain of node indices) for Decode(enc), a recognised
+            DequantizeLinear over initializers, or a dense constant. ``form``: "nk" (a linear
+            weight [N, K]), "kn" (a MatMul B [K, N]) or "gather" (an embedding table)."""
             c = self._constants.get(name)
             if isinstance(c, np.ndarray):
-                return c, []
+                return (c, []) if form != "kn" else (None, [])
             p = producers.get(name)
             if p is None:
                 return None, []
             node = nodes[p]
-            if (canonical_domain(node.domain), node.op_type) == ("olv", "Decode"):
-                src = self._constants.get(node.input[0])
-                if isinstance(src, AffineValue) and src.is_int4_rows_blocked():
-                    return src, [p]
+            kind = (canonical_domain(node.domain), node.op_type)
+            src = self._constants.get(node.input[0]) if node.input else None
+            if isinstance(src, AffineValue) and (kind == ("olv", "Decode") or (
+                    kind == ("", "DequantizeLinear") and node.input[0] in self._recognized)):
+                w = (gather_table(src, self.counters) if form == "gather"
+                     else affine_linear_weight(src, form == "kn", self.counters))
+                if w is not None:
+                    return w, [p]
+                return None, []
+            if form == "kn":
+                return None, []
+            if kind == ("olv", "Decode"):
                 if isinstance(src, StructValue) and self.options.prepack:
                     # ggml blocks (GGUF imports): a native consumer verified against the
                     # declaration repacks them for the packed INT4 kernels
@@ -408,11 +469,32 @@ class InferenceSession:
         for i in order:
             node = nodes[i]
             dom = canonical_domain(node.domain)
+            if dom == "com.microsoft" and node.op_type == "MatMulNBits" and impls is not None:
+                impl = impls[i]
+                weight = affine_linear_weight(impl.weight, False, self.counters)
+                if weight is None:  # 8-bit: the op decodes once and multiplies in float32
+                    continue
+                name = node.name or f"MatMulNBits({node.output[0]})"
+                lin = LinearStep(name, [weight], self.options, self.counters)
+                if impl.bias is not None:
+                    lin.biases[0] = np.ascontiguousarray(impl.bias, np.float32)
+                fused[i] = Step(name, "Linear", lin, [node.input[0]], node.output, lin)
+                continue
             if dom == "" and node.op_type == "MatMul" and len(node.input) == 2:
                 t_idx = producers.get(node.input[1])
                 if t_idx is None:
                     continue
                 t = nodes[t_idx]
+                if (canonical_domain(t.domain), t.op_type) == ("", "DequantizeLinear"):
+                    # QDQ: MatMul(x, DequantizeLinear(B [K, N])) on the INT4 kernels
+                    weight, chain = const_source(node.input[1], "kn")
+                    if weight is None:
+                        continue
+                    name = node.name or f"MatMul({node.output[0]})"
+                    lin = LinearStep(name, [weight], self.options, self.counters)
+                    fused[i] = Step(name, "Linear", lin, [node.input[0]], node.output, lin)
+                    removable.setdefault(t_idx, set()).add((i, 1))
+                    continue
                 if canonical_domain(t.domain) != "" or t.op_type != "Transpose":
                     continue
                 perm = [list(a.ints) for a in t.attribute if a.name == "perm"]
@@ -437,7 +519,7 @@ class InferenceSession:
                 axis = [a.i for a in node.attribute if a.name == "axis"]
                 if axis and axis[0] != 0:
                     continue
-                weight, chain = const_source(node.input[0])
+                weight, chain = const_source(node.input[0], "gather")
                 if not isinstance(weight, (AffineValue, PlanesWeight)):
                     continue
                 name = node.name or f"Gather({node.output[0]})"
@@ -490,6 +572,7 @@ class InferenceSession:
             for j, name in enumerate(node.input):
                 if name:
                     any_strides = (node.op_type == "Attention" and j in (4, 5)) or \
+                        (node.op_type == "GroupQueryAttention" and j in (3, 4)) or \
                         node.op_type in ("Shape", "Size")
                     uses.setdefault(name, set()).add("past" if any_strides else "other")
         outs = set(self._output_names)

@@ -58,6 +58,20 @@ class RMSNormalization(Op):
                 f"got {self.attrs['stash_type']}"
             )
 
+    @staticmethod
+    def _last_axis_f32(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
+        """RMS norm of float32 ``x`` over its last axis with a float32 ``scale[D]``."""
+        d = x.shape[-1]
+        x2 = np.ascontiguousarray(x).reshape(-1, d)
+        out = empty(x.shape, np.float32)
+        if x2.shape[0] <= 8:
+            _rms_norm_ser(x2, np.ascontiguousarray(scale, np.float32), np.float32(eps),
+                          out.reshape(-1, d))
+        else:
+            kernels.rms_norm(x2, np.ascontiguousarray(scale, np.float32), eps,
+                             out=out.reshape(-1, d))
+        return out
+
     def run(self, x, scale):
         d = x.shape[-1] if x.ndim else 0
         if (x.dtype == np.float32 and scale.dtype == np.float32 and x.flags.c_contiguous
