@@ -176,6 +176,29 @@ class Xor(_Compare):
     bool_inputs = True
 
 
+@register("IsNaN", 9)
+class IsNaN(Op):
+    def run(self, x):
+        if x.dtype.kind != "f":
+            raise self.fail(f"expected a floating-point input, got {x.dtype}")
+        return (np.isnan(x),)
+
+
+@register("IsInf", 10)
+class IsInf(Op):
+    attributes = {"detect_negative": 1, "detect_positive": 1}
+
+    def run(self, x):
+        if x.dtype.kind != "f":
+            raise self.fail(f"expected a floating-point input, got {x.dtype}")
+        y = np.zeros(x.shape, np.bool_)
+        if self.attrs["detect_positive"]:
+            y |= np.isposinf(x)
+        if self.attrs["detect_negative"]:
+            y |= np.isneginf(x)
+        return (y,)
+
+
 @register("Not", 1)
 class Not(Op):
     def run(self, x):

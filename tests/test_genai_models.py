@@ -1,0 +1,190 @@
+"""onnxruntime-genai builder models run by olv (issue 12 item 3 and its acceptance).
+
+Tiny random Qwen2 and Qwen3 checkpoints (Qwen3 with head_dim 32 != hidden 64 / 4 heads) are
+written with transformers and converted once per session by
+``python -m onnxruntime_genai.models.builder -p int4 -e cpu``, with float activations
+(``--extra_options accuracy_level=0``; onnxruntime-genai 0.18 ignores the older alias
+``int4_accuracy_level=0`` and writes accuracy_level 4) and with the builder's default
+(accuracy_level 4, int8 activations allowed). olv runs the folder as written: greedy ids equal
+onnxruntime-genai's for 32 new tokens, prompt logits within 1e-4 of onnxruntime on the same file,
+``bytes_dequantized`` 0, every MatMulNBits fused into a packed linear step.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import onnxruntime_genai as og
+import pytest
+import torch
+import transformers
+
+from olv_runtime.session import InferenceSession, SessionOptions
+from olv_runtime.state import empty_cache, make_state
+
+PROMPT = [3, 17, 42, 99, 5, 7]
+N_NEW = 32
+
+
+def _checkpoint(kind: str, out: pathlib.Path) -> pathlib.Path:
+    from transformers import PreTrainedTokenizerFast
+
+    from olv_runtime.models.random_checkpoint import build_tokenizer
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    cfg = (transformers.Qwen2Config(**common) if kind == "qwen2"
+           else transformers.Qwen3Config(head_dim=32, **common))
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    model.save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(256),
+                            eos_token="<|endoftext|>").save_pretrained(out)
+    return out
+
+
+def _build(ckpt: pathlib.Path, out: pathlib.Path, extra: list[str]) -> pathlib.Path:
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o",
+           str(out), "-p", "int4", "-e", "cpu"]
+    if extra:
+        cmd += ["--extra_options", *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def genai_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("genai")
+    built = {}
+    for kind in ("qwen2", "qwen3"):
+        ck = _checkpoint(kind, root / f"{kind}_ckpt")
+        built[kind] = _build(ck, root / f"{kind}_fp", ["accuracy_level=0"])
+    built["qwen2_default"] = _build(root / "qwen2_ckpt", root / "qwen2_default", [])
+    return built
+
+
+def _accuracy_levels(folder: pathlib.Path) -> set[int]:
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    return {a.i for n in m.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+            if a.name == "accuracy_level"} or {0}
+
+
+def _ort_feeds(folder: pathlib.Path, ids: np.ndarray) -> dict:
+    dec = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for i in range(dec["num_hidden_layers"]):
+        for side in ("key", "value"):
+            feeds[dec["inputs"][f"past_{side}_names"] % i] = np.zeros(
+                (1, dec["num_key_value_heads"], 0, dec["head_size"]), np.float32)
+    return feeds
+
+
+def _greedy_olv(folder: pathlib.Path, options: SessionOptions | None = None):
+    from olv_runtime.state import StateOptions
+
+    path = str(folder / "model.onnx")
+    st = make_state(path, empty_cache(path),
+                    StateOptions(session_options=options) if options else None)
+    out = []
+    logits = st.run({"input_ids": np.array([PROMPT], np.int64)})["logits"]
+    for _ in range(N_NEW):
+        t = int(np.argmax(logits[0, -1]))
+        out.append(t)
+        logits = st.run({"input_ids": np.array([[t]], np.int64)})["logits"]
+    return out, st
+
+
+def _greedy_genai(folder: pathlib.Path):
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    total = len(PROMPT) + N_NEW
+    params.set_search_options(max_length=total, min_length=total, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([PROMPT], np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [int(t) for t in gen.get_sequence(0)][len(PROMPT):]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_greedy_ids_equal_onnxruntime_genai(genai_models, kind):
+    folder = genai_models[kind]
+    assert _accuracy_levels(folder) == {0}
+    ours, st = _greedy_olv(folder)
+    assert ours == _greedy_genai(folder)
+    assert st.session.counters.snapshot()["bytes_dequantized"] == 0
+    kinds = [k for k, _ in st.session.plan()]
+    assert "MatMulNBits" not in kinds and kinds.count("Linear") >= 7  # fused (merged siblings)
+    assert "GroupQueryAttention" in kinds
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_prompt_logits_match_onnxruntime(genai_models, kind):
+    folder = genai_models[kind]
+    path = str(folder / "model.onnx")
+    ids = np.array([PROMPT], np.int64)
+    feeds = _ort_feeds(folder, ids)
+    ref = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
+    sess = InferenceSession(path)
+    got = sess.run(None, {k: v for k, v in feeds.items() if k != "attention_mask"})
+    np.testing.assert_allclose(got[0], ref[0], atol=1e-4, rtol=0)
+    for g, r in zip(got[1:], ref[1:]):  # present KV
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=0)
+    snap = sess.counters.snapshot()
+    assert snap["bytes_dequantized"] == 0 and snap["bytes_repacked"] > 0
+
+
+def test_builder_default_accuracy_level_4_runs(genai_models):
+    """accuracy_level 4 permits int8 activations: olv runs it in its exact mode by default and
+    with SessionOptions(quantize_activations=True) (what the attribute permits)."""
+    folder = genai_models["qwen2_default"]
+    assert _accuracy_levels(folder) == {4}
+    path = str(folder / "model.onnx")
+    ids = np.array([PROMPT], np.int64)
+    feeds = _ort_feeds(folder, ids)
+    ref = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    olv_feeds = {k: v for k, v in feeds.items() if k != "attention_mask"}
+    exact = InferenceSession(path).run(None, olv_feeds)[0]
+    fast = InferenceSession(path, SessionOptions(quantize_activations=True)).run(None, olv_feeds)[0]
+    scale = float(np.max(np.abs(ref)))
+    assert np.max(np.abs(exact - ref)) < 0.05 * scale  # int8 activation error of onnxruntime
+    assert np.max(np.abs(fast - ref)) < 0.05 * scale
+    ours, _ = _greedy_olv(folder, SessionOptions(quantize_activations=True))
+    assert len(ours) == N_NEW
+
+
+def test_olv_generate_cli_runs_the_folder(genai_models):
+    folder = genai_models["qwen2"]
+    res = subprocess.run(
+        [sys.executable, "-m", "olv_runtime.cli", "generate", str(folder / "model.onnx"),
+         "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--output", "ids"],
+        capture_output=True, text=True)
+    if res.returncode != 0 and "--output" in res.stderr:
+        res = subprocess.run(
+            [sys.executable, "-m", "olv_runtime.cli", "generate", str(folder / "model.onnx"),
+             "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8"],
+            capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_folder_is_adapted_in_memory_only(genai_models):
+    """The KV feedback comes from genai_config.json; the file on disk is unchanged."""
+    from olv_runtime.io import load
+
+    folder = genai_models["qwen2"]
+    before = (folder / "model.onnx").read_bytes()
+    m = load(folder / "model.onnx")
+    bindings = {(b.input_name, b.output_name) for b in m.proto.graph.persistent_bindings}
+    assert ("past_key_values.0.key", "present.0.key") in bindings and len(bindings) == 4
+    assert "attention_mask" not in {vi.name for vi in m.proto.graph.input}
+    assert (folder / "model.onnx").read_bytes() == before
