@@ -171,3 +171,32 @@ def test_matmul_nbits_against_onnxruntime(bits, block, zp):
     else:  # 8-bit weights: decoded once, counted
         assert kinds == ["MatMulNBits"]
         assert sess.counters.snapshot()["bytes_dequantized"] == 24 * k * 4
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_export_standard_output_runs_on_the_packed_kernels(request, tmp_path, ckpt):
+    """olv's own ``export-standard`` output (INT4 initializers under DequantizeLinear,
+    Transpose -> MatMul, Gather) runs in olv with the same logits as the olv model, every
+    DequantizeLinear fused (linear steps and encoded gathers, 0 bytes dequantized)."""
+    import json
+
+    import olv_runtime
+    from olv_runtime.builder.export import FEEDBACK_METADATA_KEY, export_standard
+
+    src = tmp_path / "model.onnx"
+    olv_runtime.convert(request.getfixturevalue(ckpt), src, weights="int4-block32")
+    std_path = tmp_path / "standard.onnx"
+    olv_runtime.save(export_standard(src, feedback=True), std_path)
+    model = olv_runtime.load(src)
+    kvh, d = int(model.metadata()["olv.num_kv_heads"]), int(model.metadata()["olv.head_dim"])
+    sess = InferenceSession(str(std_path))
+    pairs = json.loads(sess.get_modelmeta()[FEEDBACK_METADATA_KEY])
+    feeds = {"input_ids": IDS, **{p["input"]: np.zeros((1, kvh, 0, d), np.float32)
+                                  for p in pairs}}
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    state = olv_runtime.make_state(model, olv_runtime.empty_cache(model))
+    ref = state.run({"input_ids": IDS})["logits"]
+    np.testing.assert_allclose(got["logits"], ref, atol=1e-4, rtol=0)
+    kinds = [k for k, _ in sess.plan()]
+    assert "DequantizeLinear" not in kinds and "Linear" in kinds and "EncodedGather" in kinds
+    assert sess.counters.snapshot()["bytes_dequantized"] == 0

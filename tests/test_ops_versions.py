@@ -85,3 +85,15 @@ def test_constant_at_old_opsets():
         m = _model([helper.make_node("Constant", [], ["y"], value=t)], [], [yo], opset)
         (y,) = InferenceSession(m).run(None, {})
         np.testing.assert_array_equal(y, [1.5, -2.0])
+
+
+def test_operator_docs_are_generated_from_the_registry():
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("gen_ops", root / "scripts" / "gen_operator_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (root / "docs" / "operators.md").read_text() == mod.render(), (
+        "docs/operators.md is stale: run python scripts/gen_operator_docs.py")

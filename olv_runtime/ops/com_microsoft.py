@@ -275,8 +275,11 @@ class GroupQueryAttention(Op):
             "counters": getattr(info, "counters", None),
         }
 
-    def run(self, query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
-            cos_cache=None, sin_cache=None, position_ids=None, *_):
+    def run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+            total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None, *_):
+        # key/value are optional (packed QKV); past_key/past_value are checked in setup
+        if seqlens_k is None or total_sequence_length is None:
+            raise self.fail("seqlens_k and total_sequence_length are required")
         a = self.attrs
         h, kvh = a["num_heads"], a["kv_num_heads"]
         if query.dtype != np.float32 or query.ndim != 3:
