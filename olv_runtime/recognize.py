@@ -12,7 +12,8 @@ built-in affine layout. Exporters store exactly that form under other names:
 Each becomes an :class:`~olv_runtime.values.AffineValue` whose ``codes`` are a zero-copy view of
 the initializer's payload (0 bytes dequantized, 0 payload bytes copied) — the value's logical
 tensor is exactly what the foreign operator dequantizes to. :func:`linear_weight` then gives the
-form the linear kernels take (``[N, K]`` signed INT4, blocked along K, float32 scales): the same
+form the linear kernels take (``[N, K]`` signed INT4, blocked along K, float32 or float16
+scales, float32 logical values): the same
 value when it already is that form, else a repacked copy made once at session creation and
 counted in ``bytes_repacked`` (UINT4 codes become INT4 by flipping the top bit of each nibble and
 moving the zero point by 8, which is exact; ``[K, N]`` MatMul weights are transposed; a block of
@@ -49,7 +50,7 @@ def _float32(name: str, scale: np.ndarray) -> np.ndarray:
 
 def from_dequantize_linear(name: str, codes_proto: TensorProto, codes: np.ndarray,
                            scale: np.ndarray, zero_point: np.ndarray | None, axis: int,
-                           block_size: int) -> AffineValue | None:
+                           block_size: int, output_dtype: int = 0) -> AffineValue | None:
     """The affine value a ``DequantizeLinear`` over an initializer denotes (zero-copy).
 
     Parameters
@@ -62,8 +63,9 @@ def from_dequantize_linear(name: str, codes_proto: TensorProto, codes: np.ndarra
         Its payload bytes (raw, LSB-first packing as ONNX stores sub-byte tensors).
     scale, zero_point : ndarray
         ``x_scale`` and ``x_zero_point`` as arrays (sub-byte zero points unpacked to int8/uint8).
-    axis, block_size : int
-        The node's attributes (block_size 0: per-axis, or per-tensor when the scale is a scalar).
+    axis, block_size, output_dtype : int
+        The node's attributes (block_size 0: per-axis, or per-tensor when the scale is a scalar;
+        output_dtype 0: the scale's type).
 
     Returns
     -------
@@ -107,8 +109,11 @@ def from_dequantize_linear(name: str, codes_proto: TensorProto, codes: np.ndarra
     if codes.size != need:
         raise ValidationError(f"{name}: {dtype_name(st)} {list(shape)} needs {need} bytes, got "
                               f"{codes.size}")
-    et = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
-          np.dtype(np.float64): TensorProto.DOUBLE}[scale.dtype]
+    et = output_dtype or {np.dtype(np.float32): TensorProto.FLOAT,
+                          np.dtype(np.float16): TensorProto.FLOAT16,
+                          np.dtype(np.float64): TensorProto.DOUBLE}[scale.dtype]
+    if et not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
+        return None
     return AffineValue(name, st, bits, signed, shape, et, ax, bs, scale, zero_point, codes)
 
 
@@ -284,8 +289,8 @@ def linear_weight(av: AffineValue, k_first: bool, counters=None) -> AffineValue 
         converted value with the same logical tensor otherwise; None for forms the linear kernels
         do not take (8-bit or 2-bit codes, blocks along N).
     """
-    if av.bits != 4 or len(av.shape) != 2:
-        return None
+    if av.bits != 4 or len(av.shape) != 2 or av.elem_type != TensorProto.FLOAT:
+        return None  # the linear kernels take float32 activations and produce float32
     kax = 0 if k_first else 1
     if av.axis is not None and av.block_size is None and av.axis == kax:
         return None  # one scale per input feature: not a row-wise form
@@ -298,7 +303,7 @@ def linear_weight(av: AffineValue, k_first: bool, counters=None) -> AffineValue 
     # scales / zero points as [N, blocks along K]
     if av.axis is None:
         bs = k
-        scale = np.full((n, 1), av.scale.reshape(()), np.float32)
+        scale = np.full((n, 1), av.scale.reshape(()), av.scale.dtype)
         zp = None if av.zero_point is None else np.full((n, 1), av.zero_point.reshape(()),
                                                           av.zero_point.dtype)
     elif av.block_size is None:
@@ -309,9 +314,10 @@ def linear_weight(av: AffineValue, k_first: bool, counters=None) -> AffineValue 
         bs = av.block_size
         scale = av.scale.T if k_first else av.scale
         zp = None if av.zero_point is None else (av.zero_point.T if k_first else av.zero_point)
-    scale = np.ascontiguousarray(_float32(av.name, scale))
+    # float16 scales stay float16 (the kernels read them exactly); others become float32
+    scale = np.ascontiguousarray(scale if scale.dtype == np.float16 else _float32(av.name, scale))
     already = (av.storage_type == TensorProto.INT4 and not k_first and av.axis == 1
-               and av.block_size == 32 and av.scale.dtype == np.float32)
+               and av.block_size == 32 and av.scale.dtype in (np.float32, np.float16))
     if already:
         return av
     # block sizes that are multiples of 32 are re-expressed as blocks of 32 (exact)

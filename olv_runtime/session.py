@@ -302,16 +302,19 @@ class InferenceSession:
             if canonical_domain(n.domain) != "" or n.op_type != "DequantizeLinear" or j != 0:
                 forms = None
                 break
-            attrs = {a.name: a.i for a in n.attribute if a.name in ("axis", "block_size")}
+            attrs = {a.name: a.i for a in n.attribute
+                     if a.name in ("axis", "block_size", "output_dtype")}
             params = tuple(n.input[1:3]) + ("",) * (3 - len(n.input))
-            forms.add((params[0], params[1], attrs.get("axis", 1), attrs.get("block_size", 0)))
+            forms.add((params[0], params[1], attrs.get("axis", 1), attrs.get("block_size", 0),
+                       attrs.get("output_dtype", 0)))
         if forms and len(forms) == 1:
-            scale_name, zp_name, axis, block = next(iter(forms))
+            scale_name, zp_name, axis, block, out_dtype = next(iter(forms))
             scale = self._constants.get(scale_name)
             zp = self._constants.get(zp_name) if zp_name else None
             if (isinstance(scale, np.ndarray) and (not zp_name or isinstance(zp, np.ndarray))
                     and payload is not None):
-                av = from_dequantize_linear(t.name, t, payload, scale, zp, axis, block)
+                av = from_dequantize_linear(t.name, t, payload, scale, zp, axis, block,
+                                            out_dtype)
                 if av is not None:
                     self._recognized.add(t.name)
                     return av
