@@ -682,6 +682,24 @@ def prepare_genai(args, ckpt):
     return out, nbytes
 
 
+def genai_olv_rows(args, base, gdir, tmp, add_row):
+    """olv_runtime on the onnxruntime-genai builder's own files (``gdir/model.onnx``, adapted
+    from genai_config.json at load): exact and int8-activation rows, the same file and threads
+    as the onnxruntime-genai row (issue 12). Returns {mode: decode tok/s}."""
+    res = {}
+    for quant in (False, True):
+        if ("olv" if not quant else "olv-q") not in args.backends:
+            continue
+        mode = "int8 act." if quant else "exact"
+        log(f"[olv_runtime {mode} on the onnxruntime-genai model]")
+        r = run_phase("olv", dict(base, model=str(gdir / "model.onnx"), quantize=quant,
+                                  logits_out=str(tmp / f"genai_olv_{int(quant)}.npy")))
+        add_row(f"olv_runtime {mode} on the onnxruntime-genai int4 file", r,
+                f"olv generate {gdir / 'model.onnx'} (MatMulNBits on the packed INT4 kernels)")
+        res[mode] = r.get("decode_tps")
+    return res
+
+
 def gguf_rows(args, base, ckpt, model, tmp, add_row):
     """GGUF rows: each file converted by ``olv convert`` (payloads stay in the .gguf) and run
     by olv exact / int8 activations and by llama.cpp on the same file, same threads. Returns
@@ -780,6 +798,8 @@ def main(argv=None):
     ap.add_argument("--gguf-q4km", action="store_true",
                     help="also quantize the checkpoint to Q4_K_M with llama.cpp's own quantizer "
                          "(llama_cpp.llama_model_quantize of an F16 GGUF) and add its GGUF rows")
+    ap.add_argument("--no-genai-olv", action="store_true",
+                    help="skip olv_runtime's rows on the onnxruntime-genai builder's file")
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--phase-spec", help=argparse.SUPPRESS)
@@ -861,6 +881,8 @@ def main(argv=None):
                         run_phase("genai", dict(base, genai_dir=str(gdir), weight_bytes=gbytes)),
                         f"python -m onnxruntime_genai.models.builder -i {ckpt} -o {gdir} "
                         "-p int4 -e cpu (its own quantization of the checkpoint)")
+                if not args.no_genai_olv:
+                    genai_olv_rows(args, base, gdir, tmp, add_row)
             except Exception as exc:  # noqa: BLE001
                 log(f"onnxruntime-genai: failed ({type(exc).__name__}: {exc})")
     if "torch" in args.backends:

@@ -175,6 +175,11 @@ def test_olv_generate_cli_runs_the_folder(genai_models):
              "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8"],
             capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
+    res = subprocess.run(
+        [sys.executable, "-m", "olv_runtime.cli", "bench", str(folder / "model.onnx"),
+         "--prompt-len", "4", "--new-tokens", "4", "--runs", "1"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "bytes dequantized 0" in res.stdout
 
 
 def test_folder_is_adapted_in_memory_only(genai_models):
