@@ -348,9 +348,8 @@ def _print_compiled(model, args) -> None:
           f"{c['compiled_misses']} misses):")
     for st in report:
         why = f" ({st.reason})" if st.reason else ""
-        if args.verbose or len(report) <= 64 or st.status != "hit":
-            print(f"  [{st.index}] {st.source_name}: device {st.device} ({st.device_text}), "
-                  f"{st.physical_type}: {st.status}{why}")
+        print(f"  [{st.index}] {st.source_name}: device {st.device} ({st.device_text}), "
+              f"{st.physical_type}: {st.status}{why}")
 
 
 def cmd_export_standard(args) -> int:
