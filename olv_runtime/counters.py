@@ -25,9 +25,6 @@ Counter names (integers; bytes unless noted):
 ``kv_reallocations``            (count) new KV capacity buffers
 ``bytes_copied_other``          other payload copies reported by kernels
 ``bytes_dequantized``           bytes of tensors materialised by decoding an encoded value
-``bytes_repacked``              bytes of weight codes converted once at session creation into
-                                the form a kernel takes (e.g. UINT4 -> INT4, [K, N] -> [N, K];
-                                :mod:`olv_runtime.recognize`); prepacked tile layouts excluded
 ``workspace_peak``              (level, max) peak bytes of arrays allocated by a run and alive
                                 at the same time (activations; KV buffers excluded)
 ``retained_state_bytes``        (level) bytes of retained state values (logical, ``nbytes`` of
@@ -41,7 +38,9 @@ Counter names (integers; bytes unless noted):
 ``payload_bytes_copied``        binding values at session creation (zero-copy views count nothing)
 ``bytes_repacked``              bytes written by native consumers that repack encoded blocks
                                 into a kernel layout at session creation (GGUF ggml blocks ->
-                                INT4 codes, scales, offsets; ``structs/ggml_native.py``), and
+                                INT4 codes, scales, offsets; ``structs/ggml_native.py``), by
+                                the conversion of foreign quantized weights into the INT4 form
+                                (UINT4 -> INT4, [K, N] -> [N, K]; ``recognize.py``), and
                                 by the INT4 linear prepacking (``fusion.LinearStep``; 0 for
                                 weights served by seed 004 compiled entries): a layout change,
                                 not a payload copy
@@ -85,7 +84,6 @@ NAMES = (
     "kv_reallocations",
     "bytes_copied_other",
     "bytes_dequantized",
-    "bytes_repacked",
     "workspace_peak",
     "retained_state_bytes",
     "retained_state_buffer_bytes",

@@ -180,3 +180,22 @@ def test_matmul_nbits_rejects_g_idx_and_float_zero_points():
                             bits=3, block_size=32)
     with pytest.raises(ValidationError, match="bits must be 4 or 8"):
         InferenceSession(_model([node], [x], [y], [b, s]))
+
+
+def test_gather_block_quantized_through_reshape_of_tied_weight():
+    """Tied embeddings as the genai builder writes them: GatherBlockQuantized reads
+    Reshape(lm_head B [V, blocks, blob] -> [V, blocks * blob]); the table is the same bytes."""
+    rng = np.random.default_rng(7)
+    v, d, block = 12, 64, 32
+    b = rng.integers(0, 256, (v, d // block, block // 2), dtype=np.uint8)
+    scales = (rng.random((v, d // block)) * 0.1 + 0.01).astype(np.float32)
+    shape = np.array([v, d // 2], np.int64)
+    inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S"),
+             numpy_helper.from_array(shape, "shape")]
+    nodes = [helper.make_node("Reshape", ["B", "shape"], ["table"]),
+             helper.make_node("GatherBlockQuantized", ["table", "ids", "S"], ["y"], domain=MS,
+                              block_size=block, gather_axis=0, quantize_axis=1)]
+    m = _model(nodes, [_vi("ids", TensorProto.INT64, [1, 4])],
+               [_vi("y", TensorProto.FLOAT, None)], inits)
+    (got,), (ref,) = _both(m, {"ids": np.array([[0, 11, 5, 5]], np.int64)})
+    np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)

@@ -118,12 +118,11 @@ class GatherBlockQuantized(Op):
             raise ValidationError(
                 f"node {self.name!r} (GatherBlockQuantized): only bits 4 is supported, got "
                 f"{self.attrs['bits']}")
-        name = self.node.input[0]
-        proto = getattr(info, "_initializer_protos", {}).get(name)
-        if proto is None:
+        proto, payload = _initializer_through_reshape(info, self.node.input[0])
+        if proto is None or payload is None:
             raise ValidationError(
-                f"node {self.name!r} (GatherBlockQuantized): data ({name!r}) must be an initializer")
-        payload = info._initializer_payloads[name]
+                f"node {self.name!r} (GatherBlockQuantized): data ({self.node.input[0]!r}) must be "
+                "an initializer (or a Reshape of one, as tied embeddings are written)")
         scales = np.asarray(_const(info, self, 2, "scales"))
         zp = _const(info, self, 3, "zero_points", required=False)
         av = from_gather_block_quantized(self.name, proto, payload, scales,
@@ -144,6 +143,34 @@ class GatherBlockQuantized(Op):
         ids = np.where(indices < 0, indices + v, indices)
         (y,) = EncodedGather(self.name, self.table)(ids)
         return (y.astype(self.out_dtype, copy=False),)
+
+
+def _initializer_through_reshape(info, name: str):
+    """(TensorProto, payload) of initializer ``name``, or of the initializer a chain of
+    Reshape nodes views (the tied-embedding form: GatherBlockQuantized reads
+    ``Reshape(lm_head B [V, blocks, blob] -> [V, blocks * blob])``); the returned proto has the
+    reshaped 2-D dims [V, rest] (same bytes, zero-copy)."""
+    from olv_runtime.proto import TensorProto
+
+    protos = getattr(info, "_initializer_protos", {})
+    payloads = getattr(info, "_initializer_payloads", {})
+    if name in protos:
+        return protos[name], payloads.get(name)
+    graph = info.model.proto.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    n = producer.get(name)
+    while n is not None and n.op_type == "Reshape" and n.domain in ("", "ai.onnx"):
+        src = n.input[0]
+        if src in protos:
+            t = protos[src]
+            dims = [int(d) for d in t.dims]
+            if not dims:
+                return None, None
+            view = TensorProto(name=src, data_type=t.data_type)
+            view.dims.extend([dims[0], int(np.prod(dims[1:], dtype=np.int64))])
+            return view, payloads.get(src)
+        n = producer.get(src)
+    return None, None
 
 
 @register("SimplifiedLayerNormalization", 1, domain=MS)
