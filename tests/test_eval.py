@@ -113,3 +113,21 @@ def test_eval_errors(tiny_chat_models, tmp_path):
     (tmp_path / "bad.ids").write_text("1 2 x")
     with pytest.raises(InvalidArgument, match="got item 'x'"):
         read_tokens(tmp_path / "bad.ids", token_ids=True)
+
+
+def test_paged_int8_kv_against_contiguous(tiny_chat_dir, tiny_chat_models, tokens, tmp_path):
+    """One use of --reference: a paged INT8 KV cache against the contiguous cache of the same
+    weights (the INT8 KV rounding is the only difference)."""
+    paged = tmp_path / "paged.onnx"
+    olv_runtime.convert(tiny_chat_dir, paged, kv="paged-int8")
+    res = evaluate(paged, tokens[:100], tiny_chat_models["int4"], ctx=CTX, stride=STRIDE,
+                   batch=BATCH, progress=False)
+    s = res.summary()
+    assert 0 < s["kld_mean"] < 1e-3 and s["top1_agreement"] > 0.9
+    # a paged KV state cannot be saved as a prompt cache: a clear error, no file
+    from olv_runtime.errors import StateError
+
+    _, state = olv_runtime.generate(paged, [1, 2, 3], 2, return_state=True)
+    with pytest.raises(StateError, match="paged KV cache"):
+        state.save(tmp_path / "p.npz")
+    assert not (tmp_path / "p.npz").exists()
