@@ -14,6 +14,8 @@ def cmd_eval(args) -> int:
     from olv_runtime.cli import CliError, _session_options, _tokenizer_for
     from olv_runtime.evaluate import evaluate, read_tokens
 
+    if args.plot and args.reference is None:  # checked before the (long) evaluation
+        raise CliError("--plot needs --reference (it plots the per-position KL divergence)")
     path = pathlib.Path(args.model)
     tokenizer = _tokenizer_for(path) if args.file is not None else None
     src = args.file if args.file is not None else args.token_ids

@@ -131,3 +131,20 @@ def test_paged_int8_kv_against_contiguous(tiny_chat_dir, tiny_chat_models, token
     with pytest.raises(StateError, match="paged KV cache"):
         state.save(tmp_path / "p.npz")
     assert not (tmp_path / "p.npz").exists()
+
+
+def test_cli_plot(tiny_chat_models, tokens, tmp_path, capsys):
+    ids = tmp_path / "tokens.ids"
+    ids.write_text(" ".join(map(str, tokens[:60].tolist())))
+    png = tmp_path / "kl.png"
+    base = ["eval", str(tiny_chat_models["int4"]), "--token-ids", str(ids), "--ctx", "32",
+            "--plot", str(png)]
+    assert cli_main(base) == 2  # no reference: nothing to plot
+    assert "--plot needs --reference" in capsys.readouterr().err
+    rc = cli_main(base + ["--reference", str(tiny_chat_models["float32"])])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # matplotlib is optional: a clear error
+        assert rc == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+    else:
+        assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
