@@ -272,7 +272,8 @@ class Conversation:
         A system message put first.
     generate_kwargs : dict, optional
         Defaults passed to :func:`olv_runtime.generate` each turn (sampling, eos_token_id, stop,
-        ...; ``eos_token_id`` defaults to ``"auto"``).
+        ...; ``eos_token_id`` defaults to ``"auto"``: the eos ids of generation_config.json
+        plus the ``eos_token`` of the special tokens).
 
     Attributes
     ----------
@@ -291,6 +292,16 @@ class Conversation:
         self.special_tokens = dict(special_tokens or {})
         self.system = system
         self.generate_kwargs = {"eos_token_id": "auto", **dict(generate_kwargs or {})}
+        if self.generate_kwargs["eos_token_id"] == "auto":
+            # generation_config.json's eos ids, plus the template's end-of-turn token
+            # (tokenizer_config.json eos_token) when a model has no generation_config.json
+            from olv_runtime.generate import eos_token_ids
+
+            eos = list(eos_token_ids(session))
+            extra = tokenizer.token_to_id(self.special_tokens.get("eos_token") or "")
+            if extra is not None and extra not in eos:
+                eos.append(int(extra))
+            self.generate_kwargs["eos_token_id"] = eos
         self.state = make_state(session, empty_cache(session))
         self.messages: list[dict[str, Any]] = []
         self._text: str | None = ""  # the text whose tokens state.tokens holds

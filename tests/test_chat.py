@@ -245,3 +245,20 @@ def test_chat_errors(tiny_qwen2_dir, tiny_chat_models, tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     assert cli_main(["chat", str(tiny_chat_models["int4"]), "--min-p", "2"]) == 2
     assert "min_p must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_end_of_turn_token_stops_without_generation_config(tiny_chat_models, tok, tmp_path):
+    import shutil
+
+    from olv_runtime.chat import Conversation
+
+    src = tiny_chat_models["int4"].parent
+    for name in ("model.onnx", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, tmp_path / name)  # no generation_config.json
+    template, special = load_chat_template(tmp_path / "model.onnx")
+    sess = olv_runtime.InferenceSession(olv_runtime.load(tmp_path / "model.onnx"))
+    assert olv_runtime.eos_token_ids(sess) == [tok.token_to_id("<|im_end|>")]  # metadata
+    conv = Conversation(sess, tok, template, {**special, "eos_token": "<|endoftext|>"})
+    assert conv.generate_kwargs["eos_token_id"] == [tok.token_to_id("<|im_end|>"),
+                                                    tok.token_to_id("<|endoftext|>")]
+    conv.close()
