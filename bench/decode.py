@@ -600,6 +600,20 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+def _checkpoint_dtype(ckpt) -> str:
+    """The stored dtype of a Hugging Face checkpoint ("bf16", "fp32", ...), from its
+    safetensors header (config.json's torch_dtype can disagree with the file)."""
+    from olv_runtime.models.checkpoint import Checkpoint
+
+    names = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+    try:
+        with Checkpoint(ckpt) as c:
+            kinds = sorted({names.get(c.dtype(n), c.dtype(n)) for n in c.keys()})
+    except Exception:  # noqa: BLE001 - a label only
+        return "original"
+    return "/".join(kinds) or "original"
+
+
 def _fresh(target: pathlib.Path, source: pathlib.Path) -> bool:
     return target.is_file() and target.stat().st_mtime >= source.stat().st_mtime
 
@@ -891,7 +905,7 @@ def main(argv=None):
         else:
             log("[transformers fp32]")
             add_row("transformers fp32 (torch)", run_phase("torch", dict(base, checkpoint=str(ckpt))),
-                    "fp32 weights from the bf16 checkpoint (not INT4)")
+                    f"fp32 weights from the {_checkpoint_dtype(ckpt)} checkpoint (not INT4)")
     llama_note = None
     if "llama" in args.backends:
         import importlib.util

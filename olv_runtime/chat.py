@@ -196,6 +196,10 @@ def load_chat_template(model_path) -> tuple[str | None, dict[str, Any]]:
     special: dict[str, Any] = {}
     template = None
     cfg_path = d / "tokenizer_config.json"
+    from olv_runtime.sidecars import sidecar_path
+
+    if p.is_file():  # the model's own (olv_runtime.sidecars: digest recorded at conversion)
+        cfg_path = sidecar_path(p, "tokenizer_config.json") or d / "-absent-"
     if cfg_path.is_file():
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -219,6 +223,8 @@ def load_chat_template(model_path) -> tuple[str | None, dict[str, Any]]:
         if isinstance(t, str) and t:
             template = t
     jinja_file = d / "chat_template.jinja"
+    if p.is_file():
+        jinja_file = sidecar_path(p, "chat_template.jinja") or d / "-absent-"
     if jinja_file.is_file():
         template = jinja_file.read_text(encoding="utf-8")
     return template, special

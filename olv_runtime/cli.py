@@ -22,13 +22,40 @@ class CliError(Exception):
     """A bad command-line argument: printed as ``olv COMMAND: error: ...``, exit status 2."""
 
 
-def _tokenizer_for(model_path: pathlib.Path):
-    path = model_path.parent / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
+def _tokenizer_for(model):
+    """The model's tokenizer (a Model or path): tokenizer.json beside it, checked against the
+    digest recorded at conversion and the model's vocabulary (olv_runtime.sidecars); None when
+    absent. SidecarError (an OlvError: a one-line message) when it belongs to another model or
+    cannot be read."""
+    from olv_runtime.sidecars import load_tokenizer
 
-    return Tokenizer.from_file(str(path))
+    return load_tokenizer(model)
+
+
+def _warn(msg: str) -> None:
+    sys.stdout.flush()
+    print(("\n" if _midline[0] else "") + f"olv: warning: {msg}", file=sys.stderr, flush=True)
+    _midline[0] = False
+
+
+def _check_vocab(ids, model, what: str) -> None:
+    """Token ids against the model's vocabulary, before anything is printed (CliError)."""
+    vocab = model.metadata().get("olv.vocab_size", "")
+    if not vocab.isdigit() or not ids:
+        return
+    bad = next((t for t in ids if not 0 <= t < int(vocab)), None)
+    if bad is not None:
+        hint = (": tokenizer.json does not match the model" if what == "--prompt" else "")
+        raise CliError(f"{what}: token ids must be in [0, {vocab}) (the model's vocabulary), "
+                       f"got {bad}{hint}")
+
+
+def _check_positions(n_prompt: int, max_new: int, model) -> None:
+    limit = model.metadata().get("olv.max_position_embeddings", "")
+    if limit.isdigit() and n_prompt + max_new > int(limit):
+        _warn(f"prompt ({n_prompt} tokens) + --max-new-tokens ({max_new}) exceeds the model's "
+              f"max_position_embeddings ({limit}): positions beyond it were not trained and the "
+              "output may degrade")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -61,27 +88,45 @@ def cmd_convert(args) -> int:
     t0 = time.perf_counter()
     from olv_runtime.progress import ConversionProgress
 
-    with ConversionProgress() as progress:  # a bar on a terminal, quiet otherwise
-        convert(args.checkpoint_dir, args.output, weights=args.weights, external_data=ext,
-                progress=progress, kv=args.kv, scale_dtype=args.scale_dtype)
-    out = pathlib.Path(args.output)
-    size = out.stat().st_size
-    data = out.with_name(out.name + ".data")
-    if data.exists():
-        size += data.stat().st_size
+    import warnings
+
+    from olv_runtime.models.qwen import ConversionWarning
+
+    with ConversionProgress() as progress, warnings.catch_warnings():  # a bar on a terminal
+        warnings.simplefilter("ignore", ConversionWarning)  # listed below instead
+        res = convert(args.checkpoint_dir, args.output, weights=args.weights,
+                      external_data=ext, progress=progress, kv=args.kv,
+                      scale_dtype=args.scale_dtype)
     kind = (f"weights {args.weights}" if not os.path.isfile(args.checkpoint_dir)
             else "GGUF tensors referenced in place, 0 bytes copied")
-    print(f"wrote {out} ({size / 1e6:.1f} MB, {kind}) in {time.perf_counter() - t0:.1f} s")
+    print(f"wrote {res.path} ({res.nbytes / 1e6:.1f} MB, {kind}) in "
+          f"{time.perf_counter() - t0:.1f} s")
+    if res.unused_tensors:
+        names = list(res.unused_tensors)
+        print(f"note: {len(names)} checkpoint tensors are not used by the "
+              f"{res.architecture} graph: {', '.join(names[:20])}"
+              + (f" ... (+{len(names) - 20})" if len(names) > 20 else ""), file=sys.stderr)
     return 0
 
 
-def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None:
+def _warm_up(sess, prompt_ids) -> float:
+    """One short generate on a throwaway state (2-token prefill, 1 decode step), so that numba
+    compilation / cache loading is not counted in the reported rates. Returns its seconds."""
     import olv_runtime
 
-    model = olv_runtime.load(model_path)
+    t0 = time.perf_counter()
+    olv_runtime.generate(sess, list(prompt_ids[:2]), 2)
+    return time.perf_counter() - t0
+
+
+def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer, model=None) -> None:
+    import olv_runtime
+
+    model = model if model is not None else olv_runtime.load(model_path)
     t_sess = time.perf_counter()
     sess = olv_runtime.InferenceSession(model, _session_options(args))
     t_sess = time.perf_counter() - t_sess
+    t_warm = _warm_up(sess, prompt_ids)
     stats = olv_runtime.GenerationStats()
     first = [None]  # perf_counter() at the first generated token
 
@@ -118,7 +163,7 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
     res = olv_runtime.generate(
         sess, feed, args.max_new_tokens, callback=cb, stats=stats, return_result=True,
         logprobs=bool(args.logprobs), top_logprobs=args.logprobs, state=state, **kw,
-    )
+    )  # Ctrl-C: generate stops cleanly, finish_reason "interrupted", stats so far
     if state is not None:
         state.save(cache)
         state.close()
@@ -135,14 +180,18 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
                   file=sys.stderr)
     if res.finish_reason != "length":
         print(f"stopped: {res.finish_reason}"
-              + (f" ({res.stop_string!r})" if res.stop_string else ""), file=sys.stderr)
+              + (f" ({res.stop_string!r})" if res.stop_string else "")
+              + (" (Ctrl-C)" if res.finish_reason == "interrupted" else ""), file=sys.stderr)
     print(
         (f"prefill {stats.prefill_tokens} tokens ({stats.cached_tokens} from the prompt "
          f"cache); " if cache else "") +
         f"prompt {stats.prompt_tokens} tokens: prefill {stats.prefill_tokens_per_second:.1f} tok/s; "
-        f"generated {stats.new_tokens} tokens: decode {stats.decode_tokens_per_second:.1f} tok/s",
+        f"generated {stats.new_tokens} tokens: decode {stats.decode_tokens_per_second:.1f} tok/s "
+        f"(after a {t_warm:.2f} s warm-up that compiled or loaded the numba kernels)",
         file=sys.stderr,
     )
+    if res.finish_reason == "interrupted":
+        raise _Interrupted()
     if first[0] is not None:
         c = sess.counters.snapshot()
         hits = (f", compiled entries {c['compiled_hits']} hits / {c['compiled_misses']} misses"
@@ -152,23 +201,36 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer) -> None
 
 
 def cmd_generate(args) -> int:
+    import olv_runtime
+    from olv_runtime.errors import SidecarError
+
     path = pathlib.Path(args.model)
-    tokenizer = _tokenizer_for(path)
-    if args.prompt is not None:
+    ids = _parse_ids(args.prompt_ids) if args.prompt is None else None  # before any loading
+    model = olv_runtime.load(path)
+    tokenizer = None
+    if args.prompt is not None or args.output == "text":
+        tokenizer = _tokenizer_for(model)  # SidecarError: another model's / unreadable
         if tokenizer is None:
-            raise CliError(
-                f"--prompt needs tokenizer.json beside the model ({path.parent}); "
-                "use --prompt-ids instead"
-            )
+            need = "--prompt" if args.prompt is not None else "--output text"
+            raise CliError(f"{need} needs tokenizer.json beside the model ({path.parent})"
+                           + ("; use --prompt-ids instead" if args.prompt is not None else ""))
+    elif args.output == "auto":
+        try:
+            tokenizer = _tokenizer_for(model)
+        except SidecarError as exc:  # --prompt-ids does not need it: print ids instead
+            _warn(f"{exc}; printing token ids")
+    if args.output == "ids" and args.stop:
+        raise CliError("--stop matches text: it cannot be used with --output ids")
+    if args.prompt is not None:
         ids = tokenizer.encode(args.prompt).ids
         if not ids:
             raise CliError("the prompt encodes to zero tokens")
-    else:
-        ids = _parse_ids(args.prompt_ids)
+    _check_vocab(ids, model, "--prompt" if args.prompt is not None else "--prompt-ids")
+    _check_positions(len(ids), args.max_new_tokens, model)
     if tokenizer is not None and args.prompt is not None:
         print(args.prompt, end="", flush=True)
         _midline[0] = True
-    _run_generate(path, ids, args, tokenizer)
+    _run_generate(path, ids, args, tokenizer, model)
     return 0
 
 
@@ -363,15 +425,22 @@ def cmd_export_standard(args) -> int:
     return 0
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    v = int(text)
+    v = _int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
     return v
 
 
 def _non_negative(text: str) -> int:
-    v = int(text)
+    v = _int(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
     return v
@@ -418,15 +487,19 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the model)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated, e.g. 1,2,3")
-    g.add_argument("--max-new-tokens", type=_non_negative, default=32,
-                   help="tokens to generate (default: 32)")
+    g.add_argument("--max-new-tokens", type=_positive, default=32,
+                   help="tokens to generate, >= 1 (default: 32)")
+    g.add_argument("--output", choices=["auto", "text", "ids"], default="auto",
+                   help="print the generated text (needs tokenizer.json) or the token ids; "
+                        "auto: text when the model's tokenizer is usable (default)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy (default)")
     g.add_argument("--top-k", type=_non_negative, default=0,
                    help="sample among the k most likely tokens (default: 0 = all)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass in (0, 1] (default: 1.0 = all)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--seed", type=_non_negative, default=None,
+                   help="random seed for sampling (an integer >= 0)")
     g.add_argument("--stop-at-eos", action="store_true",
                    help="kept for compatibility: stopping at the eos ids is now the default "
                         "(--ignore-eos turns it off)")
@@ -461,9 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="build a small random Qwen2 model locally, convert it, generate")
     d.add_argument("--workdir", help="where to write the checkpoint and model (default: a temp dir)")
-    d.add_argument("--max-new-tokens", type=_non_negative, default=32,
+    d.add_argument("--max-new-tokens", type=_positive, default=32,
                    help="tokens to generate (default: 32)")
-    d.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    d.add_argument("--seed", type=_non_negative, default=0,
+                   help="seed of the random weights (default: 0)")
     add_run_opts(d)
     d.set_defaults(func=cmd_demo)
 
@@ -496,6 +570,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Interrupted(Exception):
+    """generate stopped by Ctrl-C after printing what it generated: exit status 130."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -505,12 +583,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nolv {args.command}: error: {exc}" if _midline[0] else
               f"olv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except _Interrupted:
+        return 130
+    except KeyboardInterrupt:  # outside a generation loop: no traceback
+        sys.stdout.flush()
+        print(("\n" if _midline[0] else "") + f"olv {args.command}: interrupted",
+              file=sys.stderr)
+        return 130
     except BrokenPipeError:  # e.g. `olv inspect model.onnx | head`
         try:
             sys.stdout = open(os.devnull, "w")
         except OSError:
             pass
         return 0
+    except OSError as exc:  # a file the command reads or writes: one line naming it
+        sys.stdout.flush()
+        name = f": {exc.filename!r}" if exc.filename else ""
+        print(f"olv {args.command}: error: {exc.strerror or exc}{name}", file=sys.stderr)
+        return 2
 
 
 _midline = [False]  # generated text printed without its final newline yet

@@ -124,3 +124,14 @@ class DecoderBindingError(DecoderError):
 class StateFileError(OlvError, ValueError):
     """A saved state file (prompt cache) is malformed, or was made for another model (its model
     digest differs from the model's)."""
+
+
+class SidecarError(ModelFormatError):
+    """A sidecar file beside the model (tokenizer.json, generation_config.json, ...) belongs to
+    another model (digest recorded at conversion differs), cannot be read, or does not fit the
+    model (tokenizer vocabulary larger than the model's)."""
+
+
+class OutputError(OlvError, OSError):
+    """An output path cannot be written: an existing directory, an input file of the same
+    call, a read-only or impossible location. The message names the path."""

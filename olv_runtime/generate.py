@@ -136,8 +136,12 @@ def eos_token_ids(model) -> list[int]:
     m = model.model if isinstance(model, InferenceSession) else model
     path = m.path if isinstance(m, Model) else (pathlib.Path(m) if isinstance(m, (str, pathlib.Path)) else None)
     if path is not None:
-        cfg = path.parent / "generation_config.json"
-        if cfg.is_file():
+        from olv_runtime.sidecars import sidecar_path
+
+        # the model's own generation_config.json (digest recorded at conversion), not another
+        # model's left in the same folder (SidecarError)
+        cfg = sidecar_path(m if isinstance(m, Model) else path, "generation_config.json")
+        if cfg is not None:
             try:
                 eos = json.loads(cfg.read_text()).get("eos_token_id")
             except (ValueError, AttributeError) as exc:

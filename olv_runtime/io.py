@@ -22,7 +22,7 @@ from typing import Iterator, Union
 
 import numpy as np
 
-from olv_runtime.errors import ModelFormatError, PayloadError
+from olv_runtime.errors import ModelFormatError, OutputError, PayloadError
 from olv_runtime.proto import EncodedValueProto, ModelProto, TensorProto
 
 PathLike = Union[str, os.PathLike]
@@ -475,14 +475,32 @@ def save(
     ------
     ModelFormatError
         Payloads that must go external are themselves external in a model without a directory.
+    OutputError
+        ``path`` is a directory or cannot be written (read-only, impossible location, disk
+        full): the message names the path.
 
     Notes
     -----
     Files are written to temporary names and renamed into place, so a failed save leaves
     existing files as they were. External payloads are aligned to 64 bytes.
     """
-    m = as_model(model)
     out = pathlib.Path(path)
+    if out.is_dir():
+        raise OutputError(f"cannot write model {str(out)!r}: it is an existing directory")
+    try:
+        return _save(model, out, external_data, location, threshold, keep_external,
+                     external_params)
+    except OSError as exc:
+        if isinstance(exc, OutputError):
+            raise
+        raise OutputError(
+            f"cannot write model {str(out)!r}: {exc.strerror or exc}"
+            + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(out) else "")
+        ) from None
+
+
+def _save(model, out, external_data, location, threshold, keep_external, external_params):
+    m = as_model(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     if external_data is None:
         external_data = m.proto.ByteSize() > AUTO_EXTERNAL_BYTES

@@ -235,6 +235,11 @@ class Checkpoint:
 
     def __init__(self, path):
         self.path = os.fspath(path)
+        if os.path.isfile(self.path):
+            raise ConversionError(
+                f"{self.path!r} is a file, not a checkpoint directory (pass the directory that "
+                "holds config.json and the *.safetensors files)"
+            )
         if not os.path.isdir(self.path):
             raise ConversionError(f"checkpoint directory {self.path!r} does not exist")
         cfg_path = os.path.join(self.path, "config.json")

@@ -366,6 +366,9 @@ def convert_gguf(gguf_path, out_path, *, progress: Callable[[str], None] | None 
         raise ConversionError(f"location of {gguf_path} changed during conversion")
     if progress:
         progress(f"writing {out} (payloads stay in {location})")
+    from olv_runtime.sidecars import record
+
+    record(model, {fname: text.encode("utf-8") for fname, text in files.items()})
     save(model, out, external_data=False, keep_external=True)
     for fname, text in files.items():
         (out.parent / fname).write_text(text, encoding="utf-8")

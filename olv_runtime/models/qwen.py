@@ -8,20 +8,24 @@ output types are inferred as it is added and the bindings are validated against 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-import shutil
+import pathlib
+import warnings
 from collections.abc import Callable
 
 import numpy as np
 
 from olv_runtime.builder import GraphBuilder
-from olv_runtime.errors import ConversionError
+from olv_runtime.errors import ConversionError, OutputError
 from olv_runtime.helper import make_affine_encoded
 from olv_runtime.io import save
 from olv_runtime.models.checkpoint import Checkpoint
 from olv_runtime.proto import ModelProto, TensorProto
 from olv_runtime.quantize import quantize_int4_blockwise
+from olv_runtime.sidecars import SIDECAR_FILES
+from olv_runtime.sidecars import record as record_sidecars
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -30,6 +34,8 @@ __all__ = [
     "compute_inv_freq",
     "build_model",
     "convert",
+    "ConversionResult",
+    "ConversionWarning",
 ]
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
@@ -132,6 +138,13 @@ class QwenConfig:
             tie = "lm_head.weight" not in set(tensor_names)
         self.tie_word_embeddings = bool(tie)
         self.has_qk_norm = arch == "Qwen3ForCausalLM"
+        # biases, as transformers builds the modules: Qwen2 always has q/k/v biases (and no
+        # o_proj bias); Llama and Qwen3 follow config.attention_bias (q/k/v/o) and Llama
+        # config.mlp_bias (gate/up/down)
+        attn_bias = bool(config.get("attention_bias", False))
+        self.qkv_bias = arch == "Qwen2ForCausalLM" or attn_bias
+        self.o_bias = arch != "Qwen2ForCausalLM" and attn_bias
+        self.mlp_bias = arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False))
         # not a Hugging Face key: set by the GGUF importer for llama files, whose q/k rows are
         # stored permuted for pairwise RoPE (models/gguf.py)
         self.rope_interleaved = bool(config.get("rope_interleaved", False))
@@ -179,6 +192,14 @@ class _QwenBuilder:
         # sources that store tensors in place (models/gguf.py GGUFCheckpoint) give the message
         # holding each tensor; the builder references it instead of reading the values
         self.stored = getattr(ckpt, "stored", None)
+        self.used: set[str] = set()  # checkpoint tensors the graph uses (the rest is listed)
+
+    def _require(self, ckpt_name: str, why: str) -> None:
+        if ckpt_name not in self.ckpt:
+            raise ConversionError(
+                f"checkpoint {getattr(self.ckpt, 'path', '')!r} has no tensor {ckpt_name!r}, "
+                f"which {why} needs"
+            )
 
     def node(self, op_type, inputs, outputs, name, domain="", **attrs):
         return self.b.make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs)
@@ -194,6 +215,7 @@ class _QwenBuilder:
         return self.initializer(name, np.asarray(values, dtype=np.int64))
 
     def _checked(self, ckpt_name: str, expect_shape: tuple[int, ...]) -> np.ndarray:
+        self.used.add(ckpt_name)
         arr = self.ckpt.get(ckpt_name)
         if tuple(arr.shape) != tuple(expect_shape):
             raise ConversionError(
@@ -205,6 +227,7 @@ class _QwenBuilder:
         """A tensor stored in place by the source (dense external initializer, or encoded value
         + ``olv.Decode`` node named ``<prefix>/Decode``); returns the float tensor's name."""
         kind = self.b.initializer_names.get(ckpt_name)
+        self.used.add(ckpt_name)
         if kind is None:
             shape = tuple(self.ckpt.shape(ckpt_name))
             if shape != tuple(expect_shape):
@@ -258,14 +281,18 @@ class _QwenBuilder:
         return self.node("Decode", [stored], [f"{prefix}/decoded"], f"{prefix}/Decode",
                          domain=OLV_DOMAIN)
 
-    def linear(self, x: str, ckpt_prefix: str, prefix: str, n: int, k: int) -> str:
-        """``MatMul(x, Transpose(W))`` (+ bias if the checkpoint has ``<ckpt_prefix>.bias``)."""
+    def linear(self, x: str, ckpt_prefix: str, prefix: str, n: int, k: int,
+               bias: str | None = None) -> str:
+        """``MatMul(x, Transpose(W))``, + ``<ckpt_prefix>.bias`` when the architecture has one
+        (``bias`` names why, e.g. ``"Qwen2ForCausalLM q_proj"``; the tensor is then required,
+        as transformers requires it: a missing bias is a ConversionError, never a silent 0)."""
+        self._require(f"{ckpt_prefix}.weight", "the graph")
         w = self.matrix(f"{ckpt_prefix}.weight", prefix, (n, k))
         wt = self.node("Transpose", [w], [f"{prefix}/weight_t"], f"{prefix}/Transpose", perm=[1, 0])
         y = self.node("MatMul", [x, wt], [f"{prefix}/matmul"], f"{prefix}/MatMul")
-        bias = f"{ckpt_prefix}.bias"
-        if bias in self.ckpt:
-            b = self.dense(bias, (n,))
+        if bias is not None:
+            self._require(f"{ckpt_prefix}.bias", bias)
+            b = self.dense(f"{ckpt_prefix}.bias", (n,))
             y = self.node("Add", [y, b], [f"{prefix}/output"], f"{prefix}/Add")
         return y
 
@@ -320,7 +347,8 @@ def _qk_norm(b: _QwenBuilder, x: str, weight: str, heads: int, cfg: QwenConfig, 
 
 def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4-block32",
                 *, progress: Callable[[str], None] | None = None,
-                kv: str = "contiguous", scale_dtype: str = "float16") -> ModelProto:
+                kv: str = "contiguous", scale_dtype: str = "float16",
+                unused: list | None = None) -> ModelProto:
     """Build the ``docs/qwen_graph.md`` model of a checkpoint.
 
     Parameters
@@ -338,6 +366,10 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         Type of the INT4 block-32 scales (default float16: 4.5 bits per weight, equal bytes
         with GGUF Q4_0; decoded values are ``float32(q) * float32(scale)``, exact). A scale that
         overflows float16 raises ConversionError (use float32).
+    unused : list, optional
+        Receives the names of checkpoint tensors the graph does not use (also reported through
+        ``progress``), e.g. a ``lm_head.weight`` of a tied model or biases the architecture
+        does not have.
 
     Returns
     -------
@@ -386,9 +418,12 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         c = f"model.layers.{i}"   # checkpoint prefix
         p = f"layers.{i}"         # graph name prefix
         x = b.rms_norm(h, f"{c}.input_layernorm.weight", hidden, f"{p}/input_layernorm", cfg.rms_norm_eps)
-        q = b.linear(x, f"{c}.self_attn.q_proj", f"{p}/self_attn/q_proj", H * D, hidden)
-        k = b.linear(x, f"{c}.self_attn.k_proj", f"{p}/self_attn/k_proj", KVH * D, hidden)
-        v = b.linear(x, f"{c}.self_attn.v_proj", f"{p}/self_attn/v_proj", KVH * D, hidden)
+        qkv_b = f"{cfg.architecture} attention (q/k/v biases)" if cfg.qkv_bias else None
+        o_b = f"{cfg.architecture} attention_bias (o_proj bias)" if cfg.o_bias else None
+        mlp_b = f"{cfg.architecture} mlp_bias" if cfg.mlp_bias else None
+        q = b.linear(x, f"{c}.self_attn.q_proj", f"{p}/self_attn/q_proj", H * D, hidden, qkv_b)
+        k = b.linear(x, f"{c}.self_attn.k_proj", f"{p}/self_attn/k_proj", KVH * D, hidden, qkv_b)
+        v = b.linear(x, f"{c}.self_attn.v_proj", f"{p}/self_attn/v_proj", KVH * D, hidden, qkv_b)
         if cfg.has_qk_norm:
             q = _qk_norm(b, q, f"{c}.self_attn.q_norm.weight", H, cfg, f"{p}/self_attn/q_norm")
             k = _qk_norm(b, k, f"{c}.self_attn.k_norm.weight", KVH, cfg, f"{p}/self_attn/k_norm")
@@ -405,16 +440,16 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
             f"{p}/self_attn/Attention",
             is_causal=1, q_num_heads=H, kv_num_heads=KVH, scale=1.0 / math.sqrt(D),
         )
-        o = b.linear(a, f"{c}.self_attn.o_proj", f"{p}/self_attn/o_proj", hidden, H * D)
+        o = b.linear(a, f"{c}.self_attn.o_proj", f"{p}/self_attn/o_proj", hidden, H * D, o_b)
         h = b.node("Add", [h, o], [f"{p}/attn_residual"], f"{p}/Add_attn_residual")
         x = b.rms_norm(h, f"{c}.post_attention_layernorm.weight", hidden,
                        f"{p}/post_attention_layernorm", cfg.rms_norm_eps)
-        gt = b.linear(x, f"{c}.mlp.gate_proj", f"{p}/mlp/gate_proj", inter, hidden)
-        up = b.linear(x, f"{c}.mlp.up_proj", f"{p}/mlp/up_proj", inter, hidden)
+        gt = b.linear(x, f"{c}.mlp.gate_proj", f"{p}/mlp/gate_proj", inter, hidden, mlp_b)
+        up = b.linear(x, f"{c}.mlp.up_proj", f"{p}/mlp/up_proj", inter, hidden, mlp_b)
         sg = b.node("Sigmoid", [gt], [f"{p}/mlp/gate_sigmoid"], f"{p}/mlp/Sigmoid")
         act = b.node("Mul", [gt, sg], [f"{p}/mlp/gate_silu"], f"{p}/mlp/Mul_silu")
         gu = b.node("Mul", [act, up], [f"{p}/mlp/gate_up"], f"{p}/mlp/Mul_up")
-        dn = b.linear(gu, f"{c}.mlp.down_proj", f"{p}/mlp/down_proj", hidden, inter)
+        dn = b.linear(gu, f"{c}.mlp.down_proj", f"{p}/mlp/down_proj", hidden, inter, mlp_b)
         h = b.node("Add", [h, dn], [f"{p}/mlp_residual"], f"{p}/Add_mlp_residual")
 
     report("final norm and lm_head" + (" (tied to embed_tokens)" if cfg.tie_word_embeddings else ""))
@@ -437,6 +472,12 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         for kind in ("key", "value"):
             gb.add_binding(f"past_{kind}.{i}", f"present_{kind}.{i}")
     model = gb.to_model(release=True)  # validates the bindings; hands over the payloads
+    left = sorted(set(ckpt.keys()) - b.used)
+    if left:
+        report(f"{len(left)} checkpoint tensors not used by the {cfg.architecture} graph: "
+               + ", ".join(left[:20]) + (" ..." if len(left) > 20 else ""))
+    if unused is not None:
+        unused.extend(left)
     model.producer_name = "olv_runtime"
     model.producer_version = "0.1.0"
 
@@ -454,6 +495,9 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         "olv.rms_norm_eps": repr(cfg.rms_norm_eps),
         "olv.tie_word_embeddings": int(cfg.tie_word_embeddings),
     }
+    maxpos = ckpt.config.get("max_position_embeddings")
+    if isinstance(maxpos, int) and not isinstance(maxpos, bool) and maxpos > 0:
+        meta["olv.max_position_embeddings"] = maxpos  # generate/CLI warn beyond it
     eos = ckpt.config.get("eos_token_id")
     if isinstance(eos, list) and eos:
         eos = eos[0]
@@ -474,27 +518,136 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
     return model
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class ConversionResult:
+    """What :func:`convert` wrote (a short repr: printing it in a REPL shows no weights).
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The model file.
+    data_path : pathlib.Path or None
+        Its external data file (None when every payload is inline or stays in a GGUF file).
+    nbytes : int
+        Bytes written: model file + external data file.
+    architecture, weights : str
+    num_layers, vocab_size : int
+    unused_tensors : tuple of str
+        Checkpoint tensors the graph does not use.
+    proto : ModelProto
+        The model written (``graph`` is a shortcut for ``proto.graph``).
+    """
+
+    path: pathlib.Path
+    data_path: pathlib.Path | None
+    nbytes: int
+    architecture: str
+    weights: str
+    num_layers: int
+    vocab_size: int
+    unused_tensors: tuple
+    proto: ModelProto
+
+    @property
+    def graph(self):
+        return self.proto.graph
+
+    def metadata(self) -> dict[str, str]:
+        return {e.key: e.value for e in self.proto.metadata_props}
+
+    def __repr__(self) -> str:
+        unused = f", {len(self.unused_tensors)} unused tensors" if self.unused_tensors else ""
+        return (f"ConversionResult(path={str(self.path)!r}, {self.nbytes / 1e6:.1f} MB, "
+                f"{self.architecture}, {self.num_layers} layers, vocab {self.vocab_size}, "
+                f"weights {self.weights}{unused})")
+
+
+def _checkpoint_inputs(source: pathlib.Path) -> list[pathlib.Path]:
+    """The files a conversion reads: a GGUF file, or the checkpoint directory's config,
+    safetensors, index and sidecar files."""
+    if source.is_file():
+        return [source]
+    if not source.is_dir():
+        return []
+    names = set(TOKENIZER_FILES) | set(SIDECAR_FILES) | {"config.json"}
+    return [f for f in source.iterdir()
+            if f.is_file() and (f.name in names or f.name.endswith(".safetensors")
+                                or f.name.endswith(".safetensors.index.json"))]
+
+
+def check_output_path(out_path, inputs=(), what: str = "output") -> pathlib.Path:
+    """Refuse an output path that cannot or must not be written, before any work is done.
+
+    Parameters
+    ----------
+    out_path : path-like
+        The model file to write (its ``.data`` file beside it is checked too).
+    inputs : iterable of path-like
+        Files the same call reads: none of them may be overwritten.
+
+    Returns
+    -------
+    pathlib.Path
+
+    Raises
+    ------
+    OutputError
+        An existing directory, a non-regular file, one of ``inputs`` (or its ``.data`` file
+        is), or a location whose nearest existing parent is not a writable directory.
+    """
+    out = pathlib.Path(out_path)
+    if out.is_dir():
+        raise OutputError(
+            f"{what} {str(out)!r} is an existing directory; pass a file path such as "
+            f"{str(out / 'model.onnx')!r}"
+        )
+    if out.exists() and not out.is_file():
+        raise OutputError(f"{what} {str(out)!r} exists and is not a regular file")
+    targets = [out, out.with_name(out.name + ".data")]
+    for src in inputs:
+        src = pathlib.Path(src)
+        for t in targets:
+            same = (t.exists() and src.exists() and os.path.samefile(t, src)) or \
+                t.resolve() == src.resolve()
+            if same:
+                raise OutputError(
+                    f"{what} {str(t)!r} is an input of this conversion ({str(src)!r}); "
+                    "refusing to overwrite it (choose another output path)"
+                )
+    parent = out.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(
+            f"cannot write {what} {str(out)!r}: {str(parent)!r} is not a writable directory"
+        )
+    return out
+
+
 def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
             progress: Callable[[str], None] | None = None,
             external_data: bool | None = None, kv: str = "contiguous",
-            scale_dtype: str = "float16") -> ModelProto:
+            scale_dtype: str = "float16") -> ConversionResult:
     """Convert a checkpoint directory (or a GGUF file) to an ONNX file.
 
     A file path is a GGUF file: :func:`olv_runtime.models.gguf.convert_gguf` (tensors referenced
-    in place; ``weights`` and ``external_data`` do not apply). Otherwise writes the model of :func:`build_model` to ``out_path`` with :func:`olv_runtime.io.save`
-    and copies ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``
-    from the checkpoint directory next to it when present.
+    in place; ``weights`` and ``external_data`` do not apply). Otherwise writes the model of
+    :func:`build_model` to ``out_path`` with :func:`olv_runtime.io.save` and copies
+    ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json`` and
+    ``chat_template.jinja`` from the checkpoint directory next to it when present, recording
+    their SHA-256 in the model's metadata (:mod:`olv_runtime.sidecars`: a sidecar later
+    replaced by another model's is refused, not silently used).
 
     Parameters
     ----------
     checkpoint_dir : str or os.PathLike
-        Hugging Face checkpoint directory (config.json + safetensors).
+        Hugging Face checkpoint directory (config.json + safetensors), or a ``.gguf`` file.
     out_path : str or os.PathLike
         Output ``.onnx`` path; its directory is created if needed.
     weights : {"int4-block32", "float32"}
         Weight format.
     progress : callable, optional
-        ``progress(msg)`` called per layer.
+        ``progress(msg)`` called per layer (and with the list of unused checkpoint tensors).
     external_data : bool, optional
         Passed to :func:`olv_runtime.io.save` (None: external data only above 256 MiB).
     kv : str
@@ -504,32 +657,74 @@ def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
 
     Returns
     -------
-    ModelProto
-        The model written.
+    ConversionResult
+        Path, bytes written, summary and the unused checkpoint tensors (``.proto``: the model).
 
     Raises
     ------
     ConversionError
-        See :func:`build_model`.
+        See :func:`build_model` (a tensor the architecture requires is missing, ...).
+    OutputError
+        ``out_path`` is an existing directory, an input file (or its .data file is), or not
+        writable. Nothing is written then.
     """
-    if os.path.isfile(os.fspath(checkpoint_dir)):  # a GGUF file (models/gguf.py)
+    source = pathlib.Path(os.fspath(checkpoint_dir))
+    out = check_output_path(out_path, _checkpoint_inputs(source))
+    if source.is_file():  # a GGUF file (models/gguf.py)
         from olv_runtime.models.gguf import convert_gguf
 
-        return convert_gguf(checkpoint_dir, out_path, progress=progress)
-    out_path = os.fspath(out_path)
-    with Checkpoint(checkpoint_dir) as ckpt:
-        model = build_model(ckpt, weights, progress=progress, kv=kv, scale_dtype=scale_dtype)
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
+        if source.suffix.lower() != ".gguf":
+            raise ConversionError(
+                f"{str(source)!r} is a file, not a checkpoint directory (pass the directory that "
+                "holds config.json and the *.safetensors files, or a .gguf file)"
+            )
+        model = convert_gguf(source, out, progress=progress)
+        return _result(out, model, (), None)
+    unused = []
+    with Checkpoint(source) as ckpt:
+        model = build_model(ckpt, weights, progress=progress, kv=kv,
+                            scale_dtype=scale_dtype, unused=unused)
+    files = {}
+    for fname in SIDECAR_FILES:
+        src = source / fname
+        if src.is_file():
+            files[fname] = src.read_bytes()
+    record_sidecars(model, files)
     if progress:
-        progress(f"writing {out_path}")
-    save(model, out_path, external_data=external_data)
-    for fname in TOKENIZER_FILES:
-        src = os.path.join(os.fspath(checkpoint_dir), fname)
-        dst = os.path.join(out_dir, fname)
-        if os.path.isfile(src):
-            try:
-                shutil.copyfile(src, dst)
-            except shutil.SameFileError:
-                pass
-    return model
+        progress(f"writing {out}")
+    save(model, out, external_data=external_data)
+    for fname, data in files.items():
+        dst = out.parent / fname
+        if dst.exists() and os.path.samefile(dst, source / fname):
+            continue
+        try:
+            dst.write_bytes(data)
+        except OSError as exc:
+            raise OutputError(f"cannot write {str(dst)!r}: {exc.strerror}") from None
+    if unused:
+        warnings.warn(
+            f"{len(unused)} checkpoint tensors are not used by the {model.graph.name or 'model'} "
+            f"graph: {', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}",
+            ConversionWarning, stacklevel=2)
+    return _result(out, model, unused, weights)
+
+
+class ConversionWarning(UserWarning):
+    """A conversion succeeded but something was ignored (unused checkpoint tensors)."""
+
+
+def _result(out: pathlib.Path, model: ModelProto, unused, weights) -> ConversionResult:
+    meta = {e.key: e.value for e in model.metadata_props}
+    data = out.with_name(out.name + ".data")
+    has_data = data.is_file() and any(
+        e.value == data.name for m in list(model.graph.initializer)
+        + list(model.graph.encoded_initializer) for e in m.external_data if e.key == "location")
+    size = out.stat().st_size + (data.stat().st_size if has_data else 0)
+
+    def num(key):
+        v = meta.get(key, "0")
+        return int(v) if v.isdigit() else 0
+
+    return ConversionResult(out, data if has_data else None, size,
+                            meta.get("olv.architecture", ""), weights or meta.get("olv.weights", ""),
+                            num("olv.num_layers"), num("olv.vocab_size"), tuple(unused), model)
