@@ -226,12 +226,12 @@ def test_ctrl_c_during_generate(model):
     p = subprocess.Popen([sys.executable, "-m", "olv_runtime.cli", "generate", str(model),
                           "--prompt-ids", "1,2,3", "--max-new-tokens", "100000", "--output", "ids",
                           "--threads", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    first = p.stdout.read(8)  # generation has started (ids are streamed)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=_env())
+    first = p.stdout.read(8).decode()  # unbuffered: generation has started (ids are streamed)
     assert first.strip(), p.stderr.read()
     time.sleep(0.3)
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+    out, err = (x.decode() for x in p.communicate(timeout=120))
     assert p.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert "stopped: interrupted (Ctrl-C)" in err
