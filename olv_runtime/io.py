@@ -290,7 +290,13 @@ def as_model(model) -> Model:
     if isinstance(model, (str, os.PathLike)):
         return load(model)
     if type(model).__name__ == "ModelProto" and hasattr(model, "SerializeToString"):
-        return Model(ModelProto.FromString(model.SerializeToString()))
+        try:
+            proto = ModelProto.FromString(model.SerializeToString())
+        except Exception as exc:  # protobuf's DecodeError / EncodeError
+            raise ModelFormatError(f"the {type(model).__module__} ModelProto cannot be "
+                                   f"re-parsed: {exc}") from None
+        check_strings(proto, "ModelProto")
+        return Model(proto)
     raise ModelFormatError(
         f"expected a Model, ModelProto or path, got {type(model).__name__}"
     )

@@ -348,3 +348,15 @@ def test_negative_declared_input_dim():
     with pytest.raises(ValidationError, match=r"'x': declared dimension 0 is negative"):
         olv_runtime.InferenceSession(_model_with([make_node("Identity", ["x"], ["y"])],
                                                  inputs=[x]))
+
+
+def test_invalid_utf8_through_an_onnx_modelproto():
+    import onnx
+    from onnx import helper as oh
+
+    g = oh.make_graph([oh.make_node("Relu", ["x"], ["y"], name="ab")], "g",
+                      [oh.make_tensor_value_info("x", 1, [2])],
+                      [oh.make_tensor_value_info("y", 1, [2])])
+    raw = oh.make_model(g).SerializeToString().replace(b"ab", b"\xff\xfe")
+    with pytest.raises(ModelFormatError, match=r"graph\.node\[0\]\.name is not valid UTF-8"):
+        olv_runtime.InferenceSession(onnx.ModelProto.FromString(raw))
