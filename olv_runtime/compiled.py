@@ -937,7 +937,7 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
                     fh.write(b"\0" * p)
                     offset += p
 
-            for step in sess._steps:
+            for step in sess.all_steps():
                 lin = step.impl
                 if not isinstance(lin, LinearStep) or lin.packed is None:
                     continue

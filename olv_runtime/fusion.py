@@ -501,6 +501,10 @@ def optimize(steps: list[Step], constants: dict, graph_outputs: set[str], option
     steps = _fuse_silu(steps, graph_outputs)
     steps = _fuse_rope_attention(steps, constants, graph_outputs)
     prepare_linears(steps, counters, compiled)
+    if getattr(options, "compiled_decode", True):
+        from olv_runtime.decoder_stack import fuse_decoder_stack
+
+        steps = fuse_decoder_stack(steps, constants, graph_outputs, counters)
     return steps
 
 

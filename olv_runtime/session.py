@@ -85,6 +85,10 @@ class SessionOptions:
         Quantize activations per 32-block to int8 for integer dot products in the INT4 linear
         layers (as llama.cpp and onnxruntime accuracy level 4 do). Faster, approximate: off by
         default; see kernels/packed.py for the tolerance.
+    compiled_decode : bool
+        Run the decoder layers of a one-token call as one compiled step (default True; see
+        :mod:`olv_runtime.decoder_stack`): no Python per operator, one parallel region per token.
+        Plans of another form, and calls of several tokens, run operator by operator.
     kv_initial_capacity : int
         Tokens of a newly allocated contiguous KV capacity buffer (at least what the call needs).
     kv_growth : float
@@ -104,6 +108,7 @@ class SessionOptions:
     enable_fusion: bool = True
     prepack: bool = True
     quantize_activations: bool = False
+    compiled_decode: bool = True
     kv_initial_capacity: int = 256
     kv_growth: float = 2.0
     use_compiled: bool = True
@@ -604,6 +609,16 @@ class InferenceSession:
         :class:`olv_runtime.compiled.EntryStatus` (``status`` "hit", "miss" with its ``reason``,
         or "unused"); empty when the model has none or ``use_compiled`` is False."""
         return self.compiled.report() if self.compiled is not None else []
+
+    def all_steps(self) -> list:
+        """Every step of the plan, the steps inside composite steps (a ``DecoderStack``'s
+        per-operator steps, which it runs for calls its compiled path does not take) included,
+        after their composite step."""
+        out = []
+        for s in self._steps:
+            out.append(s)
+            out.extend(getattr(s.impl, "sub_steps", ()))
+        return out
 
     def plan(self) -> list[tuple[str, str]]:
         """The execution plan as (kind, name) pairs — fused steps show as Linear/EncodedGather."""

@@ -1,0 +1,387 @@
+"""Fuse the plan's decoder layers into one step that runs a decode token without per-operator
+Python (the compiled driver of :mod:`olv_runtime.kernels.decode_stack`).
+
+:func:`fuse_decoder_stack` looks, after the other fusion passes, for a contiguous run of plan
+steps of the pre-norm decoder form (per layer: ``RMSNormalization -> Linear(q|k|v merged) ->
+RopeAttention -> Linear(o, + residual) -> RMSNormalization -> Linear(gate|up merged) -> SiluMul
+-> Linear(down, + residual)``; then ``RMSNormalization -> Linear(lm_head)``), every linear on the
+8-row packed INT4 layout, every intermediate value read only inside the run and none a graph
+output. It replaces the run with one :class:`DecoderStack` step whose inputs are the run's
+boundary values (the embedding output, cos/sin, each layer's past key/value) and whose outputs
+are the logits and each layer's present key/value -- so the executor, the state and its
+counters see the same values at the call boundary as before.
+
+:class:`DecoderStack` runs the compiled driver when the call is one token (batch 1, one new
+position, float32 contiguous inputs) and otherwise -- prefill, other shapes -- the original steps
+one by one (the generic path, unchanged). Plans of any other form are left alone: the pass only
+ever replaces what it recognises, so graphs with other operators keep working.
+
+KV: each layer's capacity buffer is reserved with :func:`olv_runtime.state.kv.reserve` (in place
+when the past is the previous present), the new key/value are written into slot ``T`` by the
+driver, and the presents are the usual read-only prefix views (counted as
+``bytes_copied_kv_append``, as the per-operator path does).
+"""
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+
+from olv_runtime.errors import InvalidArgument, ValidationError
+from olv_runtime.fusion import LinearStep, RopeAttention, SiluMul, Step
+from olv_runtime.kernels import config
+from olv_runtime.kernels.packed_i8 import PackedInt4I8
+from olv_runtime.pool import current as current_pool
+from olv_runtime.pool import empty
+from olv_runtime.state import kv
+
+__all__ = ["DecoderStack", "fuse_decoder_stack"]
+
+_F32 = np.dtype(np.float32)
+
+
+def _linear(step, n_out=1, residual=False):
+    if step.kind != "Linear":
+        return None
+    lin = step.impl
+    if not isinstance(lin, LinearStep) or not isinstance(lin.packed, PackedInt4I8):
+        return None
+    if lin.i8 not in ("int8", "f32") or lin.residual != residual or len(step.outputs) != n_out:
+        return None
+    if lin.k % 32:
+        return None
+    return lin
+
+
+def _norm(step, constants):
+    """(weight array, eps float32) of an RMSNormalization step over the last axis, or None."""
+    if step.kind != "RMSNormalization" or len(step.inputs) != 2:
+        return None
+    op = step.impl
+    w = constants.get(step.inputs[1])
+    if (not isinstance(w, np.ndarray) or w.dtype != _F32 or w.ndim != 1
+            or op.attrs.get("axis", -1) != -1 or op.attrs.get("stash_type", 1) != 1):
+        return None
+    return np.ascontiguousarray(w), op.eps32
+
+
+def _match_layer(steps, i, x, constants):
+    """The layer starting at ``steps[i]`` reading residual ``x``; returns (layer dict, next x) or
+    None."""
+    if i + 8 > len(steps):
+        return None
+    s0, s1, s2, s3, s4, s5, s6, s7 = steps[i:i + 8]
+    n0 = _norm(s0, constants)
+    if n0 is None or s0.inputs[0] != x:
+        return None
+    h = s0.outputs[0]
+    qkv = _linear(s1, 3)
+    if qkv is None or s1.inputs != (h,):
+        return None
+    if s2.kind != "RopeAttention" or not isinstance(s2.impl, RopeAttention) or not s2.impl.fast:
+        return None
+    ra = s2.impl
+    q, k, v = s1.outputs
+    if (len(s2.inputs) != 9 or s2.inputs[:3] != (q, k, v) or s2.inputs[5] != s2.inputs[7]
+            or s2.inputs[6] != s2.inputs[8] or len(s2.outputs) != 3):
+        return None
+    nh, nkv = ra.h, ra.kvh
+    if nh % nkv:
+        return None
+    d = qkv.ns[0] // nh
+    if qkv.ns != [nh * d, nkv * d, nkv * d] or nh * d != qkv.ns[0]:
+        return None
+    r = ra.rope_q.attrs["rotary_embedding_dim"] or d
+    if r > d or r % 2:
+        return None
+    attn = s2.outputs[0]
+    o = _linear(s3, 1, residual=True)
+    if o is None or s3.inputs != (attn, x) or o.k != nh * d:
+        return None
+    x1 = s3.outputs[0]
+    n1 = _norm(s4, constants)
+    if n1 is None or s4.inputs[0] != x1:
+        return None
+    h2 = s4.outputs[0]
+    gu = _linear(s5, 2)
+    if gu is None or s5.inputs != (h2,) or len(gu.ns) != 2 or gu.ns[0] != gu.ns[1]:
+        return None
+    if s6.kind != "SiluMul" or not isinstance(s6.impl, SiluMul) or s6.inputs != s5.outputs:
+        return None
+    down = _linear(s7, 1, residual=True)
+    if down is None or s7.inputs != (s6.outputs[0], x1):
+        return None
+    e = o.n
+    if (qkv.k != e or gu.k != e or down.n != e or down.k != gu.ns[0]
+            or n0[0].shape != (e,) or n1[0].shape != (e,) or n0[1] != n1[1]):
+        return None
+    if o.bias is not None or gu.bias is not None or down.bias is not None:
+        return None
+    layer = dict(steps=steps[i:i + 8], norm_in=n0[0], norm_post=n1[0], eps=n0[1], qkv=qkv, o=o,
+                 gu=gu, down=down, att=ra, heads=nh, kv_heads=nkv, head_dim=d, rotary_dim=r,
+                 past_k=s2.inputs[3], past_v=s2.inputs[4], cos=s2.inputs[5], sin=s2.inputs[6],
+                 present_k=s2.outputs[1], present_v=s2.outputs[2])
+    return layer, s7.outputs[0]
+
+
+def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counters=None) -> list:
+    """Replace the decoder-layer run of ``steps`` by one :class:`DecoderStack` (see the module
+    docstring); returns the (possibly unchanged) step list."""
+    for i, s in enumerate(steps):
+        if s.kind != "RMSNormalization":
+            continue
+        x0 = s.inputs[0]
+        layers, j, x = [], i, x0
+        while True:
+            m = _match_layer(steps, j, x, constants)
+            if m is None:
+                break
+            layers.append(m[0])
+            x = m[1]
+            j += 8
+        if not layers or j + 2 > len(steps):
+            continue
+        nf = _norm(steps[j], constants)
+        lm = _linear(steps[j + 1], 1)
+        if (nf is None or lm is None or steps[j].inputs[0] != x
+                or steps[j + 1].inputs != (steps[j].outputs[0],) or lm.bias is not None
+                or lm.k != layers[0]["o"].n or nf[1] != layers[0]["eps"]
+                or len(lm.weights) != 1):
+            continue
+        run = steps[i:j + 2]
+        if not _consistent(layers, lm):
+            continue
+        arrays = [L[n].packed.codes for L in layers for n in ("qkv", "o", "gu", "down")]
+        arrays += [L[n].packed.scale for L in layers for n in ("qkv", "o", "gu", "down")]
+        arrays += [lm.packed.codes, lm.packed.scale]
+        if not all(a.flags.c_contiguous for a in arrays):
+            continue
+        boundary_in = [x0, layers[0]["cos"], layers[0]["sin"]]
+        for L in layers:
+            boundary_in += [L["past_k"], L["past_v"]]
+        boundary_out = [steps[j + 1].outputs[0]]
+        for L in layers:
+            boundary_out += [L["present_k"], L["present_v"]]
+        if any(L["cos"] != boundary_in[1] or L["sin"] != boundary_in[2] for L in layers):
+            continue
+        if len(set(boundary_in)) != len(boundary_in):
+            continue
+        # every value made inside the run is read only inside it and is not a graph output
+        made = {o for st in run for o in st.outputs if o} - set(boundary_out)
+        inside = {id(st) for st in run}
+        leaks = made & set(graph_outputs)
+        for st in steps:
+            if id(st) not in inside:
+                leaks |= made & set(st.inputs)
+        if leaks:
+            continue
+        stack = DecoderStack("DecoderStack(" + run[0].name + " .. " + run[-1].name + ")",
+                             layers, nf[0], lm, run, boundary_in, boundary_out, constants,
+                             counters)
+        step = Step(stack.name, "DecoderStack", stack, boundary_in, boundary_out, stack)
+        return steps[:i] + [step] + steps[j + 2:]
+    return steps
+
+
+def _consistent(layers, lm) -> bool:
+    L0 = layers[0]
+    keys = ("heads", "kv_heads", "head_dim", "rotary_dim", "eps")
+    mode = L0["qkv"].i8
+    sdt = L0["qkv"].packed.scale.dtype
+    for L in layers:
+        if any(L[k] != L0[k] for k in keys):
+            return False
+        if L["att"].interleaved != L0["att"].interleaved:
+            return False
+        if L["att"].scale_attr != L0["att"].scale_attr:
+            return False
+        if L["gu"].ns != L0["gu"].ns:
+            return False
+        for name in ("qkv", "o", "gu", "down"):
+            if L[name].i8 != mode or L[name].packed.scale.dtype != sdt:
+                return False
+    return lm.i8 == mode and lm.packed.scale.dtype == sdt
+
+
+class DecoderStack:
+    """The fused decoder layers + final norm + lm_head (see the module docstring).
+
+    ``fn(x0, cos, sin, past_key_0, past_value_0, ...) -> (logits, present_key_0,
+    present_value_0, ...)``. ``run_kernel`` is the compiled driver call (benchmarks replace it
+    to measure the Python around it).
+    """
+
+    def __init__(self, name, layers, norm_final, lm, sub_steps, inputs, outputs, constants,
+                 counters):
+        from numba.typed import List
+
+        from olv_runtime.kernels import decode_stack as ds
+
+        self.name = name
+        self.sub_steps = list(sub_steps)
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.constants = constants
+        self.counters = counters
+        L0 = layers[0]
+        self.n_layers = len(layers)
+        self.heads, self.kv_heads, self.head_dim = L0["heads"], L0["kv_heads"], L0["head_dim"]
+        self.rotary_dim = L0["rotary_dim"]
+        self.interleaved = bool(L0["att"].interleaved)
+        d = self.head_dim
+        sc = L0["att"].scale_attr
+        self.att_scale = np.float32(sc if sc is not None else 1.0 / np.sqrt(d))
+        self.eps = np.float32(L0["eps"])
+        self.quant = L0["qkv"].i8 == "int8"
+        self.e = L0["o"].n
+        self.inter = L0["gu"].ns[0]
+        self.vocab = lm.n
+        self.kv_opts = L0["att"].attention.kv_opts
+        def ro(a):  # read-only views: one numba list type for owned and mapped (compiled) arrays
+            v = a.view()
+            v.flags.writeable = False
+            return v
+
+        codes, scales, biases, norms = List(), List(), List(), List()
+        has_bias = np.zeros(self.n_layers, np.bool_)
+        for li, L in enumerate(layers):
+            for name in ("qkv", "o", "gu", "down"):
+                codes.append(ro(L[name].packed.codes))
+                scales.append(ro(L[name].packed.scale))
+            b = L["qkv"].bias
+            has_bias[li] = b is not None
+            biases.append(np.ascontiguousarray(b, np.float32) if b is not None
+                          else np.zeros(L["qkv"].n, np.float32))
+            norms.append(L["norm_in"])
+            norms.append(L["norm_post"])
+        norms.append(np.ascontiguousarray(norm_final))
+        codes.append(ro(lm.packed.codes))
+        scales.append(ro(lm.packed.scale))
+        self.codes, self.scales, self.biases, self.norms = codes, scales, biases, norms
+        self.has_bias = has_bias
+        self.k_max = max(self.e, self.heads * d, self.inter)
+        self._ds = ds
+        self._local = threading.local()
+        self.run_kernel = ds.decode_stack
+        # lifetimes of the values made inside the run (generic path)
+        keep = set(self.outputs) | set(self.inputs)
+        last = {}
+        for idx, st in enumerate(self.sub_steps):
+            for n in st.inputs:
+                if n:
+                    last[n] = idx
+            for n in st.outputs:
+                if n:
+                    last.setdefault(n, idx)
+        self._release = [[] for _ in self.sub_steps]
+        for n, idx in last.items():
+            if n not in keep and n not in constants:
+                self._release[idx].append(n)
+
+    # -- per-thread state ----------------------------------------------------------------------
+    def _thread_state(self, nt):
+        st = getattr(self._local, "st", None)
+        if st is None or st["nt"] != nt:
+            from numba.typed import List
+
+            ws = self._ds.StackWorkspace(nt, self.e, self.codes[0].shape[0] * 8,
+                                         self.heads * self.head_dim, 2 * self.inter, self.inter,
+                                         self.vocab, self.k_max)
+            ws.qkv = np.zeros((1, self.biases[0].shape[0]), np.float32)
+            kb, vb = List(), List()
+            dummy = np.zeros((1, self.kv_heads, 1, self.head_dim), np.float32)
+            for _ in range(self.n_layers):
+                kb.append(dummy)
+                vb.append(dummy)
+            st = {"nt": nt, "ws": ws, "kb": kb, "vb": vb, "kb_py": [dummy] * self.n_layers,
+                  "vb_py": [dummy] * self.n_layers,
+                  "tpos": np.zeros(self.n_layers, np.int64)}
+            self._local.st = st
+            if self.counters is not None:
+                self.counters.add("arrays_allocated", 13)
+                self.counters.add("bytes_allocated", ws.nbytes)
+                self.counters.set_max("workspace_peak", ws.nbytes)
+        return st
+
+    # -- execution ------------------------------------------------------------------------------
+    def _fast_ok(self, x0, cos, sin, pasts) -> bool:
+        e, r2 = self.e, self.rotary_dim // 2
+        if not (type(x0) is np.ndarray and x0.dtype == _F32 and x0.shape == (1, 1, e)
+                and x0.flags.c_contiguous):
+            return False
+        for c in (cos, sin):
+            if not (type(c) is np.ndarray and c.dtype == _F32 and c.shape == (1, 1, r2)
+                    and c.flags.c_contiguous):
+                return False
+        shp = (1, self.kv_heads)
+        for p in pasts:
+            if not (type(p) is np.ndarray and p.dtype == _F32 and p.ndim == 4
+                    and p.shape[:2] == shp and p.shape[3] == self.head_dim):
+                return False
+        return True
+
+    def __call__(self, x0, cos, sin, *pasts):
+        if not self._fast_ok(x0, cos, sin, pasts):
+            return self._run_generic((x0, cos, sin) + pasts)
+        layer = config.threading_layer()
+        nt = numba.get_num_threads() if layer == "omp" else 1
+        st = self._thread_state(nt)
+        kb, vb, kb_py, vb_py, tpos = st["kb"], st["vb"], st["kb_py"], st["vb_py"], st["tpos"]
+        opts = self.kv_opts
+        bufs = []
+        for li in range(self.n_layers):
+            kbuf, t = kv.reserve(pasts[2 * li], 1, **opts)
+            vbuf, t2 = kv.reserve(pasts[2 * li + 1], 1, **opts)
+            if t2 != t:
+                raise InvalidArgument(
+                    f"node {self.name!r}: layer {li} past key has {t} tokens, past value {t2}")
+            if kbuf is not kb_py[li]:
+                kb[li] = kbuf
+                kb_py[li] = kbuf
+            if vbuf is not vb_py[li]:
+                vb[li] = vbuf
+                vb_py[li] = vbuf
+            tpos[li] = t
+            bufs.append((kbuf, vbuf, t))
+        logits = empty((1, 1, self.vocab), np.float32)
+        self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.codes, self.scales,
+                        self.biases, self.has_bias, self.norms, self.eps, kb, vb, tpos,
+                        cos.reshape(-1), sin.reshape(-1), self.heads, self.kv_heads,
+                        self.head_dim, self.rotary_dim, self.interleaved, self.att_scale,
+                        self.inter, st["ws"], logits.reshape(1, self.vocab))
+        out = [logits]
+        for kbuf, vbuf, t in bufs:
+            out.append(kv.present(kbuf, t + 1))
+            out.append(kv.present(vbuf, t + 1))
+        c = self.kv_opts.get("counters")
+        if c is not None:
+            c.add("bytes_copied_kv_append", 2 * 4 * self.kv_heads * self.head_dim * self.n_layers)
+        return tuple(out)
+
+    def _run_generic(self, args):
+        """The original steps one by one (prefill and other shapes)."""
+        pool = current_pool()
+        env = dict(zip(self.inputs, args))
+        consts = self.constants
+        for st, rel in zip(self.sub_steps, self._release):
+            vals = [env[n] if n in env else consts[n] if n else None for n in st.inputs]
+            try:
+                res = st.fn(*vals)
+            except (InvalidArgument, ValidationError):
+                raise
+            except Exception as exc:
+                raise InvalidArgument(
+                    f"node {st.name!r} ({st.kind}) failed: {type(exc).__name__}: {exc}") from exc
+            for n, v in zip(st.outputs, res):
+                if n:
+                    env[n] = v
+                    if pool is not None:
+                        pool.ref(v)
+            for n in rel:
+                v = env.pop(n, None)
+                if pool is not None:
+                    pool.unref(v)
+        # the outputs keep this reference until the run ends (BufferPool.end_run); the executor
+        # adds and drops its own
+        return tuple(env[n] for n in self.outputs)

@@ -1,0 +1,351 @@
+"""One compiled decode step for a stack of pre-norm transformer layers (M = 1).
+
+ggml's way of running a graph: one pool of threads walks every operator of the step, with a
+barrier between operators, instead of a Python call (and a parallel-region start) per operator.
+:func:`decode_stack` opens ONE numba parallel region of ``nt`` tasks (``nt`` <= the threads of
+the ``omp`` layer, so every task runs on its own thread at once); each task runs
+:func:`_stack_thread` over every layer and meets the others at a spin barrier (atomic counter and
+generation in an int64 array, ``pause`` while waiting) after each operator that produces shared
+data.
+
+Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 [E]):
+
+1. ``h = RMSNorm(x) * w_in`` -- every thread computes it privately (E floats, no barrier), and in
+   int8 mode quantizes it privately (:func:`~.packed_i8._quantize_rows_i8`);
+2. ``qkv = h @ Wqkv.T (+ bias)`` -- 8-row groups split across threads
+   (:func:`~.packed_i8._groups` int8 / :func:`~.packed_f32._groups` exact); barrier;
+3. RoPE of q and k (non-interleaved or interleaved halves, ``rotary_dim``), k and v written into
+   slot ``t`` of the layer's capacity buffers (KV heads split across threads); barrier;
+4. attention of each query head over ``t + 1`` keys (:func:`~.attention._attend_one`, online
+   softmax; heads split); barrier;
+5. ``x1 = attn @ Wo.T + x`` (groups split, residual added per row); barrier;
+6. ``h2 = RMSNorm(x1) * w_post`` (private), ``gu = h2 @ Wgu.T`` (gate rows then up rows);
+   barrier;
+7. ``a = g * sigmoid(g) * u`` (elements split; same operations as the unfused SiLU:
+   ``1 / (1 + exp(-g))``, then two products); barrier;
+8. ``x2 = a @ Wdown.T + x1`` (groups split); barrier.
+
+After the last layer: ``RMSNorm(x) * w_final`` (private), ``logits = . @ Wlm.T`` (groups split).
+
+The arithmetic of every operator is that of the generic kernels (same serial functions or the
+same expressions), so the logits agree with the per-operator plan to float32 rounding (the SiLU
+``exp`` is libm's here and numpy's SIMD exp in the plan; attention's dot products may be
+vectorised differently): the tests bound the difference and require identical greedy tokens.
+
+Workspace (:class:`StackWorkspace`) is allocated once per (session, thread); a call allocates
+nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from . import packed_f32, packed_i8
+from .attention import _attend_one
+from .config import JIT, PJIT
+from .norm import _rms_norm_row
+
+__all__ = ["decode_stack", "StackWorkspace", "BARRIER_SLOTS"]
+
+BARRIER_SLOTS = 16  # int64 [16]: counter at 0, generation at 8 (separate cache lines)
+GROUP_ROWS = packed_i8.GROUP_ROWS
+
+
+# ------------------------------------------------------------------------------------------------
+# atomics and the barrier
+# ------------------------------------------------------------------------------------------------
+def _i64_ptr(context, builder, aty, aval, idx):
+    ary = context.make_array(aty)(context, builder, aval)
+    return builder.gep(ary.data, [idx])
+
+
+@intrinsic
+def _atomic_add(typingctx, arr, idx, val):
+    """Atomic ``arr[idx] += val`` (seq_cst); returns the old value (int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", p, v, "seq_cst")
+    return types.int64(arr, types.intp, val), codegen
+
+
+@intrinsic
+def _atomic_load(typingctx, arr, idx):
+    """Atomic (seq_cst) load of ``arr[idx]`` (int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
+        return builder.load_atomic(p, "seq_cst", 8)
+    return types.int64(arr, types.intp), codegen
+
+
+@intrinsic
+def _atomic_store(typingctx, arr, idx, val):
+    """Atomic (seq_cst) store ``arr[idx] = val`` (int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(v, p, "seq_cst", 8)
+        return context.get_dummy_value()
+    return types.none(arr, types.intp, val), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """Spin-wait hint (x86 ``pause``)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                            "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@njit(**JIT)
+def _barrier(bar, nt):
+    """All ``nt`` tasks wait here until every one has arrived (sense by generation count)."""
+    if nt == 1:
+        return
+    gen = _atomic_load(bar, 8)
+    if _atomic_add(bar, 0, 1) == nt - 1:
+        _atomic_store(bar, 0, 0)
+        _atomic_add(bar, 8, 1)
+    else:
+        while _atomic_load(bar, 8) == gen:
+            _pause()
+
+
+# ------------------------------------------------------------------------------------------------
+# workspace
+# ------------------------------------------------------------------------------------------------
+class StackWorkspace:
+    """Buffers of :func:`decode_stack` for ``nt`` tasks (shared activations, per-task scratch)."""
+
+    def __init__(self, nt, e, n_qkv, hd, n_gu, inter, vocab, k_max):
+        kp = 32 * (-(-k_max // 32))
+        kb = kp // 32
+        self.nt = nt
+        self.xa = np.zeros((1, e), np.float32)
+        self.xb = np.zeros((1, e), np.float32)
+        self.qkv = np.zeros((1, n_qkv), np.float32)
+        self.attn = np.zeros((1, hd), np.float32)
+        self.gu = np.zeros((1, n_gu), np.float32)
+        self.act = np.zeros((1, inter), np.float32)
+        self.hx = np.zeros((nt, 1, e), np.float32)          # private normed activations
+        self.xq = packed_i8._aligned_empty((nt, 1, kp), np.int8)
+        self.xq[...] = 0
+        self.xd = np.zeros((nt, 1, kb), np.float32)
+        self.xs8 = np.zeros((nt, 1, kb), np.int32)
+        self.facc8 = np.zeros((nt, 1, GROUP_ROWS), np.float32)
+        self.facc32 = np.zeros((nt, packed_f32.ROWS_MAX * GROUP_ROWS), np.float32)
+        self.bar = np.zeros(BARRIER_SLOTS, np.int64)
+        self.vocab = vocab
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(getattr(self, a).nbytes for a in (
+            "xa", "xb", "qkv", "attn", "gu", "act", "hx", "xq", "xd", "xs8", "facc8", "facc32",
+            "bar")))
+
+
+# ------------------------------------------------------------------------------------------------
+# the per-thread program
+# ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def _linear_part(tid, nt, quant, codes, scale, xin, xq, xd, xs8, out, facc8, facc32):
+    """This task's share (8-row groups ``[g0, g1)``) of ``out[0, :] = xin[0, :] @ W.T``.
+    int8 mode: ``xq/xd/xs8`` hold this task's quantization of ``xin`` (done by the caller)."""
+    ng = codes.shape[0]
+    g0 = tid * ng // nt
+    g1 = (tid + 1) * ng // nt
+    n = out.shape[1]
+    if quant:
+        packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, n, out, facc8)
+    else:
+        packed_f32._groups(codes, scale, g0, g1, xin, 1, n, out, facc32)
+    r0 = g0 * GROUP_ROWS
+    r1 = min(g1 * GROUP_ROWS, n)
+    return r0, r1
+
+
+@njit(**JIT)
+def _quantize(quant, xin, k, kb, xq, xd, xs8):
+    if quant:
+        packed_i8._quantize_rows_i8(xin, 1, k, kb, xq, xd, xs8)
+
+
+@njit(**JIT)
+def _rope_head(buf, off, cos, sin, interleaved, rdim):
+    """Rotate one head ``buf[0, off:off+D]`` in place (the expressions of rope._rope_token)."""
+    half = rdim // 2
+    if interleaved:
+        for i in range(half):
+            x1 = buf[0, off + 2 * i]
+            x2 = buf[0, off + 2 * i + 1]
+            buf[0, off + 2 * i] = cos[i] * x1 - sin[i] * x2
+            buf[0, off + 2 * i + 1] = sin[i] * x1 + cos[i] * x2
+    else:
+        for i in range(half):
+            x1 = buf[0, off + i]
+            x2 = buf[0, off + half + i]
+            buf[0, off + i] = cos[i] * x1 - sin[i] * x2
+            buf[0, off + half + i] = sin[i] * x1 + cos[i] * x2
+
+
+@njit(**JIT)
+def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps,
+                  kbufs, vbufs, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+                  inter, xa, xb, qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
+                  logits):
+    n_layers = len(kbufs)
+    e = x0.shape[1]
+    hd = n_heads * d
+    kvd = n_kv * d
+    group = n_heads // n_kv
+    h = hx[tid]
+    q8 = xq[tid]
+    qd = xd[tid]
+    qs = xs8[tid]
+    f8 = facc8[tid]
+    f32 = facc32[tid]
+    # residual stream: x0 -> xa -> xb -> xa ... (each write goes to the buffer x is not in)
+    x = x0
+    nxt = 0  # 0: the next write goes to xa, 1: to xb
+    for li in range(n_layers):
+        xn = xa if nxt == 0 else xb
+        w = 4 * li
+        # 1-2: input norm (private), q/k/v projection (+ bias)
+        _rms_norm_row(x[0], norms[2 * li], eps, h[0])
+        _quantize(quant, h, e, codes[w].shape[1], q8, qd, qs)
+        r0, r1 = _linear_part(tid, nt, quant, codes[w], scales[w], h, q8, qd, qs, qkv, f8, f32)
+        if has_bias[li]:
+            b = biases[li]
+            for r in range(r0, r1):
+                qkv[0, r] = qkv[0, r] + b[r]
+        _barrier(bar, nt)
+        # 3: RoPE on q and k heads, k and v into the capacity buffers
+        t = tpos[li]
+        kb = kbufs[li]
+        vb = vbufs[li]
+        c = cos
+        s = sin
+        h0 = tid * n_heads // nt
+        h1 = (tid + 1) * n_heads // nt
+        for hh in range(h0, h1):
+            _rope_head(qkv, hh * d, c, s, interleaved, rdim)
+        k0 = tid * n_kv // nt
+        k1 = (tid + 1) * n_kv // nt
+        for g in range(k0, k1):
+            _rope_head(qkv, hd + g * d, c, s, interleaved, rdim)
+            for i in range(d):
+                kb[0, g, t, i] = qkv[0, hd + g * d + i]
+                vb[0, g, t, i] = qkv[0, hd + kvd + g * d + i]
+        _barrier(bar, nt)
+        # 4: attention of this task's query heads over t + 1 keys
+        for hh in range(h0, h1):
+            g = hh // group
+            _attend_one(qkv[0, hh * d:(hh + 1) * d], kb[0, g], vb[0, g], t + 1, att_scale,
+                        attn[0, hh * d:(hh + 1) * d])
+        _barrier(bar, nt)
+        # 5: output projection + residual
+        _quantize(quant, attn, hd, codes[w + 1].shape[1], q8, qd, qs)
+        r0, r1 = _linear_part(tid, nt, quant, codes[w + 1], scales[w + 1], attn, q8, qd, qs,
+                              xn, f8, f32)
+        for r in range(r0, r1):
+            xn[0, r] = xn[0, r] + x[0, r]
+        _barrier(bar, nt)
+        x = xn
+        nxt = 1 - nxt
+        xn = xa if nxt == 0 else xb
+        # 6: post-attention norm (private), gate/up projection
+        _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
+        _quantize(quant, h, e, codes[w + 2].shape[1], q8, qd, qs)
+        _linear_part(tid, nt, quant, codes[w + 2], scales[w + 2], h, q8, qd, qs, gu, f8, f32)
+        _barrier(bar, nt)
+        # 7: SiLU(gate) * up (same operations as fusion.SiluMul)
+        j0 = tid * inter // nt
+        j1 = (tid + 1) * inter // nt
+        one = np.float32(1.0)
+        for j in range(j0, j1):
+            gv = gu[0, j]
+            sg = one / (np.exp(-gv) + one)
+            act[0, j] = (gv * sg) * gu[0, inter + j]
+        _barrier(bar, nt)
+        # 8: down projection + residual
+        _quantize(quant, act, inter, codes[w + 3].shape[1], q8, qd, qs)
+        r0, r1 = _linear_part(tid, nt, quant, codes[w + 3], scales[w + 3], act, q8, qd, qs,
+                              xn, f8, f32)
+        for r in range(r0, r1):
+            xn[0, r] = xn[0, r] + x[0, r]
+        _barrier(bar, nt)
+        x = xn
+        nxt = 1 - nxt
+    # final norm (private) and lm_head
+    _rms_norm_row(x[0], norms[2 * n_layers], eps, h[0])
+    wl = 4 * n_layers
+    _quantize(quant, h, e, codes[wl].shape[1], q8, qd, qs)
+    _linear_part(tid, nt, quant, codes[wl], scales[wl], h, q8, qd, qs, logits, f8, f32)
+
+
+@njit(**PJIT)
+def _stack_par(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
+               cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, attn,
+               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits):
+    for tid in prange(nt):
+        _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs,
+                      vbufs, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+                      inter, xa, xb, qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
+                      logits)
+
+
+@njit(**JIT)
+def _stack_ser(quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
+               cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, attn,
+               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits):
+    _stack_thread(0, 1, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs,
+                  tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
+                  qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits)
+
+
+def decode_stack(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
+                 cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
+    """Run every layer of one decode token and the lm_head (see the module docstring).
+
+    Parameters (checked by the caller, :class:`olv_runtime.decoder_stack.DecoderStack`)
+    ----------
+    nt : int
+        Tasks (1: serial; > 1 only with the ``omp`` threading layer, nt <= its threads).
+    quant : bool
+        int8 activations (:mod:`.packed_i8`) or float32 (:mod:`.packed_f32`).
+    x0 : float32 [1, E]
+        The embedding of the token.
+    codes, scales : numba typed lists, 4 per layer (qkv, o, gate_up, down) + lm_head
+        :class:`~.packed_i8.PackedInt4I8` ``codes`` / ``scale`` arrays.
+    biases : typed list of float32 [N_qkv] (one per layer); has_bias : bool [L]
+    norms : typed list of float32 [E]: input and post-attention norm weights per layer, final
+    eps : float32
+    kbufs, vbufs : typed lists of float32 [1, KVH, CAP, D] capacity buffers (slot tpos[l] written)
+    tpos : int64 [L]
+    cos, sin : float32 [rdim/2] of the token's position
+    ws : StackWorkspace
+    logits : float32 [1, V] (written)
+    """
+    args = (quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos, cos, sin,
+            n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb, ws.qkv, ws.attn,
+            ws.gu, ws.act, ws.hx, ws.xq, ws.xd, ws.xs8, ws.facc8, ws.facc32, ws.bar, logits)
+    if nt > 1:
+        _stack_par(nt, *args)
+    else:
+        _stack_ser(*args)
+    return logits
