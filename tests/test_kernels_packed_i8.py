@@ -246,3 +246,55 @@ def test_float16_scales_stay_float16_and_equal_the_widened_float32(n, k, m):
     np.testing.assert_array_equal(y16, linear_packed_i8(x, p32))
     np.testing.assert_array_equal(y16, _model(x, q, s32))
     np.testing.assert_array_equal(linear_packed_i8_exact(x, p16), linear_packed_i8_exact(x, p32))
+
+
+@pytest.mark.parametrize("n,k,m", [(8, 32, 1), (130, 100, 3), (200, 256, 4), (24, 1000, 7)])
+def test_vnni_and_avx2_paths_bitwise_equal(n, k, m):
+    """The int8 dot products are chosen at run time from the CPU's features (isa()); forcing the
+    AVX2 fallback gives bitwise the results of the VNNI path (both exact integer sums) and of the
+    numpy model."""
+    from olv_runtime.kernels import packed_i8
+
+    rng = np.random.default_rng(n * k + m)
+    q, payload, scale = _weight(n, k, rng)
+    p = prepack_int4_i8(payload, scale.astype(np.float16), None, n, k, 32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    try:
+        packed_i8.set_isa("avx2")
+        assert packed_i8.isa() == "avx2"
+        y_avx2 = linear_packed_i8(x, p)
+        packed_i8.set_isa(None)
+        y_auto = linear_packed_i8(x, p)
+    finally:
+        packed_i8.set_isa(None)
+    np.testing.assert_array_equal(y_avx2, y_auto)
+    np.testing.assert_array_equal(y_avx2, _model(x, q, scale.astype(np.float16).astype(np.float32)))
+    assert packed_i8.isa() == ("avx512vnni" if packed_i8.HOST_VNNI else "avx2")
+
+
+def test_isa_selection_and_errors():
+    from olv_runtime.kernels import packed_i8
+
+    with pytest.raises(InvalidArgument, match="isa: expected None, 'avx2' or 'avx512vnni'"):
+        packed_i8.set_isa("sse2")
+    if not packed_i8.HOST_VNNI:
+        with pytest.raises(InvalidArgument, match="no AVX-512 VNNI"):
+            packed_i8.set_isa("avx512vnni")
+
+
+def test_vnni_instruction_is_emitted_where_the_cpu_has_it():
+    from numba import njit
+
+    from olv_runtime.kernels import packed_i8
+
+    fresh = njit(packed_i8._group_r1.py_func)  # cached code cannot be inspected
+    codes = np.zeros((1, 1, 128), np.uint8)
+    scale = np.zeros((1, 1, 8), np.float32)
+    xq = np.zeros((1, 32), np.int8)
+    xd = np.zeros((1, 1), np.float32)
+    xs8 = np.zeros((1, 1), np.int32)
+    out = np.zeros((1, 8), np.float32)
+    fresh(codes, scale, 0, xq, xd, xs8, 0, 8, out, np.zeros((1, 8), np.float32), True)
+    asm = fresh.inspect_asm(fresh.signatures[0])
+    assert "vpmaddubsw" in asm  # the AVX2 path is always compiled
+    assert ("vpdpbusd" in asm) == packed_i8.HOST_VNNI

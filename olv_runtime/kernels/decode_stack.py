@@ -163,7 +163,7 @@ class StackWorkspace:
 # the per-thread program
 # ------------------------------------------------------------------------------------------------
 @njit(**JIT)
-def _linear_part(tid, nt, quant, codes, scale, xin, xq, xd, xs8, out, facc8, facc32):
+def _linear_part(tid, nt, quant, codes, scale, xin, xq, xd, xs8, out, facc8, facc32, vnni):
     """This task's share (8-row groups ``[g0, g1)``) of ``out[0, :] = xin[0, :] @ W.T``.
     int8 mode: ``xq/xd/xs8`` hold this task's quantization of ``xin`` (done by the caller)."""
     ng = codes.shape[0]
@@ -171,7 +171,7 @@ def _linear_part(tid, nt, quant, codes, scale, xin, xq, xd, xs8, out, facc8, fac
     g1 = (tid + 1) * ng // nt
     n = out.shape[1]
     if quant:
-        packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, n, out, facc8)
+        packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, n, out, facc8, vnni)
     else:
         packed_f32._groups(codes, scale, g0, g1, xin, 1, n, out, facc32)
     r0 = g0 * GROUP_ROWS
@@ -207,7 +207,7 @@ def _rope_head(buf, off, cos, sin, interleaved, rdim):
 def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps,
                   kbufs, vbufs, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
                   inter, xa, xb, qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
-                  logits):
+                  logits, vnni):
     n_layers = len(kbufs)
     e = x0.shape[1]
     hd = n_heads * d
@@ -228,7 +228,8 @@ def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, ep
         # 1-2: input norm (private), q/k/v projection (+ bias)
         _rms_norm_row(x[0], norms[2 * li], eps, h[0])
         _quantize(quant, h, e, codes[w].shape[1], q8, qd, qs)
-        r0, r1 = _linear_part(tid, nt, quant, codes[w], scales[w], h, q8, qd, qs, qkv, f8, f32)
+        r0, r1 = _linear_part(tid, nt, quant, codes[w], scales[w], h, q8, qd, qs, qkv, f8, f32,
+                              vnni)
         if has_bias[li]:
             b = biases[li]
             for r in range(r0, r1):
@@ -261,7 +262,7 @@ def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, ep
         # 5: output projection + residual
         _quantize(quant, attn, hd, codes[w + 1].shape[1], q8, qd, qs)
         r0, r1 = _linear_part(tid, nt, quant, codes[w + 1], scales[w + 1], attn, q8, qd, qs,
-                              xn, f8, f32)
+                              xn, f8, f32, vnni)
         for r in range(r0, r1):
             xn[0, r] = xn[0, r] + x[0, r]
         _barrier(bar, nt)
@@ -271,7 +272,8 @@ def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, ep
         # 6: post-attention norm (private), gate/up projection
         _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
         _quantize(quant, h, e, codes[w + 2].shape[1], q8, qd, qs)
-        _linear_part(tid, nt, quant, codes[w + 2], scales[w + 2], h, q8, qd, qs, gu, f8, f32)
+        _linear_part(tid, nt, quant, codes[w + 2], scales[w + 2], h, q8, qd, qs, gu, f8, f32,
+                     vnni)
         _barrier(bar, nt)
         # 7: SiLU(gate) * up (same operations as fusion.SiluMul)
         j0 = tid * inter // nt
@@ -285,7 +287,7 @@ def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, ep
         # 8: down projection + residual
         _quantize(quant, act, inter, codes[w + 3].shape[1], q8, qd, qs)
         r0, r1 = _linear_part(tid, nt, quant, codes[w + 3], scales[w + 3], act, q8, qd, qs,
-                              xn, f8, f32)
+                              xn, f8, f32, vnni)
         for r in range(r0, r1):
             xn[0, r] = xn[0, r] + x[0, r]
         _barrier(bar, nt)
@@ -295,27 +297,28 @@ def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, ep
     _rms_norm_row(x[0], norms[2 * n_layers], eps, h[0])
     wl = 4 * n_layers
     _quantize(quant, h, e, codes[wl].shape[1], q8, qd, qs)
-    _linear_part(tid, nt, quant, codes[wl], scales[wl], h, q8, qd, qs, logits, f8, f32)
+    _linear_part(tid, nt, quant, codes[wl], scales[wl], h, q8, qd, qs, logits, f8, f32,
+                 vnni)
 
 
 @njit(**PJIT)
 def _stack_par(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
                cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, attn,
-               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits):
+               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni):
     for tid in prange(nt):
         _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs,
                       vbufs, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
                       inter, xa, xb, qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
-                      logits)
+                      logits, vnni)
 
 
 @njit(**JIT)
 def _stack_ser(quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
                cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, attn,
-               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits):
+               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni):
     _stack_thread(0, 1, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs,
                   tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
-                  qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits)
+                  qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni)
 
 
 def decode_stack(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
@@ -343,7 +346,8 @@ def decode_stack(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbu
     """
     args = (quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos, cos, sin,
             n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb, ws.qkv, ws.attn,
-            ws.gu, ws.act, ws.hx, ws.xq, ws.xd, ws.xs8, ws.facc8, ws.facc32, ws.bar, logits)
+            ws.gu, ws.act, ws.hx, ws.xq, ws.xd, ws.xs8, ws.facc8, ws.facc32, ws.bar, logits,
+            packed_i8.use_vnni())
     if nt > 1:
         _stack_par(nt, *args)
     else:

@@ -35,6 +35,11 @@ Packed layout (:class:`PackedInt4I8`)
   padding rows): float32, or the uint16 bits of float16 scales (the converter default, 4.5 bits
   per weight like Q4_0), widened exactly with ``vcvtph2ps`` as they are loaded.
 
+Two instruction paths, chosen at run time by :func:`isa` from the CPU's features (both compute the
+exact integer block sums, so results are bitwise equal; a test forces the fallback):
+``avx512vnni`` -- 8 ``vpdpbusd`` (u8 x s8 -> s32, 4 products per lane, accumulated) per (group,
+block, activation row) on 256-bit registers; ``avx2`` -- as described next.
+
 Inner loop per (group, block, activation row): 8 x (``vpbroadcastd`` of 4 int8 activations,
 ``vpmaddubsw``), 7 ``vpaddw``, 1 ``vpmaddwd`` (with ones), ``vpsubd`` of ``8 * sum(xq)``
 (the symmetric offset: ``sum q*x = sum u*x - 8 sum x``), ``vcvtdq2ps``, 2 ``vmulps``, ``vaddps``;
@@ -79,8 +84,52 @@ from .config import JIT, PJIT, check_array, check_int, check_out
 from .half import scale_bits
 from .packed import _quantize_block, prepare_call, workspace_args  # shared
 
-__all__ = ["PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
+__all__ = ["isa", "set_isa", "use_vnni", "HOST_VNNI", "PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
+
+def _host_vnni() -> bool:
+    import llvmlite.binding as llvm
+
+    f = llvm.get_host_cpu_features()
+    return bool(f.get("avx512vnni") and f.get("avx512vl"))
+
+
+#: The host has AVX-512 VNNI with 256-bit forms (``vpdpbusd ymm``); numba compiles for the host,
+#: so without it the VNNI instruction is never emitted.
+HOST_VNNI = _host_vnni()
+_ISA = {"forced": None}
+
+
+def isa() -> str:
+    """The instruction path of the int8 dot products, chosen at run time from the CPU's
+    features: ``"avx512vnni"`` (``vpdpbusd``) where the CPU has AVX-512 VNNI (+VL), else
+    ``"avx2"`` (``vpmaddubsw`` + ``vpmaddwd``). :func:`set_isa` (or ``OLV_ISA=avx2``) forces
+    the fallback. Both paths compute the same exact integer sums: results are bitwise equal."""
+    forced = _ISA["forced"]
+    if forced is None:
+        import os
+
+        forced = os.environ.get("OLV_ISA", "").strip().lower() or None
+    if forced == "avx2" or not HOST_VNNI:
+        return "avx2"
+    return "avx512vnni"
+
+
+def set_isa(name: str | None) -> None:
+    """Force the int8 dot-product path: ``"avx2"`` (the fallback, any AVX2 CPU),
+    ``"avx512vnni"`` (only where the CPU has it) or None (choose from the CPU's features)."""
+    if name not in (None, "avx2", "avx512vnni"):
+        raise InvalidArgument(f"isa: expected None, 'avx2' or 'avx512vnni', got {name!r}")
+    if name == "avx512vnni" and not HOST_VNNI:
+        raise InvalidArgument("isa: 'avx512vnni' requested but this CPU has no AVX-512 VNNI "
+                              "(avx512vnni + avx512vl)")
+    _ISA["forced"] = name
+
+
+def use_vnni() -> bool:
+    """True when the kernels should take the VNNI path (see :func:`isa`)."""
+    return isa() == "avx512vnni"
+
 
 GROUP_ROWS = 8      # rows per group: the 8 lanes of one ymm of int32 / float32
 BLOCK = 32          # quantization block along K (the only block size supported)
@@ -111,6 +160,7 @@ class _VecModel(models.PrimitiveModel):
 V32I8 = _Vec(8, 32, False)
 V16I16 = _Vec(16, 16, False)
 V8F32 = _Vec(32, 8, True)
+V8I32 = _Vec(32, 8, False)
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _LV32I8 = ir.VectorType(_I8, 32)
@@ -545,18 +595,136 @@ def _quantize_rows_i8(x, m, k, kb, xq, xd, xs8):
 # ------------------------------------------------------------------------------------------------
 # serial group kernel
 # ------------------------------------------------------------------------------------------------
-@njit(**JIT)
-def _block_sum(codes, cb, xq, xo):
-    """int16 x 16: per row (lane pair) the partial sums of u * xq over one block."""
-    s = _maddubs(_nib_lo(codes, cb), _bcast4(xq, xo))
-    s = _add16(s, _maddubs(_nib_hi(codes, cb), _bcast4(xq, xo + 16)))
-    s = _add16(s, _maddubs(_nib_lo(codes, cb + 32), _bcast4(xq, xo + 4)))
-    s = _add16(s, _maddubs(_nib_hi(codes, cb + 32), _bcast4(xq, xo + 20)))
-    s = _add16(s, _maddubs(_nib_lo(codes, cb + 64), _bcast4(xq, xo + 8)))
-    s = _add16(s, _maddubs(_nib_hi(codes, cb + 64), _bcast4(xq, xo + 24)))
-    s = _add16(s, _maddubs(_nib_lo(codes, cb + 96), _bcast4(xq, xo + 12)))
-    s = _add16(s, _maddubs(_nib_hi(codes, cb + 96), _bcast4(xq, xo + 28)))
-    return s
+def _emit_block_dot(context, builder, sig, args, nrows):
+    """IR: per activation row r, the int32 lanes (8 output rows) of sum_{j<32} u * xq over one
+    (group, block). Both instruction paths give the exact integer sums (bitwise equal)."""
+    codes, cb, xq = args[0], args[1], args[2]
+    xos = args[3:3 + nrows]
+    vnni = args[3 + nrows]
+    aty = sig.args
+    lo, hi = [], []
+    m0f = ir.Constant(_LV32I8, [0x0F] * 32)
+    for c in range(4):
+        off = builder.add(cb, ir.Constant(cb.type, 32 * c))
+        v = builder.load(_elem_ptr(context, builder, aty[0], codes, off, _LV32I8), align=1)
+        lo.append(builder.and_(v, m0f))
+        vh = builder.bitcast(builder.lshr(builder.bitcast(v, _LV16I16),
+                                          ir.Constant(_LV16I16, [4] * 16)), _LV32I8)
+        hi.append(builder.and_(vh, m0f))
+    xs = []
+    for r in range(nrows):
+        row = []
+        for c in range(4):
+            for half in (0, 16):
+                off = builder.add(xos[r], ir.Constant(xos[r].type, half + 4 * c))
+                p = _elem_ptr(context, builder, aty[2], xq, off, _I32)
+                row.append(builder.bitcast(_splat(builder, builder.load(p, align=1), _LV8I32),
+                                           _LV32I8))
+        xs.append(row)
+
+    def avx2():
+        mub = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8]),
+            "llvm.x86.avx2.pmadd.ub.sw")
+        mwd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV8I32, [_LV16I16, _LV16I16]),
+            "llvm.x86.avx2.pmadd.wd")
+        ones = ir.Constant(_LV16I16, [1] * 16)
+        out = []
+        for r in range(nrows):
+            s16 = None
+            for c in range(4):
+                for h, u in enumerate((lo[c], hi[c])):
+                    t = builder.call(mub, [u, xs[r][2 * c + h]])
+                    s16 = t if s16 is None else builder.add(s16, t)
+            out.append(builder.call(mwd, [s16, ones]))
+        return out
+
+    def avx512vnni():
+        dp = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV8I32, [_LV8I32, _LV32I8, _LV32I8]),
+            "llvm.x86.avx512.vpdpbusd.256")
+        out = []
+        for r in range(nrows):
+            acc = ir.Constant(_LV8I32, [0] * 8)
+            for c in range(4):
+                for h, u in enumerate((lo[c], hi[c])):
+                    acc = builder.call(dp, [acc, u, xs[r][2 * c + h]])
+            out.append(acc)
+        return out
+
+    if HOST_VNNI:
+        pred = builder.icmp_unsigned("!=", vnni, ir.Constant(vnni.type, 0))
+        with builder.if_else(pred) as (then, otherwise):
+            with then:
+                r_v = avx512vnni()
+                b_v = builder.block
+            with otherwise:
+                r_a = avx2()
+                b_a = builder.block
+        res = []
+        for x1, x2 in zip(r_v, r_a):
+            phi = builder.phi(_LV8I32)
+            phi.add_incoming(x1, b_v)
+            phi.add_incoming(x2, b_a)
+            res.append(phi)
+    else:  # the VNNI instruction cannot even be compiled here
+        res = avx2()
+    return context.make_tuple(builder, sig.return_type, res)
+
+
+def _block_dot_typer(nrows, codes, xq, rest):
+    """Signature of the block-dot intrinsics: (codes, cb, xq, xo_0..xo_{n-1}, vnni) ->
+    UniTuple(int32 x 8, n)."""
+    if not (_check_array_arg(codes, types.uint8) and _check_array_arg(xq, types.int8)
+            and len(rest) == nrows + 1):
+        return None
+    return types.UniTuple(V8I32, nrows)(codes, types.intp, xq, *([types.intp] * nrows),
+                                        types.boolean)
+
+
+@intrinsic
+def _dot_r1(typingctx, codes, cb, xq, xo0, vnni):
+    """Exact int32 block sums of one activation row (see :func:`_emit_block_dot`); ``vnni``
+    selects vpdpbusd (if the host has it) or vpmaddubsw + vpaddw + vpmaddwd."""
+    sig = _block_dot_typer(1, codes, xq, (xo0, vnni))
+    return sig, (lambda context, builder, sig, args:
+                 _emit_block_dot(context, builder, sig, args, 1))
+
+
+@intrinsic
+def _dot_r2(typingctx, codes, cb, xq, xo0, xo1, vnni):
+    """As :func:`_dot_r1` for two activation rows sharing the decoded codes."""
+    sig = _block_dot_typer(2, codes, xq, (xo0, xo1, vnni))
+    return sig, (lambda context, builder, sig, args:
+                 _emit_block_dot(context, builder, sig, args, 2))
+
+
+@intrinsic
+def _dot_r4(typingctx, codes, cb, xq, xo0, xo1, xo2, xo3, vnni):
+    """As :func:`_dot_r1` for four activation rows sharing the decoded codes."""
+    sig = _block_dot_typer(4, codes, xq, (xo0, xo1, xo2, xo3, vnni))
+    return sig, (lambda context, builder, sig, args:
+                 _emit_block_dot(context, builder, sig, args, 4))
+
+
+@intrinsic
+def _block_acc32(typingctx, acc, s32, s8, scale, soff, d):
+    """``acc + float32(s32 - s8) * (scale[soff:soff+8] * d)`` (lane = row): the float operations
+    of :func:`_block_acc` on exact int32 block sums."""
+    if acc != V8F32 or s32 != V8I32 or not _is_scale_array(scale):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, i32, sx, sc, so, dd = args
+        sx = context.cast(builder, sx, sig.args[2], types.int32)
+        i32 = builder.sub(i32, _splat(builder, sx, _LV8I32))
+        f = builder.sitofp(i32, _LV8F32)
+        ws = _load_scales8(context, builder, sig.args[3], sc, so)
+        dd = context.cast(builder, dd, sig.args[5], types.float32)
+        v = builder.fmul(ws, _splat(builder, dd, _LV8F32))
+        return builder.fadd(a, builder.fmul(f, v))
+    return V8F32(V8F32, V8I32, types.int32, scale, types.intp, types.float32), codegen
 
 
 @njit(**JIT)
@@ -572,31 +740,30 @@ def _store_group(acc, facc, g, i, n, out):
 
 
 @njit(**JIT)
-def _half(lo, hi, xq, xo):
-    """int16 x 16: u*xq pair sums of one 32-byte chunk (low nibbles: k = xo.., high: xo+16..)."""
-    return _add16(_maddubs(lo, _bcast4(xq, xo)), _maddubs(hi, _bcast4(xq, xo + 16)))
+def _prefetch_block(codes, scale, base, b):
+    if PF_BYTES > 0:
+        cb = (base + b) * GROUP_BLOCK_BYTES
+        _prefetch(codes, cb + PF_BYTES)
+        _prefetch(codes, cb + PF_BYTES + 64)
+        _prefetch(scale, (base + b) * GROUP_ROWS + PF_BYTES // 4)
 
 
 @njit(**JIT)
-def _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
+def _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
     """Group g (8 output rows) of activation row i0; accumulator in a register."""
     kb = codes.shape[1]
     xr = i0 * xq.shape[1]
     base = g * kb
     acc = _fzero()
     for b in range(kb):
-        cb = (base + b) * GROUP_BLOCK_BYTES
-        if PF_BYTES > 0:
-            _prefetch(codes, cb + PF_BYTES)
-            _prefetch(codes, cb + PF_BYTES + 64)
-            _prefetch(scale, (base + b) * GROUP_ROWS + PF_BYTES // 4)
-        s = _block_sum(codes, cb, xq, xr + b * BLOCK)
-        acc = _block_acc(acc, s, xs8[i0, b], scale, (base + b) * GROUP_ROWS, xd[i0, b])
+        _prefetch_block(codes, scale, base, b)
+        s = _dot_r1(codes, (base + b) * GROUP_BLOCK_BYTES, xq, xr + b * BLOCK, vnni)
+        acc = _block_acc32(acc, s[0], xs8[i0, b], scale, (base + b) * GROUP_ROWS, xd[i0, b])
     _store_group(acc, facc, g, i0, n, out)
 
 
 @njit(**JIT)
-def _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
+def _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
     """Group g of activation rows i0, i0+1: each code chunk decoded once, accumulators in
     registers."""
     kb = codes.shape[1]
@@ -607,30 +774,18 @@ def _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
     a0 = _fzero()
     a1 = _fzero()
     for b in range(kb):
-        cb = (base + b) * GROUP_BLOCK_BYTES
-        if PF_BYTES > 0:
-            _prefetch(codes, cb + PF_BYTES)
-            _prefetch(codes, cb + PF_BYTES + 64)
-            _prefetch(scale, (base + b) * GROUP_ROWS + PF_BYTES // 4)
+        _prefetch_block(codes, scale, base, b)
         xo = b * BLOCK
-        lo = _nib_lo(codes, cb)
-        hi = _nib_hi(codes, cb)
-        s0 = _half(lo, hi, xq, x0 + xo)
-        s1 = _half(lo, hi, xq, x1 + xo)
-        for c in range(1, 4):
-            lo = _nib_lo(codes, cb + 32 * c)
-            hi = _nib_hi(codes, cb + 32 * c)
-            s0 = _add16(s0, _half(lo, hi, xq, x0 + xo + 4 * c))
-            s1 = _add16(s1, _half(lo, hi, xq, x1 + xo + 4 * c))
+        s = _dot_r2(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, vnni)
         so = (base + b) * GROUP_ROWS
-        a0 = _block_acc(a0, s0, xs8[i0, b], scale, so, xd[i0, b])
-        a1 = _block_acc(a1, s1, xs8[i0 + 1, b], scale, so, xd[i0 + 1, b])
+        a0 = _block_acc32(a0, s[0], xs8[i0, b], scale, so, xd[i0, b])
+        a1 = _block_acc32(a1, s[1], xs8[i0 + 1, b], scale, so, xd[i0 + 1, b])
     _store_group(a0, facc, g, i0, n, out)
     _store_group(a1, facc, g, i0 + 1, n, out)
 
 
 @njit(**JIT)
-def _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
+def _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
     """Group g of activation rows i0..i0+3: each code chunk decoded once, accumulators in
     registers."""
     kb = codes.shape[1]
@@ -645,30 +800,15 @@ def _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
     a2 = _fzero()
     a3 = _fzero()
     for b in range(kb):
-        cb = (base + b) * GROUP_BLOCK_BYTES
-        if PF_BYTES > 0:
-            _prefetch(codes, cb + PF_BYTES)
-            _prefetch(codes, cb + PF_BYTES + 64)
-            _prefetch(scale, (base + b) * GROUP_ROWS + PF_BYTES // 4)
+        _prefetch_block(codes, scale, base, b)
         xo = b * BLOCK
-        lo = _nib_lo(codes, cb)
-        hi = _nib_hi(codes, cb)
-        s0 = _half(lo, hi, xq, x0 + xo)
-        s1 = _half(lo, hi, xq, x1 + xo)
-        s2 = _half(lo, hi, xq, x2 + xo)
-        s3 = _half(lo, hi, xq, x3 + xo)
-        for c in range(1, 4):
-            lo = _nib_lo(codes, cb + 32 * c)
-            hi = _nib_hi(codes, cb + 32 * c)
-            s0 = _add16(s0, _half(lo, hi, xq, x0 + xo + 4 * c))
-            s1 = _add16(s1, _half(lo, hi, xq, x1 + xo + 4 * c))
-            s2 = _add16(s2, _half(lo, hi, xq, x2 + xo + 4 * c))
-            s3 = _add16(s3, _half(lo, hi, xq, x3 + xo + 4 * c))
+        s = _dot_r4(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, x2 + xo,
+                    x3 + xo, vnni)
         so = (base + b) * GROUP_ROWS
-        a0 = _block_acc(a0, s0, xs8[i0, b], scale, so, xd[i0, b])
-        a1 = _block_acc(a1, s1, xs8[i0 + 1, b], scale, so, xd[i0 + 1, b])
-        a2 = _block_acc(a2, s2, xs8[i0 + 2, b], scale, so, xd[i0 + 2, b])
-        a3 = _block_acc(a3, s3, xs8[i0 + 3, b], scale, so, xd[i0 + 3, b])
+        a0 = _block_acc32(a0, s[0], xs8[i0, b], scale, so, xd[i0, b])
+        a1 = _block_acc32(a1, s[1], xs8[i0 + 1, b], scale, so, xd[i0 + 1, b])
+        a2 = _block_acc32(a2, s[2], xs8[i0 + 2, b], scale, so, xd[i0 + 2, b])
+        a3 = _block_acc32(a3, s[3], xs8[i0 + 3, b], scale, so, xd[i0 + 3, b])
     _store_group(a0, facc, g, i0, n, out)
     _store_group(a1, facc, g, i0 + 1, n, out)
     _store_group(a2, facc, g, i0 + 2, n, out)
@@ -676,41 +816,42 @@ def _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
 
 
 @njit(**JIT)
-def _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc):
+def _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
     """Groups g0..g1-1 of ``out[:m]``: activation rows in chunks of 4, 2, 1 per group (the
     group's codes, <= 128 * KB bytes, are re-read from L1/L2 by later chunks, not from DRAM).
     ``facc``: float32 [>= 1, 8] scratch of this task (partial last group)."""
     for g in range(g0, g1):
         i0 = np.int64(0)  # not Literal[int](0): one specialisation of the callees
         while m - i0 >= 4:
-            _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
+            _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
             i0 += 4
         if m - i0 >= 2:
-            _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
+            _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
             i0 += 2
         if m - i0 >= 1:
-            _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
+            _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
 
 
 # ------------------------------------------------------------------------------------------------
 # drivers
 # ------------------------------------------------------------------------------------------------
 @njit(**PJIT)
-def _linear_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc):
+def _linear_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc, vnni):
     kb = codes.shape[1]
     _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
     ng = codes.shape[0]
     for task in prange(ntasks):
         g0 = task * ng // ntasks
         g1 = (task + 1) * ng // ntasks
-        _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc[task])
+        _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc[task], vnni)
 
 
 @njit(**JIT)
-def _linear_ser(x, m, k, codes, scale, n, out, xq, xd, xs8, facc):
+def _linear_ser(x, m, k, codes, scale, n, out, xq, xd, xs8, facc, vnni):
     kb = codes.shape[1]
     _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
-    _groups(codes, scale, np.int64(0), codes.shape[0], xq, xd, xs8, m, n, out, facc)  # not literal
+    _groups(codes, scale, np.int64(0), codes.shape[0], xq, xd, xs8, m, n, out, facc,
+            vnni)  # not literal
 
 
 def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,
@@ -737,8 +878,8 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
     if m * n * kp < SERIAL_MAX_WORK or ntasks == 1:
         _linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
-                    ws.facc[0])
+                    ws.facc[0], use_vnni())
     else:
         _linear_par(x, m, k, packed.codes, packed.scale, n, out, ntasks, ws.xq, ws.xd, ws.xs8,
-                    ws.facc)
+                    ws.facc, use_vnni())
     return out
