@@ -289,6 +289,34 @@ def phase_overhead(spec):
             "compiled_stack": bool(stacks)}
 
 
+def phase_paged(spec):
+    """Decode tok/s after a ``context``-token prompt for one KV kind (contiguous or paged)."""
+    import olv_runtime
+    from olv_runtime.state import empty_cache, make_state
+
+    sess = _olv_session(spec, spec["quantize"])
+    out = {}
+    n = spec["paged_new_tokens"]
+    for ctx in spec["contexts"]:
+        ids = prompt_ids(ctx, spec["vocab"], ctx + 7)
+        tts = []
+        for _ in range(spec["paged_runs"]):
+            st = make_state(sess, empty_cache(sess))
+            lg = st.run({"input_ids": ids.reshape(1, -1)})["logits"]
+            tok = int(np.argmax(lg[0, -1]))
+            stamps = [time.perf_counter()]
+            for _ in range(n):
+                lg = st.run({"input_ids": np.array([[tok]], np.int64)})["logits"]
+                tok = int(np.argmax(lg[0, -1]))
+                sess.recycle(lg)
+                stamps.append(time.perf_counter())
+            st.close()
+            tts += [b - a for a, b in zip(stamps, stamps[1:])]
+        out[str(ctx)] = 1.0 / _median(tts)
+    return {"decode_tps_by_context": out, "kv": spec["kv"], "plan_steps": len(sess._steps),
+            "compiled_stack": any(s.kind == "DecoderStack" for s in sess._steps)}
+
+
 def _measured_runs(spec, generate, prompt, n):
     """``runs`` generate calls of ``n`` tokens (``generate(ids, n, stats)`` records
     ``stats["prefill"]``, ``stats["decode"]`` seconds and ``stats["stamps"]``, one
@@ -516,7 +544,7 @@ def phase_genai(spec):
 
 PHASES = {"bandwidth": phase_bandwidth, "olv": phase_olv, "ttft": phase_ttft,
           "overhead": phase_overhead, "ort": phase_ort, "torch": phase_torch, "llama": phase_llama,
-          "genai": phase_genai}
+          "genai": phase_genai, "paged": phase_paged}
 
 
 # ================================================================================================
@@ -813,6 +841,9 @@ def main(argv=None):
     ap.add_argument("--ort-levels", default="4,0", help="MatMulNBits accuracy levels to run")
     ap.add_argument("--no-ttft", action="store_true", help="skip the cold/warm start measurement")
     ap.add_argument("--no-overhead", action="store_true", help="skip the executor-overhead phase")
+    ap.add_argument("--paged", default="paged-int8,paged-mixed",
+                    help="paged KV kinds compared with contiguous at --contexts ('' to skip)")
+    ap.add_argument("--contexts", default="1024,4096", help="contexts of the paged comparison")
     ap.add_argument("--wait-idle", type=float, default=30.0,
                     help="before each phase, wait up to this many seconds for other processes to "
                          "use < 15%% of the cores (0: don't wait)")
@@ -966,6 +997,32 @@ def main(argv=None):
                 r["ttft"] = r["t_first"] - r["launched"]
             ttft.append(r)
         results["ttft"] = ttft
+    paged_rows = []
+    kinds = [k.strip() for k in args.paged.split(",") if k.strip()]
+    if kinds and ckpt is not None:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+        for kind in ["contiguous"] + kinds:
+            path = model
+            if kind != "contiguous":
+                path = pathlib.Path(args.cache_dir).expanduser() / f"{ckpt.resolve().name}_{kind}" / "model.onnx"
+                src = max(ckpt.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+                if not _fresh(path, src):
+                    log(f"converting {ckpt} -> {path} (int4-block32, --kv {kind})")
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    import olv_runtime
+
+                    olv_runtime.convert(ckpt, path, weights="int4-block32", kv=kind)
+            log(f"[paged comparison: {kind}, contexts {contexts}]")
+            r = run_phase("paged", dict(base, model=str(path), kv=kind, quantize=True,
+                                        contexts=contexts, paged_new_tokens=32, paged_runs=2))
+            r["kind"] = kind
+            paged_rows.append(r)
+            if "error" in r:
+                log(f"  {kind}: ERROR {r['error']}")
+            else:
+                log(f"  {kind}: " + ", ".join(f"ctx {c}: {v:.1f} tok/s"
+                                              for c, v in r["decode_tps_by_context"].items()))
+        results["paged"] = paged_rows
     overhead = None
     if not args.no_overhead:
         log("[executor overhead: kernels replaced by no-ops]")
@@ -1118,6 +1175,26 @@ def main(argv=None):
                   f"({real * 1e3:.1f} ms/token, real kernels, interleaved runs in the same "
                   f"process{main_row}; other load "
                   f"{fmt(100 * overhead.get('foreign_load', float('nan')), '{:.0f}')} %)")
+    if paged_rows:
+        print()
+        cont = next((r for r in paged_rows if r["kind"] == "contiguous" and "error" not in r),
+                    None)
+        print("paged KV vs contiguous (olv quantize_activations, decode tok/s after a prompt of "
+              "the context length, 32 new tokens, 2 runs, 1 / median per-token time):")
+        for r in paged_rows:
+            if "error" in r:
+                print(f"  {r['kind']}: ERROR {r['error']}")
+                continue
+            parts = []
+            for c, v in r["decode_tps_by_context"].items():
+                ratio = (f" = {v / cont['decode_tps_by_context'][c]:.2f}x contiguous"
+                         if cont and r is not cont else "")
+                parts.append(f"ctx {c}: {v:.1f} tok/s{ratio}")
+            tgt = {"paged-int8": " (target >= 1.0x)", "paged-mixed": " (target >= 0.9x)"}.get(
+                r["kind"], "")
+            print(f"  {r['kind']}{tgt}: " + ", ".join(parts)
+                  + f"; plan {r['plan_steps']} steps, compiled stack {r['compiled_stack']}; "
+                  f"other load {fmt(100 * r.get('foreign_load', float('nan')), '{:.0f}')} %")
     print(f"\ntotal benchmark wall time {time.perf_counter() - t_all:.0f} s")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))

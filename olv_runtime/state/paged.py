@@ -406,6 +406,80 @@ class Chunk:
                               "block field (dense float32/float16, affine INT8/INT4, codebook 1102)")
 
 
+
+class _BlockTable:
+    """Per-block arrays of a cache value, for grouping the blocks by (K chunk, V chunk) with
+    numpy instead of a Python loop per block: chunk ids ``kc``/``vc`` (indices into ``chunks``),
+    slots ``ks``/``vs``, ``start``, ``length`` (int64 [n_blocks]). Immutable once built."""
+
+    __slots__ = ("chunks", "ids", "kc", "vc", "ks", "vs", "start", "length")
+
+    @classmethod
+    def extend(cls, prev, keep, blocks, refs):
+        """A table whose first ``keep`` entries are ``prev``'s and the rest rebuilt from
+        ``blocks``/``refs`` (``prev`` None: everything rebuilt)."""
+        t = cls()
+        n = len(blocks)
+        if prev is None:
+            keep = 0
+            t.chunks, t.ids = [], {}
+        else:
+            keep = min(keep, len(prev.kc))
+            t.chunks, t.ids = list(prev.chunks), dict(prev.ids)
+        arrs = [np.empty(n, np.int64) for _ in range(6)]
+        if keep:
+            for a, pa in zip(arrs, (prev.kc, prev.vc, prev.ks, prev.vs, prev.start,
+                                    prev.length)):
+                a[:keep] = pa[:keep]
+        ids, chunks = t.ids, t.chunks
+        for i in range(keep, n):
+            r, b = refs[i], blocks[i]
+            for side, ch in ((0, r.kc), (1, r.vc)):
+                k = ids.get(id(ch))
+                if k is None or chunks[k] is not ch:
+                    k = ids[id(ch)] = len(chunks)
+                    chunks.append(ch)
+                arrs[side][i] = k
+            arrs[2][i] = r.ks
+            arrs[3][i] = r.vs
+            arrs[4][i] = int(b["start"])
+            arrs[5][i] = int(b["length"])
+        t.kc, t.vc, t.ks, t.vs, t.start, t.length = arrs
+        return t
+
+    def groups(self):
+        """[(K chunk, V chunk, ks, vs, starts, lengths)] with blocks in table order per group."""
+        n = len(self.kc)
+        if n == 0:
+            return []
+        key = self.kc * (len(self.chunks) + 1) + self.vc
+        first = key[0]
+        if (key == first).all():  # the common case: one (K chunk, V chunk) pair
+            return [(self.chunks[int(self.kc[0])], self.chunks[int(self.vc[0])],
+                     self.ks, self.vs, self.start, self.length)]
+        order = np.argsort(key, kind="stable")
+        sk = key[order]
+        cuts = np.flatnonzero(np.diff(sk)) + 1
+        out = []
+        for sel in np.split(order, cuts):
+            i0 = int(sel[0])
+            out.append((self.chunks[int(self.kc[i0])], self.chunks[int(self.vc[i0])],
+                        self.ks[sel], self.vs[sel], self.start[sel], self.length[sel]))
+        return out
+
+
+class _BlockIndex:
+    """``meta`` of a cache value made by :meth:`PagedKVManager.run`: its blocks' references
+    and block table, so the next call on that value does no per-block Python work (a value
+    from elsewhere is validated block by block)."""
+
+    __slots__ = ("owner", "blocks", "refs", "length", "table")
+
+    def __init__(self, owner, blocks, refs, length, table):
+        self.owner, self.blocks, self.refs, self.length, self.table = (owner, blocks, refs,
+                                                                       length, table)
+
+
 class BlockRef:
     """``block.meta``: where a block's key and value live."""
 
@@ -506,11 +580,20 @@ class PagedKV:
         g = self.geom
         bs = g.block_size
         c = self.counters
-        blocks = list(cache["blocks"])
+        src_blocks = cache["blocks"]
+        blocks = list(src_blocks)
         past = int(cache["length"])
         s = q.shape[0]
-        refs = [self._ref(b, i) for i, b in enumerate(blocks)]
-        self._check_positions(blocks, past)
+        idx = cache.meta
+        if not (isinstance(idx, _BlockIndex) and idx.owner is self and idx.blocks is src_blocks
+                and idx.length == past):
+            idx = None  # a cache value this manager did not make: validate every block
+        if idx is not None:
+            refs = list(idx.refs)
+        else:
+            refs = [self._ref(b, i) for i, b in enumerate(blocks)]
+            self._check_positions(blocks, past)
+        n_past_blocks = len(blocks)
         # 1. append the new tokens (dense), in place when this cache owns the open slot's fill
         pos, j = past, 0
         if blocks and int(blocks[-1]["length"]) < bs and s:
@@ -548,7 +631,13 @@ class PagedKV:
         # 2. attention over every block (the new tokens still dense)
         out = np.empty(q.shape, np.float32)
         ws = self._workspace(s, q.shape[1])
-        read = self._attend(q, blocks, refs, past, scale, is_causal, out, ws)
+        # blocks before `tail` are those of the past value, unchanged by the append (only its
+        # last block may have grown or been copied) and by the sealing below (only the newest
+        # horizon changes): their table entries are reused, the tail is rebuilt
+        tail = max(0, min(n_past_blocks - 1,
+                          len(blocks) - (self.policy.horizon + s // bs + 3)))
+        table = _BlockTable.extend(idx.table if idx is not None else None, tail, blocks, refs)
+        read = self._attend(q, table, past, scale, is_causal, out, ws)
         # 3. seal: full blocks take the policy's format for their age (only the newest
         #    horizon can change: older blocks already hold the oldest stage's format)
         total = past + s
@@ -566,7 +655,10 @@ class PagedKV:
                 vc, vs = nv or (ref.vc, ref.vs)
                 refs[i] = BlockRef(kc, ks, vc, vs)
                 blocks[i] = self._block(refs[i], int(blocks[i]["start"]), bs)
-        new = RuntimeStruct({"blocks": tuple(blocks), "length": _scalar(total)})
+        new_blocks = tuple(blocks)
+        table = _BlockTable.extend(table, min(tail, lo), blocks, refs)  # after sealing
+        new = RuntimeStruct({"blocks": new_blocks, "length": _scalar(total)},
+                            _BlockIndex(self, new_blocks, tuple(refs), total, table))
         new._readonly = True
         if c is not None:
             c.add("bytes_read_kv_attention", read)
@@ -635,24 +727,14 @@ class PagedKV:
                                   pk.workspace_bytes(s, h, g.kv_heads, g.head_dim))
         return ws
 
-    def _attend(self, q, blocks, refs, past, scale, causal, out, ws) -> int:
-        """Group the blocks by (K chunk, V chunk), run the kernel; returns KV bytes read."""
-        groups: dict[tuple[int, int], list] = {}
-        for b, r in zip(blocks, refs):
-            key = (id(r.kc), id(r.vc))
-            e = groups.get(key)
-            if e is None:
-                e = groups[key] = [r.kc, r.vc, [], [], [], []]
-            e[2].append(r.ks)
-            e[3].append(r.vs)
-            e[4].append(int(b["start"]))
-            e[5].append(int(b["length"]))
+    def _attend(self, q, table, past, scale, causal, out, ws) -> int:
+        """Group the blocks by (K chunk, V chunk) (vectorised over the block table), run the
+        kernel; returns KV bytes read."""
         segs = []
         read = 0
         kvh = self.geom.kv_heads
-        for kc, vc, ks, vs, starts, lens in groups.values():
-            segs.append((kc.side, vc.side, np.asarray(ks, np.int64), np.asarray(vs, np.int64),
-                         np.asarray(starts, np.int64), np.asarray(lens, np.int64)))
-            read += sum(lens) * kvh * (kc.side.row_bytes + vc.side.row_bytes)
+        for kc, vc, ks, vs, starts, lens in table.groups():
+            segs.append((kc.side, vc.side, ks, vs, starts, lens))
+            read += int(lens.sum()) * kvh * (kc.side.row_bytes + vc.side.row_bytes)
         pk.paged_attention(q, segs, past, scale, causal, kvh, out, ws)
         return read
