@@ -1122,7 +1122,8 @@ def main(argv=None):
     if llama_note:
         print(llama_note)
     ort_rows = [r for r in rows if r["label"].startswith("onnxruntime") and "error" not in r]
-    olv_rows = [r for r in rows if r["label"].startswith("olv_runtime") and "error" not in r]
+    olv_rows = [r for r in rows if r["label"].startswith("olv_runtime") and "error" not in r
+                and "onnxruntime-genai" not in r["label"]]  # the same weights as llama.cpp
     if olv_rows:
         best = max(olv_rows, key=lambda r: r["decode_tps"])
         print()
