@@ -82,6 +82,9 @@ def _match_layer(steps, i, x, constants):
     if s2.kind != "RopeAttention" or not isinstance(s2.impl, RopeAttention) or not s2.impl.fast:
         return None
     ra = s2.impl
+    at = ra.attention.attrs
+    if at.get("softcap", 0.0) or at.get("qk_matmul_output_mode", 0):
+        return None
     q, k, v = s1.outputs
     if (len(s2.inputs) != 9 or s2.inputs[:3] != (q, k, v) or s2.inputs[5] != s2.inputs[7]
             or s2.inputs[6] != s2.inputs[8] or len(s2.outputs) != 3):

@@ -13,7 +13,7 @@ Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 
 1. ``h = RMSNorm(x) * w_in`` -- every thread computes it privately (E floats, no barrier), and in
    int8 mode quantizes it privately (:func:`~.packed_i8._quantize_rows_i8`);
 2. ``qkv = h @ Wqkv.T (+ bias)`` -- 8-row groups split across threads
-   (:func:`~.packed_i8._groups` int8 / :func:`~.packed_f32._groups` exact); barrier;
+   (:func:`~.packed_i8._groups` int8 / :func:`~.packed_f32._groups_small` exact); barrier;
 3. RoPE of q and k (non-interleaved or interleaved halves, ``rotary_dim``), k and v written into
    slot ``t`` of the layer's capacity buffers (KV heads split across threads); barrier;
 4. attention of each query head over ``t + 1`` keys (:func:`~.attention._attend_one`, online
@@ -112,9 +112,25 @@ def _pause(typingctx):
     return types.none(), codegen
 
 
+@intrinsic
+def _yield_cpu(typingctx):
+    """``sched_yield()`` (POSIX; libc is linked into the process, resolved by the JIT)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                            "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+SPIN_LIMIT = 1 << 14  # pause-spins before a waiting task starts yielding its CPU
+
+
 @njit(**JIT)
 def _barrier(bar, nt):
-    """All ``nt`` tasks wait here until every one has arrived (sense by generation count)."""
+    """All ``nt`` tasks wait here until every one has arrived (sense by generation count).
+    A waiting task spins with ``pause``, then yields its CPU (``sched_yield``) so a descheduled
+    partner on a busy machine gets to run instead of the spinner burning its time slice."""
     if nt == 1:
         return
     gen = _atomic_load(bar, 8)
@@ -122,8 +138,13 @@ def _barrier(bar, nt):
         _atomic_store(bar, 0, 0)
         _atomic_add(bar, 8, 1)
     else:
+        spins = 0
         while _atomic_load(bar, 8) == gen:
-            _pause()
+            if spins < SPIN_LIMIT:
+                _pause()
+                spins += 1
+            else:
+                _yield_cpu()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,7 +194,8 @@ def _linear_part(tid, nt, quant, codes, scale, xin, xq, xd, xs8, out, facc8, fac
     if quant:
         packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, n, out, facc8, vnni)
     else:
-        packed_f32._groups(codes, scale, g0, g1, xin, 1, n, out, facc32)
+        packed_f32._groups_small(codes, scale, g0, g1, xin, np.int64(0), np.int64(1), n, out,
+                                 facc32)
     r0 = g0 * GROUP_ROWS
     r1 = min(g1 * GROUP_ROWS, n)
     return r0, r1

@@ -377,6 +377,8 @@ class State:
         except InvalidArgument as exc:
             raise InvalidArgument(f"{what} for persistent input {b.input!r}: {exc}") from None
         view = _readonly(arr)
+        if arr is value:  # a view of the array itself: same first element by construction
+            return view
         src = _data_ptr(value)
         if src is not None and view.nbytes and src != view.__array_interface__["data"][0]:
             self._session.counters.add("bytes_copied_state", view.nbytes)  # never expected
