@@ -29,8 +29,8 @@ Q6_K    per 16-half h of the 32-block (D_h = d scale_h; codes 0  none
         on the other half): D_h x (lo - 8), 8 D_h x (2 hi - 3)
 ======  ======================================================  ====================
 
-Q4_0 becomes exactly the symmetric INT4 block-32 affine form of the converter (float16 scales
-widened to float32), so it takes every fast path (sibling merge, prepacked 8-row groups, int8
+Q4_0 becomes exactly the symmetric INT4 block-32 affine form of the converter (its float16
+scales kept as float16, 4.5 bits per weight as in the file), so it takes every fast path (sibling merge, prepacked 8-row groups, int8
 activations). The others run one packed INT4 kernel per plane plus ``offset @ blocksum(x)``
 (:class:`PlanesLinear`). Q6_K has one scale per 16 weights, so each 32-block is split into its
 two halves: four planes (16 bits of codes per weight: correct and copy-free, but reading more
@@ -222,7 +222,7 @@ def linear_weight(value, counters=None):
     Returns
     -------
     AffineValue, PlanesWeight or None
-        Q4_0: an :class:`AffineValue` (symmetric INT4, block 32, float32 scales); other
+        Q4_0: an :class:`AffineValue` (symmetric INT4, block 32, float16 scales); other
         :data:`FAST_TYPES`: a :class:`PlanesWeight`; None when the declaration is not the
         canonical ggml row type (it then decodes through its FunctionProto) or the type has no
         native consumer. Cached on the value (a tied embedding is repacked once).
@@ -241,7 +241,10 @@ def linear_weight(value, counters=None):
             c, s, o = _repack_rows(b, blocks[r0:r0 + _ROWS])
             if codes is None:
                 codes = [np.empty(n * k // 2, np.uint8) for _ in c]
-                scales = [np.empty((n, k // 32), np.float32) for _ in s]
+                # Q4_0's d is float16 in the block and stays float16 (the kernels widen it
+                # exactly); the planes of the other types hold products, kept as float32.
+                sdt = np.float16 if b.name == "Q4_0" else np.float32
+                scales = [np.empty((n, k // 32), sdt) for _ in s]
                 offset = np.empty((n, k // 32), np.float32) if o is not None else None
             for p in range(len(c)):
                 codes[p][r0 * k // 2:(r0 + c[p].shape[0]) * k // 2] = _pack(c[p])
