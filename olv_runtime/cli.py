@@ -227,6 +227,8 @@ def cmd_generate(args) -> int:
             raise CliError("the prompt encodes to zero tokens")
     _check_vocab(ids, model, "--prompt" if args.prompt is not None else "--prompt-ids")
     _check_positions(len(ids), args.max_new_tokens, model)
+    if args.output == "ids":  # the tokenizer only encoded --prompt: print ids, no echo
+        tokenizer = None
     if tokenizer is not None and args.prompt is not None:
         print(args.prompt, end="", flush=True)
         _midline[0] = True

@@ -404,11 +404,18 @@ def read_tokens(path, tokenizer=None, token_ids: bool | None = None) -> np.ndarr
     if not p.is_file():
         raise InvalidArgument(f"{p}: no such file")
     if p.suffix == ".npy":
-        a = np.load(p, allow_pickle=False)
+        try:
+            a = np.load(p, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise InvalidArgument(f"{p}: not a readable .npy array ({exc})") from None
         if a.dtype.kind not in "iu":
             raise InvalidArgument(f"{p}: token ids must be integers, got dtype {a.dtype}")
         return a.reshape(-1).astype(np.int64)
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                              "pass a UTF-8 text file or token ids") from None
     items = text.replace(",", " ").split()
     looks_ids = bool(items) and all(t.lstrip("-").isdigit() for t in items)
     if token_ids or (token_ids is None and looks_ids and p.suffix in (".ids", ".txt")):

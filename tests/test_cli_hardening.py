@@ -161,6 +161,23 @@ def test_corrupt_tokenizer_and_output_ids(tmp_path, model):
                "cannot be read as a tokenizer")
 
 
+def test_output_ids_with_a_text_prompt(model):
+    """--prompt encodes with the tokenizer; --output ids still prints the new ids only (no echo)."""
+    r = olv("generate", model, "--prompt", "a b c", "--max-new-tokens", 3, "--output", "ids")
+    assert r.returncode == 0, r.stderr
+    ids = [int(t) for t in r.stdout.split()]  # raises if the prompt or text were printed
+    assert len(ids) == 3 and all(0 <= t < 128 for t in ids)
+
+
+def test_eval_file_that_is_not_utf8(tmp_path, model):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    _one_error(olv("eval", model, "--file", bad), "not UTF-8 text")
+    npy = tmp_path / "broken.npy"
+    npy.write_bytes(b"\x93NUMPY garbage")
+    _one_error(olv("eval", model, "--file", npy), "not a readable .npy array")
+
+
 # -- item 15: required tensors are required, unused ones are listed ---------------------------
 def _edit_checkpoint(src, dst, drop=(), add=None):
     from safetensors.numpy import load_file, save_file
