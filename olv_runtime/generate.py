@@ -255,6 +255,20 @@ def check_seed(seed) -> int | None:
     return int(seed)
 
 
+def _check_decodable(session) -> None:
+    """A model whose graph wants more than ``input_ids`` but binds nothing persistently (a plain
+    ONNX export with ``past_*``/``present_*``) cannot be decoded by ``generate``: say so."""
+    g = session.model.proto.graph
+    bound = {b.input_name for b in g.persistent_bindings}
+    extra = [vi.name for vi in g.input if vi.name != "input_ids" and vi.name not in bound]
+    if extra and not bound:
+        raise StateError(
+            f"the model declares no persistent_bindings, so generate cannot carry its KV cache: "
+            f"graph inputs {extra[:4]}{' ...' if len(extra) > 4 else ''} would have to be fed "
+            "by the caller. Run it with InferenceSession.run (feeding past_* from present_*), "
+            "or use an olv-converted model or an onnxruntime-genai folder")
+
+
 def generate(
     model,
     prompt_ids: Sequence[int] | np.ndarray,
@@ -415,6 +429,7 @@ def generate(
 
     own_state = state is None
     if own_state:
+        _check_decodable(session)
         state = make_state(session, empty_cache(session))
         state.rng = rng
     history = list(state.tokens) + [int(t) for t in ids.tolist()]

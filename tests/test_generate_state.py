@@ -198,3 +198,16 @@ def test_cli_prompt_cache(tiny_chat_models, tmp_path, capsys):
                      "--prompt-cache", cache]) == 2
     assert "saved for another model" in capsys.readouterr().err
     assert pathlib.Path(cache).read_bytes() == before
+
+
+def test_generate_refuses_a_model_without_persistent_bindings(tmp_path, tiny_qwen2_dir):
+    """A plain export (past_*/present_* left to the caller) gets a StateError naming the inputs,
+    not a missing-input error from inside the first run."""
+    from olv_runtime.errors import StateError
+
+    src = tmp_path / "m.onnx"
+    olv_runtime.convert(tiny_qwen2_dir, src)
+    m = olv_runtime.load(src)
+    del m.proto.graph.persistent_bindings[:]
+    with pytest.raises(StateError, match="no persistent_bindings.*past_key"):
+        olv_runtime.generate(olv_runtime.InferenceSession(m), [1, 2, 3], 2)
