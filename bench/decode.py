@@ -844,6 +844,8 @@ def main(argv=None):
     ap.add_argument("--paged", default="paged-int8,paged-mixed",
                     help="paged KV kinds compared with contiguous at --contexts ('' to skip)")
     ap.add_argument("--contexts", default="1024,4096", help="contexts of the paged comparison")
+    ap.add_argument("--paged-runs", type=int, default=2,
+                    help="prompt + 32-token decode runs per context in the paged comparison")
     ap.add_argument("--wait-idle", type=float, default=30.0,
                     help="before each phase, wait up to this many seconds for other processes to "
                          "use < 15%% of the cores (0: don't wait)")
@@ -1014,7 +1016,8 @@ def main(argv=None):
                     olv_runtime.convert(ckpt, path, weights="int4-block32", kv=kind)
             log(f"[paged comparison: {kind}, contexts {contexts}]")
             r = run_phase("paged", dict(base, model=str(path), kv=kind, quantize=True,
-                                        contexts=contexts, paged_new_tokens=32, paged_runs=2))
+                                        contexts=contexts, paged_new_tokens=32,
+                                        paged_runs=args.paged_runs))
             r["kind"] = kind
             paged_rows.append(r)
             if "error" in r:
@@ -1181,7 +1184,7 @@ def main(argv=None):
         cont = next((r for r in paged_rows if r["kind"] == "contiguous" and "error" not in r),
                     None)
         print("paged KV vs contiguous (olv quantize_activations, decode tok/s after a prompt of "
-              "the context length, 32 new tokens, 2 runs, 1 / median per-token time):")
+              f"the context length, 32 new tokens, {args.paged_runs} run(s), 1 / median per-token time):")
         for r in paged_rows:
             if "error" in r:
                 print(f"  {r['kind']}: ERROR {r['error']}")
