@@ -494,20 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", choices=["auto", "text", "ids"], default="auto",
                    help="print the generated text (needs tokenizer.json) or the token ids; "
                         "auto: text when the model's tokenizer is usable (default)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 = greedy (default)")
-    g.add_argument("--top-k", type=_non_negative, default=0,
-                   help="sample among the k most likely tokens (default: 0 = all)")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling mass in (0, 1] (default: 1.0 = all)")
-    g.add_argument("--seed", type=_non_negative, default=None,
-                   help="random seed for sampling (an integer >= 0)")
     g.add_argument("--stop-at-eos", action="store_true",
                    help="kept for compatibility: stopping at the eos ids is now the default "
                         "(--ignore-eos turns it off)")
     from olv_runtime.cli_chat import add_sampling_options
 
-    add_sampling_options(g, basic=False)
+    add_sampling_options(g, basic=True)
     g.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="reuse the KV cache saved in FILE for the prompt's longest cached prefix, "
                         "and save the state there afterwards (refused for another model)")

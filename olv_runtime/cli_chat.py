@@ -18,7 +18,7 @@ import sys
 
 def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
     """Options of :class:`olv_runtime.SamplingParams` and stopping (``basic``: also
-    --temperature/--top-k/--top-p/--seed, which ``olv generate`` declares itself)."""
+    --temperature/--top-k/--top-p/--seed; ``olv generate`` and ``olv chat`` both take them)."""
     from olv_runtime.cli import _non_negative
 
     if basic:
@@ -28,7 +28,8 @@ def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
                        help="sample among the k most likely tokens (default: 0 = all)")
         q.add_argument("--top-p", type=float, default=1.0,
                        help="nucleus sampling mass in (0, 1] (default: 1.0 = all)")
-        q.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+        q.add_argument("--seed", type=_non_negative, default=None,
+                       help="random seed for sampling (an integer >= 0)")
     q.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below MIN_P x the top probability (default: 0 = off)")
     q.add_argument("--repeat-penalty", "--repetition-penalty", dest="repetition_penalty",
