@@ -332,6 +332,16 @@ def load(path: PathLike) -> Model:
     if not p.is_file():
         raise ModelFormatError(f"model file not found: {str(p)!r}")
     try:
+        with open(p, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ModelFormatError(f"cannot read model file {str(p)!r}: {exc.strerror}") from None
+    if magic == b"GGUF":
+        raise ModelFormatError(
+            f"{str(p)!r} is a GGUF file, not an ONNX model; convert it first: "
+            f"olv convert {str(p)!r} out.onnx (or olv_runtime.convert)"
+        )
+    try:
         data = p.read_bytes()
     except OSError as exc:
         raise ModelFormatError(f"cannot read model file {str(p)!r}: {exc.strerror}") from None

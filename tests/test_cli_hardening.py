@@ -264,3 +264,13 @@ def test_convert_result_repr(tmp_path, tiny_qwen2_dir):
     assert "Qwen2ForCausalLM" in text and "2 layers" in text
     assert res.nbytes == (tmp_path / "m.onnx").stat().st_size
     assert len(res.graph.node) == len(res.proto.graph.node) > 0
+
+
+# -- a GGUF file handed to a command that needs a converted model ------------------------------
+def test_unconverted_gguf_names_the_conversion(tmp_path):
+    from olv_runtime.errors import ModelFormatError
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
+    with pytest.raises(ModelFormatError, match="is a GGUF file, not an ONNX model.*olv convert"):
+        olv_runtime.load(f)
+    _one_error(olv("generate", f, "--prompt-ids", "1,2"), "is a GGUF file", "olv convert")
