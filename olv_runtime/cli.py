@@ -142,7 +142,8 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer, model=N
     if kw["stop"] and tokenizer is None:
         raise CliError(f"--stop needs tokenizer.json beside the model ({model_path.parent})")
     if tokenizer is not None:  # stream through TextStream (stop strings, UTF-8 hold-back)
-        kw.update(tokenizer=tokenizer, text_callback=lambda piece: print(piece, end="", flush=True))
+        kw.update(tokenizer=tokenizer, text_callback=lambda piece: print(piece, end="", flush=True),
+                  skip_special_tokens=not getattr(args, "special", False))
 
         def cb(tok: int) -> None:
             _midline[0] = True
@@ -494,6 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", choices=["auto", "text", "ids"], default="auto",
                    help="print the generated text (needs tokenizer.json) or the token ids; "
                         "auto: text when the model's tokenizer is usable (default)")
+    g.add_argument("--special", action="store_true",
+                   help="print special tokens (eos, <|im_end|>, ...) in the text; by default "
+                        "they are left out of the printed text (the ids keep them)")
     g.add_argument("--stop-at-eos", action="store_true",
                    help="kept for compatibility: stopping at the eos ids is now the default "
                         "(--ignore-eos turns it off)")

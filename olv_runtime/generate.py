@@ -286,6 +286,7 @@ def generate(
     eos_token_id: int | Sequence[int] | str | None = None,
     stop: str | Sequence[str] | None = None,
     tokenizer=None,
+    skip_special_tokens: bool = False,
     logprobs: bool = False,
     top_logprobs: int = 0,
     callback: Callable[[int], object] | None = None,
@@ -322,6 +323,10 @@ def generate(
         returned stops before the match.
     tokenizer : tokenizers.Tokenizer, optional
         For ``stop``, ``text_callback`` and ``GenerationResult.text``.
+    skip_special_tokens : bool
+        Leave special tokens (``<|im_end|>``, eos, ...) out of the decoded text
+        (``tokenizers.Tokenizer.decode``'s flag; stop strings match the text without them).
+        The ids always include them.
     logprobs, top_logprobs : bool, int
         Record each token's log-probability and the ``top_logprobs`` best alternatives
         (:func:`olv_runtime.sampling.token_logprob`, raw logits).
@@ -422,7 +427,8 @@ def generate(
     stats.new_tokens = stats.prefill_tokens = 0
     stats.cached_tokens = state.cached_tokens if state is not None else 0
     stats.prefill_seconds = stats.decode_seconds = 0.0
-    stream = TextStream(tokenizer, stops) if tokenizer is not None else None
+    stream = (TextStream(tokenizer, stops, skip_special_tokens=bool(skip_special_tokens))
+              if tokenizer is not None else None)
     out: list[int] = []
     lps: list[TokenLogprob] | None = [] if logprobs else None
     reason = "length"

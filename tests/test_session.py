@@ -242,3 +242,52 @@ def test_demo_runs(tmp_path, capsys):
     assert cli_main(["demo", "--workdir", str(tmp_path), "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr()
     assert "generated 5 tokens" in out.err
+
+
+def test_generate_leaves_special_tokens_out_of_the_text(tmp_path, capsys, monkeypatch):
+    """``olv generate`` prints the text without special tokens (``--special`` keeps them);
+    ``generate(skip_special_tokens=...)`` is passed to the tokenizer's decode."""
+    from tokenizers import Tokenizer
+
+    import olv_runtime.cli as cli
+    from olv_runtime.models.random_checkpoint import write_random_qwen2
+
+    ckpt = write_random_qwen2(tmp_path / "ck", hidden_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    olv_runtime.convert(ckpt, tmp_path / "m.onnx")
+    real = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    prompt = real.encode("hello world").ids
+    ids = olv_runtime.generate(olv_runtime.load(tmp_path / "m.onnx"), prompt, 8,
+                               eos_token_id=None).tolist()
+    special = ids[3]
+
+    class Marked:  # the real tokenizer, with the 4th generated id treated as a special token
+        def encode(self, *a, **k):
+            return real.encode(*a, **k)
+
+        def get_vocab_size(self, *a, **k):
+            return real.get_vocab_size(*a, **k)
+
+        def decode(self, seq, skip_special_tokens=False):
+            return "".join("<SPECIAL>" if i == special and not skip_special_tokens
+                           else real.decode([i]) for i in seq)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    res = olv_runtime.generate(olv_runtime.load(tmp_path / "m.onnx"), prompt, 8,
+                               eos_token_id=None, tokenizer=Marked(), return_result=True,
+                               skip_special_tokens=True)
+    assert res.ids.tolist() == ids and "<SPECIAL>" not in res.text
+    res = olv_runtime.generate(olv_runtime.load(tmp_path / "m.onnx"), prompt, 8,
+                               eos_token_id=None, tokenizer=Marked(), return_result=True)
+    assert "<SPECIAL>" in res.text
+
+    monkeypatch.setattr(cli, "_tokenizer_for", lambda path: Marked())
+    capsys.readouterr()
+    base = ["generate", str(tmp_path / "m.onnx"), "--prompt-ids", ",".join(map(str, prompt)),
+            "--max-new-tokens", "8", "--ignore-eos", "--output", "text"]
+    assert cli.main(base) == 0
+    assert "<SPECIAL>" not in capsys.readouterr().out
+    assert cli.main(base + ["--special"]) == 0
+    assert "<SPECIAL>" in capsys.readouterr().out
