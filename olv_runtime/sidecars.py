@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import pathlib
 
-from olv_runtime.errors import SidecarError
+from olv_runtime.errors import OutputError, SidecarError
 
 #: Files the converters write beside a model.
 SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -44,6 +44,56 @@ def record(model_proto, files: dict[str, bytes]) -> None:
     for name, data in sorted(files.items()):
         model_proto.metadata_props.add(key=_digest_key(name),
                                        value=hashlib.sha256(data).hexdigest())
+
+
+def check_replacements(out_path, files: dict[str, bytes]) -> None:
+    """Refuse to replace a sidecar that another model in the same folder records.
+
+    Called by the converters before anything is written: writing ``files`` beside ``out_path``
+    would otherwise replace ``tokenizer.json`` (or another sidecar) of a model converted into the
+    same folder earlier, and that model's text prompts would then fail with a
+    :class:`SidecarError`.
+
+    Parameters
+    ----------
+    out_path : pathlib.Path
+        The ``.onnx`` file about to be written (a model already at this path is being replaced
+        and does not count).
+    files : dict
+        Sidecar file name -> the bytes about to be written.
+
+    Raises
+    ------
+    OutputError
+        An existing sidecar differs from the bytes to write and another ``.onnx`` file in the
+        folder records its SHA-256 (``olv.sidecar.<name>.sha256``); names both files.
+    """
+    from olv_runtime.proto import ModelProto
+
+    folder = pathlib.Path(out_path).parent
+    changed = {}
+    for name, data in files.items():
+        dst = folder / name
+        if dst.is_file():
+            old = dst.read_bytes()
+            if old != data:
+                changed[name] = hashlib.sha256(old).hexdigest()
+    if not changed:
+        return
+    for other in sorted(folder.glob("*.onnx")):
+        if other.resolve() == pathlib.Path(out_path).resolve() or not other.is_file():
+            continue
+        try:
+            meta = {p.key: p.value for p in ModelProto.FromString(other.read_bytes()).metadata_props}
+        except Exception:  # not a model we can read: it records nothing
+            continue
+        for name, digest in changed.items():
+            if meta.get(_digest_key(name)) == digest:
+                raise OutputError(
+                    f"converting into {str(folder)!r} would replace {name} of {other.name} "
+                    f"(another model in that folder, which records this file's SHA-256); "
+                    f"convert into another folder, or remove {other.name} first"
+                )
 
 
 def _model_and_dir(model):

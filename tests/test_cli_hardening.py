@@ -113,7 +113,19 @@ def test_two_models_in_one_folder_do_not_share_sidecars(tmp_path, tiny_qwen2_dir
     other = _other_tokenizer(tiny_qwen2_dir, tmp_path / "other", 100)
     out = tmp_path / "out"
     assert olv("convert", tiny_qwen2_dir, out / "a.onnx").returncode == 0
-    assert olv("convert", other, out / "b.onnx").returncode == 0
+    before = {f.name: _sha(f) for f in out.iterdir()}
+    # the converter refuses to replace a.onnx's sidecars, and writes nothing
+    _one_error(olv("convert", other, out / "b.onnx"), "would replace", "of a.onnx")
+    with pytest.raises(OutputError, match="would replace .* of a.onnx"):
+        olv_runtime.convert(other, out / "b.onnx")
+    assert {f.name: _sha(f) for f in out.iterdir()} == before
+    # the same checkpoint again (identical sidecars) and replacing a.onnx itself are fine
+    assert olv("convert", tiny_qwen2_dir, out / "a2.onnx").returncode == 0
+    (out / "a2.onnx").unlink()
+    # sidecars replaced behind the converter's back (copied in by hand) are refused at use
+    assert olv("convert", other, tmp_path / "elsewhere" / "b.onnx").returncode == 0
+    for f in (tmp_path / "elsewhere").iterdir():
+        shutil.copy(f, out / f.name)
     r = olv("generate", out / "a.onnx", "--prompt", "a b c", "--max-new-tokens", 2)
     _one_error(r, "tokenizer.json does not belong to a.onnx", "reconvert")
     assert r.stdout == ""

@@ -361,6 +361,9 @@ def convert_gguf(gguf_path, out_path, *, progress: Callable[[str], None] | None 
                 warnings.warn(f"no tokenizer written: {exc}", stacklevel=2)
                 if progress:
                     progress(f"no tokenizer written: {exc}")
+    from olv_runtime.sidecars import check_replacements
+
+    check_replacements(out, {fname: text.encode("utf-8") for fname, text in files.items()})
     out_dir.mkdir(parents=True, exist_ok=True)
     if _location_for(gguf_path, out_dir) != location:  # pragma: no cover - defensive
         raise ConversionError(f"location of {gguf_path} changed during conversion")

@@ -25,6 +25,7 @@ from olv_runtime.models.checkpoint import Checkpoint
 from olv_runtime.proto import ModelProto, TensorProto
 from olv_runtime.quantize import quantize_int4_blockwise
 from olv_runtime.sidecars import SIDECAR_FILES
+from olv_runtime.sidecars import check_replacements as check_sidecar_replacements
 from olv_runtime.sidecars import record as record_sidecars
 
 __all__ = [
@@ -690,6 +691,7 @@ def convert(checkpoint_dir, out_path, weights: str = "int4-block32", *,
         if src.is_file():
             files[fname] = src.read_bytes()
     record_sidecars(model, files)
+    check_sidecar_replacements(out, files)
     if progress:
         progress(f"writing {out}")
     save(model, out, external_data=external_data)
