@@ -449,10 +449,43 @@ def _non_negative(text: str) -> int:
     return v
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" hint for a mistyped command, choice or option."""
+
+    def error(self, message):
+        import difflib
+        import re
+
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        m = re.match(r"unrecognized arguments: (.*)", message)
+        if m:
+            known, todo = [], [self]
+            while todo:  # this parser's options and its commands' (parse_args reports here)
+                q = todo.pop()
+                for a in q._actions:
+                    known += a.option_strings
+                    if isinstance(a, argparse._SubParsersAction):
+                        todo += list(a.choices.values())
+            hints = []
+            for arg in m.group(1).split():
+                if arg.startswith("-"):
+                    close = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.6)
+                    if close:
+                        hints.append(f"{arg} -> {close[0]}")
+            if hints:
+                message += f" (did you mean: {', '.join(hints)}?)"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from olv_runtime import __version__
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="olv",
         description="olv_runtime: quantized LLM decode on the CPU (ONNX + encoded values + persistent state).",
     )

@@ -286,3 +286,15 @@ def test_unconverted_gguf_names_the_conversion(tmp_path):
     with pytest.raises(ModelFormatError, match="is a GGUF file, not an ONNX model.*olv convert"):
         olv_runtime.load(f)
     _one_error(olv("generate", f, "--prompt-ids", "1,2"), "is a GGUF file", "olv convert")
+
+
+# -- typos get a "did you mean" hint ----------------------------------------------------------
+def test_typos_get_a_hint():
+    _one_error(olv("genrate", "m.onnx"), "invalid choice: 'genrate'", "did you mean 'generate'?")
+    _one_error(olv("generate", "m.onnx", "--prompt-ids", "1", "--output", "idz"),
+               "did you mean 'ids'?")
+    _one_error(olv("generate", "m.onnx", "--prompt-ids", "1", "--temprature", "1"),
+               "unrecognized arguments: --temprature", "--temprature -> --temperature")
+    line = _one_error(olv("generate", "m.onnx", "--prompt-ids", "1", "--zzzzzz"),
+                      "unrecognized arguments: --zzzzzz")
+    assert "did you mean" not in line
