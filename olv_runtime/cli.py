@@ -53,7 +53,7 @@ def _check_vocab(ids, model, what: str) -> None:
 def _check_positions(n_prompt: int, max_new: int, model) -> None:
     limit = model.metadata().get("olv.max_position_embeddings", "")
     if limit.isdigit() and n_prompt + max_new > int(limit):
-        _warn(f"prompt ({n_prompt} tokens) + --max-new-tokens ({max_new}) exceeds the model's "
+        _warn(f"prompt ({n_prompt} tokens) + new tokens ({max_new}) exceeds the model's "
               f"max_position_embeddings ({limit}): positions beyond it were not trained and the "
               "output may degrade")
 
@@ -245,6 +245,7 @@ def cmd_bench(args) -> int:
     vocab = int(model.metadata().get("olv.vocab_size", "100"))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, size=args.prompt_len).tolist()
+    _check_positions(args.prompt_len, args.new_tokens, model)
     print(f"bench {args.model}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"{args.runs} runs (+1 warm-up), threads={args.threads or 'default'}, "
           f"activations {'int8' if args.quantize_activations else 'float32 (exact)'}",

@@ -248,6 +248,9 @@ def test_generate_arguments_positions_and_warm_up(model):
     assert "warm-up" in r.stderr and "target" not in r.stderr + r.stdout
     r = olv("generate", model, "--prompt-ids", "1,2", "--max-new-tokens", 2)
     assert r.returncode == 0 and "max_position_embeddings" not in r.stderr
+    r = olv("bench", model, "--prompt-len", 250, "--new-tokens", 10, "--runs", 1)
+    assert r.returncode == 0, r.stderr
+    assert "exceeds the model's max_position_embeddings (256)" in r.stderr
 
 
 # -- item 17: Ctrl-C stops cleanly with what was generated and the rate ---------------------------
