@@ -230,9 +230,22 @@ class LinearStep:
                 start += n
         if self.bias is not None:
             np.add(y, self.bias, out=y)
-        if self.residual:
-            r = residual.reshape(y.shape)
-            np.add(y, r, out=y)
+        if self.residual:  # the fused Add, with ONNX (numpy) broadcasting
+            out_shape = (*lead, self.n)
+            if residual.shape == out_shape:
+                np.add(y, residual.reshape(y.shape), out=y)
+            else:
+                try:
+                    shape = np.broadcast_shapes(out_shape, residual.shape)
+                except ValueError:
+                    raise InvalidArgument(
+                        f"node {self.name!r} (MatMul + Add): the MatMul output {list(out_shape)} "
+                        f"and the added input {list(residual.shape)} are not broadcastable"
+                    ) from None
+                if shape == out_shape:
+                    np.add(y.reshape(out_shape), residual, out=y.reshape(out_shape))
+                else:  # the added input widens the result: a new array of that shape
+                    return (np.add(y.reshape(out_shape), residual),)
         if len(self.weights) == 1:
             return (y.reshape(*lead, self.n),)
         outs = []

@@ -609,9 +609,9 @@ def test_fuzz_hostile_models(tmp_path):
     print(f"\nfuzz: {s['cases']} cases ({s['byte']} byte-level), ok {s['ok']}, OlvError "
           f"{s['olv'] + s['wrapped']} (of which {s['wrapped']} wrap an operator's own exception), raw "
           f"{s['raw']}, crashes {s['crash']}, hangs {s['hang']}, {s['seconds']} s")
-    assert s["ok"] + s["olv"] + s["wrapped"] == s["cases"], "\n".join(
-        f"case {i} [{desc}]: {res}" for i, desc, res in s["bad"][:40]
-        if res["status"] != "wrapped")
+    # an OlvError that only wraps an operator's own exception counts as raw (module docstring)
+    assert s["ok"] + s["olv"] == s["cases"], "\n".join(
+        f"case {i} [{desc}]: {res}" for i, desc, res in s["bad"][:40])
     # the mutations are not all rejected: some still load and run (flipped weight bits, ...)
     assert s["ok"] > 0 and s["olv"] > s["cases"] // 4
 

@@ -74,6 +74,37 @@ def test_fusion_never_materialises_the_weight():
     np.testing.assert_allclose(y, y2, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_residual_add_broadcasts_as_onnx_add():
+    """MatMul + Add fused into one Linear step keeps Add's broadcasting, and shapes Add would
+    reject raise InvalidArgument (not a numpy error from inside the step)."""
+    from olv_runtime.errors import InvalidArgument
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 40)).astype(np.float32)
+    nodes = [make_node("Identity", ["r_in"], ["r"], name="id"),
+             make_node("Decode", ["W"], ["Wf"], name="dec", domain="olv"),
+             make_node("Transpose", ["Wf"], ["Wt"], name="tr", perm=[1, 0]),
+             make_node("MatMul", ["x", "Wt"], ["y"], name="mm"),
+             make_node("Add", ["y", "r"], ["out"], name="add")]
+    m = _model(nodes, [make_tensor_value_info("x", pb.TensorProto.FLOAT, None),
+                       make_tensor_value_info("r_in", pb.TensorProto.FLOAT, None)],
+               [make_tensor_value_info("out", pb.TensorProto.FLOAT, None)],
+               encoded=[_encoded_weight("W", w)])
+    sess = olv_runtime.InferenceSession(m)
+    assert [k for k, _ in sess.plan()] == ["Identity", "Linear"], sess.plan()
+    ref = olv_runtime.InferenceSession(m, olv_runtime.SessionOptions(enable_fusion=False))
+    for xs, rs in [((3, 40), (3, 48)), ((1, 3, 40), (48,)), ((2, 3, 40), (3, 1)),
+                   ((1, 40), (4, 48)), ((3, 40), (2, 1, 48))]:
+        x = rng.standard_normal(xs).astype(np.float32)
+        r = rng.standard_normal(rs).astype(np.float32)
+        (out,), (want,) = sess.run(None, {"x": x, "r_in": r}), ref.run(None, {"x": x, "r_in": r})
+        assert out.shape == want.shape == np.broadcast_shapes(xs[:-1] + (48,), rs)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(InvalidArgument, match="not broadcastable") as e:
+        sess.run(None, {"x": np.ones((96, 40), np.float32), "r_in": np.ones((1, 3, 48), np.float32)})
+    assert e.value.__cause__ is None
+
+
 def test_decode_with_another_consumer_is_materialised():
     m, _ = _linear_model(fused_consumers=False)
     sess = olv_runtime.InferenceSession(m)
