@@ -389,6 +389,12 @@ def cmd_compile(args) -> int:
         raise CliError(f"cannot write {args.output!r}: {exc.strerror or exc}") from None
     for name, why in rep.skipped:
         print(f"  not compiled: {name}: {why}", file=sys.stderr)
+    if rep.entries == 0:
+        print("warning: no compiled entries were written: no weight of this model has a "
+              "prepacked form that can be persisted"
+              + (" (see the 'not compiled' lines)" if rep.skipped else
+                 " (only the INT4 packed-tile layouts of Linear steps are persisted)"),
+              file=sys.stderr)
     print(f"wrote {rep.path} with {rep.entries} compiled entries for {rep.device} "
           f"({rep.bytes / 1e6:.1f} MB in {rep.compiled_path.name}) in "
           f"{time.perf_counter() - t0:.1f} s")

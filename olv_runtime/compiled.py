@@ -939,7 +939,12 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
 
             for step in sess.all_steps():
                 lin = step.impl
-                if not isinstance(lin, LinearStep) or lin.packed is None:
+                if not isinstance(lin, LinearStep):
+                    if step.kind.endswith("Linear"):
+                        skipped.append((step.name, f"{step.kind} weights are repacked at session "
+                                                   "creation and have no persisted layout"))
+                    continue
+                if lin.packed is None:
                     continue
                 lay = layout_of(lin.packed)
                 if lay is None:
@@ -1003,7 +1008,12 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
         final_compiled = out.parent / cname
         os.chmod(tmp, 0o644)
         # payloads resolved as in m; scales external too (views of the file, never parsed)
-        save(Model(proto, m.path), out, external_data=True, external_params=True)
+        # a GGUF import references the .gguf in place: keep those references when they resolve
+        # from the output's folder (never copy the GGUF's tensors into a .data file)
+        gguf_here = (m.metadata().get("olv.source") == "gguf" and m.path is not None
+                     and out.parent.resolve() == m.path.parent.resolve())
+        save(Model(proto, m.path), out, external_data=True, external_params=True,
+             keep_external=gguf_here)
         os.replace(tmp, final_compiled)
         tmp = None
     finally:

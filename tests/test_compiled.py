@@ -567,3 +567,23 @@ def test_decode_does_not_touch_source_pages_of_prepacked_weights(tmp_path):
     # embedding rows, norms and biases (+ the kernel's fault-around of a few 64 KiB windows)
     assert results["plain"] >= 0.9 * codes_bytes  # its scales are inline
     assert results["compiled"] < 0.4 * prepacked_bytes, (results, prepacked_bytes)
+
+
+@pytest.mark.parametrize("ttype", ["Q4_0", "Q8_0"])
+def test_compile_gguf_import_keeps_the_gguf_in_place(tmp_path, ttype):
+    """``olv compile`` of a converted GGUF file next to it references the .gguf as the import
+    does (no tensor copied into a .data file); a model with nothing to persist says why."""
+    from gguf_models import write_gguf
+
+    from olv_runtime.compiled import compile_model
+
+    gg = write_gguf(tmp_path / "m.gguf", "qwen2", ttype, layers=1, seed=4)
+    olv_runtime.convert(gg, tmp_path / "m.onnx")
+    rep = compile_model(tmp_path / "m.onnx", tmp_path / "c.onnx")
+    data = tmp_path / "c.onnx.data"
+    assert not data.exists() or data.stat().st_size == 0
+    assert rep.entries > 0 or rep.skipped  # written entries, or the reasons there are none
+    ids = [5, 17, 99, 3]
+    want = olv_runtime.generate(olv_runtime.load(tmp_path / "m.onnx"), ids, 6)
+    got = olv_runtime.generate(olv_runtime.load(tmp_path / "c.onnx"), ids, 6)
+    assert got.tolist() == want.tolist()
