@@ -11,6 +11,15 @@ boundary values (the embedding output, cos/sin, each layer's past key/value) and
 are the logits and each layer's present key/value -- so the executor, the state and its
 counters see the same values at the call boundary as before.
 
+The onnxruntime-genai builder's form (:func:`_genai_run`) is the same computation under other
+operators: ``SimplifiedLayerNormalization``, one packed-QKV ``MatMulNBits`` (a single linear),
+``com.microsoft::GroupQueryAttention`` (rotary from ``cos_cache``/``sin_cache`` at position
+``T``, ``seqlens_k``/``total_sequence_length`` checked against ``T``), and
+``SkipSimplifiedLayerNormalization`` doing each residual add and the next norm. Its boundary
+inputs are (embedding, cos_cache, sin_cache, seqlens_k, total_sequence_length, pasts...); the
+attention-mask arithmetic the builder interleaves with the first layer reads nothing the layers
+make and is moved before the fused step.
+
 :class:`DecoderStack` runs the compiled driver when the call is one token (batch 1, one new
 position, float32 contiguous inputs) and otherwise -- prefill, other shapes -- the original steps
 one by one (the generic path, unchanged). Plans of any other form are left alone: the pass only
@@ -45,8 +54,8 @@ def _linear(step, n_out=1, residual=False):
     if step.kind != "Linear":
         return None
     lin = step.impl
-    if not isinstance(lin, LinearStep) or not isinstance(lin.packed, PackedInt4I8):
-        return None
+    if not isinstance(lin, LinearStep) or type(lin.packed) is not PackedInt4I8:
+        return None  # (zero-point weights, PackedInt4I8Zp, run per operator)
     if lin.i8 not in ("int8", "f32") or lin.residual != residual or len(step.outputs) != n_out:
         return None
     if lin.k % 32:
@@ -55,15 +64,37 @@ def _linear(step, n_out=1, residual=False):
 
 
 def _norm(step, constants):
-    """(weight array, eps float32) of an RMSNormalization step over the last axis, or None."""
-    if step.kind != "RMSNormalization" or len(step.inputs) != 2:
+    """(weight array, eps float32) of an RMSNormalization (or com.microsoft
+    SimplifiedLayerNormalization) step over the last axis with one output, or None."""
+    if (step.kind not in ("RMSNormalization", "SimplifiedLayerNormalization")
+            or len(step.inputs) != 2 or any(step.outputs[1:])):
         return None
     op = step.impl
     w = constants.get(step.inputs[1])
     if (not isinstance(w, np.ndarray) or w.dtype != _F32 or w.ndim != 1
             or op.attrs.get("axis", -1) != -1 or op.attrs.get("stash_type", 1) != 1):
         return None
-    return np.ascontiguousarray(w), op.eps32
+    eps = getattr(op, "eps32", None)
+    return np.ascontiguousarray(w), (eps if eps is not None else np.float32(op.attrs["epsilon"]))
+
+
+def _skip_norm(step, constants):
+    """A com.microsoft SkipSimplifiedLayerNormalization ``RMSNorm(a + b) * gamma`` without bias:
+    (gamma, eps float32, {a, b}, normed output, sum output or '') or None. The sum ``a + b`` is
+    the residual stream (output 3); mean and inv_std_var (outputs 1, 2) must be unused."""
+    if step.kind != "SkipSimplifiedLayerNormalization" or len(step.inputs) < 3:
+        return None
+    if any(step.inputs[3:]) or any(step.outputs[1:3]) or not step.outputs[0]:
+        return None
+    a, b = step.inputs[0], step.inputs[1]
+    w = constants.get(step.inputs[2])
+    if not a or not b or a == b or not isinstance(w, np.ndarray) or w.dtype != _F32 or w.ndim != 1:
+        return None
+    if a in constants or b in constants:
+        return None
+    total = step.outputs[3] if len(step.outputs) > 3 else ""
+    return (np.ascontiguousarray(w), np.float32(step.impl.attrs["epsilon"]), {a, b},
+            step.outputs[0], total)
 
 
 def _match_layer(steps, i, x, constants):
@@ -121,8 +152,10 @@ def _match_layer(steps, i, x, constants):
         return None
     if o.bias is not None or gu.bias is not None or down.bias is not None:
         return None
-    layer = dict(steps=steps[i:i + 8], norm_in=n0[0], norm_post=n1[0], eps=n0[1], qkv=qkv, o=o,
-                 gu=gu, down=down, att=ra, heads=nh, kv_heads=nkv, head_dim=d, rotary_dim=r,
+    layer = dict(norm_in=n0[0], norm_post=n1[0], eps=n0[1], qkv=qkv, o=o,
+                 gu=gu, down=down, heads=nh, kv_heads=nkv, head_dim=d, rotary_dim=r,
+                 interleaved=bool(ra.interleaved), scale_attr=ra.scale_attr,
+                 kv_opts=ra.attention.kv_opts,
                  past_k=s2.inputs[3], past_v=s2.inputs[4], cos=s2.inputs[5], sin=s2.inputs[6],
                  present_k=s2.outputs[1], present_v=s2.outputs[2])
     return layer, s7.outputs[0]
@@ -132,42 +165,28 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
     """Replace the decoder-layer run of ``steps`` by one :class:`DecoderStack` (see the module
     docstring); returns the (possibly unchanged) step list."""
     for i, s in enumerate(steps):
-        if s.kind != "RMSNormalization":
+        if s.kind not in ("RMSNormalization", "SimplifiedLayerNormalization"):
             continue
-        x0 = s.inputs[0]
-        layers, j, x = [], i, x0
-        while True:
-            m = _match_layer(steps, j, x, constants)
-            if m is None:
-                break
-            layers.append(m[0])
-            x = m[1]
-            j += 8
-        if not layers or j + 2 > len(steps):
+        res = _olv_run(steps, i, constants)
+        if res is None:
+            res = _genai_run(steps, i, constants)
+        if res is None:
             continue
-        nf = _norm(steps[j], constants)
-        lm = _linear(steps[j + 1], 1)
-        if (nf is None or lm is None or steps[j].inputs[0] != x
-                or steps[j + 1].inputs != (steps[j].outputs[0],) or lm.bias is not None
-                or lm.k != layers[0]["o"].n or nf[1] != layers[0]["eps"]
-                or len(lm.weights) != 1):
+        layers, nf, lm, run, hoisted, rest, boundary_in, rope_table = res
+        if not _consistent(layers, lm) or nf[1] != layers[0]["eps"]:
             continue
-        run = steps[i:j + 2]
-        if not _consistent(layers, lm):
+        if (lm.bias is not None or lm.k != layers[0]["o"].n or len(lm.weights) != 1):
             continue
         arrays = [L[n].packed.codes for L in layers for n in ("qkv", "o", "gu", "down")]
         arrays += [L[n].packed.scale for L in layers for n in ("qkv", "o", "gu", "down")]
         arrays += [lm.packed.codes, lm.packed.scale]
         if not all(a.flags.c_contiguous for a in arrays):
             continue
-        boundary_in = [x0, layers[0]["cos"], layers[0]["sin"]]
         for L in layers:
             boundary_in += [L["past_k"], L["past_v"]]
-        boundary_out = [steps[j + 1].outputs[0]]
+        boundary_out = [run[-1].outputs[0]]
         for L in layers:
             boundary_out += [L["present_k"], L["present_v"]]
-        if any(L["cos"] != boundary_in[1] or L["sin"] != boundary_in[2] for L in layers):
-            continue
         if len(set(boundary_in)) != len(boundary_in):
             continue
         # every value made inside the run is read only inside it and is not a graph output
@@ -181,10 +200,153 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
             continue
         stack = DecoderStack("DecoderStack(" + run[0].name + " .. " + run[-1].name + ")",
                              layers, nf[0], lm, run, boundary_in, boundary_out, constants,
-                             counters)
+                             counters, rope_table=rope_table)
         step = Step(stack.name, "DecoderStack", stack, boundary_in, boundary_out, stack)
-        return steps[:i] + [step] + steps[j + 2:]
+        return steps[:i] + hoisted + [step] + rest
     return steps
+
+
+def _olv_run(steps, i, constants):
+    """The olv converter's form from ``steps[i]``: contiguous layers of
+    :func:`_match_layer`, then ``RMSNormalization -> Linear(lm_head)``. Returns (layers, final
+    norm, lm_head linear, run steps, hoisted steps, steps after the run, boundary inputs so far,
+    rope_table) or None."""
+    x0 = steps[i].inputs[0]
+    layers, j, x = [], i, x0
+    while True:
+        m = _match_layer(steps, j, x, constants)
+        if m is None:
+            break
+        layers.append(m[0])
+        x = m[1]
+        j += 8
+    if not layers or j + 2 > len(steps):
+        return None
+    nf = _norm(steps[j], constants)
+    lm = _linear(steps[j + 1], 1)
+    if (nf is None or lm is None or steps[j].inputs[0] != x
+            or steps[j + 1].inputs != (steps[j].outputs[0],)):
+        return None
+    if any(L["cos"] != layers[0]["cos"] or L["sin"] != layers[0]["sin"] for L in layers):
+        return None
+    return (layers, nf, lm, steps[i:j + 2], [], steps[j + 2:],
+            [x0, layers[0]["cos"], layers[0]["sin"]], False)
+
+
+def _gqa(step, constants, qkv, h_in):
+    """The attention parameters of a com.microsoft GroupQueryAttention step the compiled step
+    computes (packed QKV from ``qkv``, past/present, rotary from cos/sin caches, no softcap, no
+    local window, no position_ids), or None."""
+    if step.kind != "GroupQueryAttention" or len(step.outputs) != 3 or len(step.inputs) < 9:
+        return None
+    ins = step.inputs
+    if ins[0] != qkv or ins[1] or ins[2] or not (ins[3] and ins[4] and ins[5] and ins[6]):
+        return None
+    if any(ins[9:]):  # position_ids, attention_bias, head_sink
+        return None
+    op = step.impl
+    a = op.attrs
+    if (not getattr(op, "packed", False) or not a["do_rotary"] or a["softcap"]
+            or a["local_window_size"] >= 0 or a["smooth_softmax"] or a["qk_output"]):
+        return None
+    cos, sin = constants.get(ins[7]), constants.get(ins[8])
+    nh, nkv = a["num_heads"], a["kv_num_heads"]
+    if nh <= 0 or nkv <= 0 or nh % nkv or h_in % (nh + 2 * nkv):
+        return None
+    d = h_in // (nh + 2 * nkv)
+    for c in (cos, sin):
+        if (not isinstance(c, np.ndarray) or c.dtype != _F32 or c.ndim != 2
+                or not c.flags.c_contiguous or c.shape != cos.shape):
+            return None
+    r = 2 * cos.shape[1]
+    if r == 0 or r > d:
+        return None
+    return dict(heads=nh, kv_heads=nkv, head_dim=d, rotary_dim=r,
+                interleaved=bool(a["rotary_interleaved"]), scale_attr=a["scale"] or None,
+                kv_opts=op.kv_opts, past_k=ins[3], past_v=ins[4], seqlens=ins[5], total=ins[6],
+                cos=ins[7], sin=ins[8], present_k=step.outputs[1], present_v=step.outputs[2])
+
+
+def _genai_run(steps, i, constants):
+    """The onnxruntime-genai builder's form from ``steps[i]`` (a SimplifiedLayerNormalization
+    of the embedding), in the order of the steps that depend on it (steps that do not -- the
+    attention-mask arithmetic the builder places between the first projection and the first
+    attention -- are hoisted before the run; they read nothing the run makes). Per layer::
+
+        h = norm(x); qkv = Linear(h); attn, present_k, present_v = GroupQueryAttention(qkv, ...)
+        h2, x1 = SkipSimplifiedLayerNormalization(x, Linear_o(attn))
+        a = SiluMul(Linear_gate|up(h2)); h', x' = SkipSimplifiedLayerNormalization(x1, Linear_down(a))
+
+    where the last SkipSimplifiedLayerNormalization is the final norm, read by the lm_head
+    linear. The residual adds are the Skip... sums (``x + y``; IEEE addition is commutative, so
+    the compiled step's ``y + x`` is the same float). Returns as :func:`_olv_run` or None."""
+    first = steps[i]
+    n0 = _norm(first, constants)
+    if n0 is None:
+        return None
+    made = {o for o in first.outputs if o}
+    core, hoist_at = [first], []
+    for p in range(i + 1, len(steps)):
+        st = steps[p]
+        if any(n in made for n in st.inputs if n):
+            core.append(st)
+            made.update(o for o in st.outputs if o)
+        else:
+            hoist_at.append(p)
+    x = first.inputs[0]
+    norm_w, eps, h = n0[0], n0[1], first.outputs[0]
+    layers, c = [], 1
+    while c + 8 <= len(core):
+        c1, c2, c3, c4, c5, c6, c7, c8 = core[c:c + 8]
+        qkv = _linear(c1, 1)
+        if qkv is None or c1.inputs != (h,):
+            break
+        att = _gqa(c2, constants, c1.outputs[0], qkv.n)
+        if att is None:
+            break
+        o = _linear(c3, 1)
+        if o is None or c3.inputs != (c2.outputs[0],) or o.k != att["heads"] * att["head_dim"]:
+            break
+        post = _skip_norm(c4, constants)
+        if post is None or post[2] != {x, c3.outputs[0]} or not post[4]:
+            break
+        gu = _linear(c5, 2)
+        if gu is None or c5.inputs != (post[3],) or len(gu.ns) != 2 or gu.ns[0] != gu.ns[1]:
+            break
+        if c6.kind != "SiluMul" or not isinstance(c6.impl, SiluMul) or c6.inputs != c5.outputs:
+            break
+        down = _linear(c7, 1)
+        if down is None or c7.inputs != (c6.outputs[0],):
+            break
+        nxt = _skip_norm(c8, constants)
+        if nxt is None or nxt[2] != {post[4], c7.outputs[0]}:
+            break
+        e = o.n
+        if (qkv.k != e or gu.k != e or down.n != e or down.k != gu.ns[0] or eps != post[1]
+                or norm_w.shape != (e,) or post[0].shape != (e,) or nxt[0].shape != (e,)):
+            break
+        if o.bias is not None or gu.bias is not None or down.bias is not None:
+            break
+        layers.append(dict(norm_in=norm_w, norm_post=post[0], eps=eps, qkv=qkv, o=o, gu=gu,
+                           down=down, **att))
+        norm_w, eps, h = nxt[0], nxt[1], nxt[3]
+        x = nxt[4]
+        c += 8
+        if not x:  # a norm without its sum output: the final norm
+            break
+    if not layers or c >= len(core):
+        return None
+    lm = _linear(core[c], 1)
+    if lm is None or core[c].inputs != (h,):
+        return None
+    L0 = layers[0]
+    keys = ("seqlens", "total", "cos", "sin")
+    if any(L[k] != L0[k] for L in layers for k in keys):
+        return None
+    last = steps.index(core[c])
+    hoisted = [steps[p] for p in hoist_at if p < last]
+    return (layers, (norm_w, eps), lm, core[:c + 1], hoisted, steps[last + 1:],
+            [first.inputs[0], L0["cos"], L0["sin"], L0["seqlens"], L0["total"]], True)
 
 
 def _consistent(layers, lm) -> bool:
@@ -195,9 +357,7 @@ def _consistent(layers, lm) -> bool:
     for L in layers:
         if any(L[k] != L0[k] for k in keys):
             return False
-        if L["att"].interleaved != L0["att"].interleaved:
-            return False
-        if L["att"].scale_attr != L0["att"].scale_attr:
+        if L["interleaved"] != L0["interleaved"] or L["scale_attr"] != L0["scale_attr"]:
             return False
         if L["gu"].ns != L0["gu"].ns:
             return False
@@ -216,7 +376,7 @@ class DecoderStack:
     """
 
     def __init__(self, name, layers, norm_final, lm, sub_steps, inputs, outputs, constants,
-                 counters):
+                 counters, rope_table=False):
         from numba.typed import List
 
         from olv_runtime.kernels import decode_stack as ds
@@ -231,16 +391,19 @@ class DecoderStack:
         self.n_layers = len(layers)
         self.heads, self.kv_heads, self.head_dim = L0["heads"], L0["kv_heads"], L0["head_dim"]
         self.rotary_dim = L0["rotary_dim"]
-        self.interleaved = bool(L0["att"].interleaved)
+        self.interleaved = bool(L0["interleaved"])
         d = self.head_dim
-        sc = L0["att"].scale_attr
+        sc = L0["scale_attr"]
         self.att_scale = np.float32(sc if sc is not None else 1.0 / np.sqrt(d))
         self.eps = np.float32(L0["eps"])
         self.quant = L0["qkv"].i8 == "int8"
         self.e = L0["o"].n
         self.inter = L0["gu"].ns[0]
         self.vocab = lm.n
-        self.kv_opts = L0["att"].attention.kv_opts
+        self.kv_opts = L0["kv_opts"]
+        # True: the inputs are (x0, cos_cache, sin_cache, seqlens_k, total_sequence_length,
+        # pasts...) of GroupQueryAttention (the token's cos/sin row is picked by its position)
+        self.rope_table = bool(rope_table)
         def ro(a):  # read-only views: one numba list type for owned and mapped (compiled) arrays
             v = a.view()
             v.flags.writeable = False
@@ -324,9 +487,36 @@ class DecoderStack:
                 return False
         return True
 
-    def __call__(self, x0, cos, sin, *pasts):
-        if not self._fast_ok(x0, cos, sin, pasts):
-            return self._run_generic((x0, cos, sin) + pasts)
+    def _table_rows(self, cos, sin, seqlens_k, total, pasts):
+        """GroupQueryAttention form: the cos/sin rows of the token's position ``T`` (every
+        layer's past length), or None when the call is not the checked one-token form (the
+        generic path then runs and raises GroupQueryAttention's own errors)."""
+        t = pasts[0].shape[2] if pasts and type(pasts[0]) is np.ndarray else -1
+        if t < 0 or t >= cos.shape[0]:
+            return None
+        for p in pasts:
+            if type(p) is not np.ndarray or p.ndim != 4 or p.shape[2] != t:
+                return None
+        for v, want in ((seqlens_k, t), (total, t + 1)):
+            if (type(v) is not np.ndarray or v.size != 1 or v.dtype.kind not in "iu"
+                    or int(v.reshape(-1)[0]) != want):
+                return None
+        if seqlens_k.ndim != 1:
+            return None
+        return cos[t], sin[t]
+
+    def __call__(self, x0, cos, sin, *rest):
+        if self.rope_table:
+            seqlens_k, total, pasts = rest[0], rest[1], rest[2:]
+            rows = self._table_rows(cos, sin, seqlens_k, total, pasts)
+            if rows is None or not self._fast_ok(x0, rows[0].reshape(1, 1, -1),
+                                                  rows[1].reshape(1, 1, -1), pasts):
+                return self._run_generic((x0, cos, sin) + rest)
+            cos, sin = rows
+        else:
+            pasts = rest
+            if not self._fast_ok(x0, cos, sin, pasts):
+                return self._run_generic((x0, cos, sin) + pasts)
         layer = config.threading_layer()
         nt = numba.get_num_threads() if layer == "omp" else 1
         st = self._thread_state(nt)

@@ -13,9 +13,10 @@ with a single consumer, never touching graph outputs):
 * RoPE + Attention: ``Attention(RotaryEmbedding(q), RotaryEmbedding(k), v, past...)`` → one step
   that rotates q and k in place (they are intermediates with no other reader).
 
-INT4 linear weights with block size 32 are repacked once into the tiled layout of
-:mod:`olv_runtime.kernels.packed` (``SessionOptions.prepack``); other block sizes use the
-row-major kernel. Repacking changes only the memory layout, never the values (seed 004: a
+INT4 linear weights with block size 32 are repacked once into the 8-row group layout of
+:mod:`olv_runtime.kernels.packed_i8` (``SessionOptions.prepack``), weights with zero points into
+its zero-point form (:mod:`olv_runtime.kernels.packed_zp`); other block sizes use the row-major
+kernel. :attr:`LinearStep.kernel` names the kernel a step runs. Repacking changes only the memory layout, never the values (seed 004: a
 prepacked form is a cache of the portable initializer).
 """
 from __future__ import annotations
@@ -119,6 +120,10 @@ class LinearStep:
         self.quantize = bool(getattr(options, "quantize_activations", False))
         self.compiled = None  # CompiledEntries of the session (seed 004), set before prepare()
         self._prepared = False
+        #: the kernel serving the step (set by prepare): "packed_i8" / "packed_i8_exact" (8-row
+        #: groups, symmetric), "packed_i8_zp" / "packed_i8_exact_zp" (8-row groups with zero
+        #: points), "tiled" (kernels/packed.py), "dense" (float32) or "row_major" (linear_int4)
+        self.kernel = None
 
     # -- preparation (once, at session creation) ---------------------------------------------
     def prepare(self) -> None:
@@ -133,11 +138,26 @@ class LinearStep:
             # seed 004: a valid compiled entry replaces the repacking (the source pages are never
             # read); otherwise (no entry, or a cache miss) repack from the source
             self.packed = packed_from_entries(
-                self.compiled, ws, "olv.PackedInt4I8" if symmetric else "olv.PackedInt4",
+                self.compiled, ws, "olv.PackedInt4I8" if symmetric else "olv.PackedInt4I8Zp",
                 self.counters)
             if self.packed is None:
                 self.packed = self._repack(symmetric)
-            if symmetric:
+            if not symmetric:
+                # zero points (onnxruntime's quantizers): the same 8-row layout plus one byte
+                # per (row, block); kernels/packed_zp.py, compiled only for such models
+                from olv_runtime.kernels import packed_zp
+
+                if self.quantize:
+                    self._linear_packed = (
+                        lambda x, p, out, quantize_activations, workspace:
+                        packed_zp.linear_packed_i8_zp(x, p, out, workspace=workspace))
+                    self.i8, self.kernel = "int8", "packed_i8_zp"
+                else:
+                    self._linear_packed = (
+                        lambda x, p, out, quantize_activations, workspace:
+                        packed_zp.linear_packed_i8_exact_zp(x, p, out, workspace=workspace))
+                    self.i8, self.kernel = "f32", "packed_i8_exact_zp"
+            else:
                 # the 8-row group layout of kernels/packed_i8.py serves both modes: int8
                 # activations with vpmaddubsw (bitwise equal to linear_packed's quantized mode)
                 # or float32 activations with FMA (kernels/packed_f32.py, exact-mode tolerance)
@@ -147,16 +167,19 @@ class LinearStep:
                     self._linear_packed = (
                         lambda x, p, out, quantize_activations, workspace:
                         linear_packed_i8(x, p, out, workspace=workspace))
-                    self.i8 = "int8"
+                    self.i8, self.kernel = "int8", "packed_i8"
                 else:
                     from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact
 
                     self._linear_packed = (
                         lambda x, p, out, quantize_activations, workspace:
                         linear_packed_i8_exact(x, p, out, workspace=workspace))
-                    self.i8 = "f32"
+                    self.i8, self.kernel = "f32", "packed_i8_exact"
         elif len(ws) == 1 and isinstance(ws[0], np.ndarray):
             self.dense = np.ascontiguousarray(ws[0])
+            self.kernel = "dense"
+        else:
+            self.kernel = "row_major"
         biases = [b if b is not None else np.zeros(n, np.float32) for b, n in zip(self.biases, self.ns)]
         self.bias = (np.ascontiguousarray(np.concatenate(biases))
                      if any(b is not None for b in self.biases) else None)
@@ -164,8 +187,6 @@ class LinearStep:
 
     def _repack(self, symmetric: bool):
         """Prepack the weights (concatenated along N when merged) from their source payloads."""
-        from olv_runtime.kernels.packed import prepack_int4
-
         ws = self.weights
         if len(ws) == 1:
             w = ws[0]
@@ -189,7 +210,9 @@ class LinearStep:
 
             packed = prepack_int4_i8(payload, scale, None, self.n, self.k, 32)
         else:
-            packed = prepack_int4(payload, scale, zp, self.n, self.k, 32)
+            from olv_runtime.kernels.packed_zp import prepack_int4_i8_zp
+
+            packed = prepack_int4_i8_zp(payload, scale, zp, self.n, self.k, 32)
         if self.counters is not None:
             self.counters.add("bytes_repacked", packed.nbytes)  # 0 when compiled entries hit
         return packed

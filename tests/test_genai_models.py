@@ -123,9 +123,56 @@ def test_greedy_ids_equal_onnxruntime_genai(genai_models, kind):
     ours, st = _greedy_olv(folder)
     assert ours == _greedy_genai(folder)
     assert st.session.counters.snapshot()["bytes_dequantized"] == 0
-    kinds = [k for k, _ in st.session.plan()]
+    # every step, those inside the compiled DecoderStack (qwen2) included
+    kinds = [s.kind for s in st.session.all_steps()]
     assert "MatMulNBits" not in kinds and kinds.count("Linear") >= 7  # fused (merged siblings)
     assert "GroupQueryAttention" in kinds
+    assert ("DecoderStack" in kinds) == (kind == "qwen2")  # qwen3: q/k norms, per operator
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("quant", [False, True])
+def test_decode_runs_in_the_compiled_step(genai_models, quant, threads):
+    """The builder's layers (SimplifiedLayerNormalization, packed-QKV MatMulNBits,
+    GroupQueryAttention, SkipSimplifiedLayerNormalization) run as one compiled DecoderStack step
+    for each decode token, bitwise equal to the per-operator plan (exact and int8 modes, 1 and 2
+    threads)."""
+    from olv_runtime.kernels import get_num_threads, set_num_threads
+
+    path = str(genai_models["qwen2"] / "model.onnx")
+    nt = get_num_threads()
+    runs = {}
+    try:
+        for compiled in (False, True):
+            sess = InferenceSession(path, SessionOptions(
+                compiled_decode=compiled, quantize_activations=quant, num_threads=threads))
+            kinds = [k for k, _ in sess.plan()]
+            calls = [0]
+            if compiled:
+                assert kinds.count("DecoderStack") == 1
+                assert "GroupQueryAttention" not in kinds and "Linear" not in kinds
+                ds = next(s.impl for s in sess.all_steps() if s.kind == "DecoderStack")
+                inner = ds.run_kernel
+
+                def counted(*a, _inner=inner):
+                    calls[0] += 1
+                    return _inner(*a)
+                ds.run_kernel = counted
+            st = make_state(sess, empty_cache(sess))
+            feed = np.array([PROMPT], np.int64)
+            ids, logits = [], []
+            for _ in range(10):
+                lg = st.run({"input_ids": feed})["logits"][0, -1].copy()
+                logits.append(lg)
+                ids.append(int(np.argmax(lg)))
+                feed = np.array([[ids[-1]]], np.int64)
+            runs[compiled] = (ids, logits, calls[0])
+    finally:
+        set_num_threads(nt)
+    assert runs[True][2] == 9  # every decode token (not the prompt) ran the compiled step
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])

@@ -100,8 +100,17 @@ def _make_layouts() -> dict:
                 "scale": (np.float32, (t, kb, TILE_ROWS)),
                 "zero_point": (np.int8, (t, kb, TILE_ROWS) if has_zp else (0, 0, 0))}
 
+    def i8_zp_shapes(n, k, has_zp, scale_dtype=np.float32):
+        out = i8_shapes(n, k, has_zp, scale_dtype)
+        out["zp"] = (np.uint8, out["scale"][1])
+        return out
+
+    from .packed_zp import PackedInt4I8Zp
+
     out = {}
     for name, cls, rows, shapes in (("olv.PackedInt4I8", PackedInt4I8, GROUP_ROWS, i8_shapes),
+                                    ("olv.PackedInt4I8Zp", PackedInt4I8Zp, GROUP_ROWS,
+                                     i8_zp_shapes),
                                     ("olv.PackedInt4", PackedInt4, TILE_ROWS, tile_shapes)):
         params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
         ints = tuple(p for p in params if p in ("n", "k"))
