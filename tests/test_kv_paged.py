@@ -231,7 +231,8 @@ def test_fully_masked_rows_are_zero():
     from olv_runtime.kernels import paged_attention as pk
 
     q = np.ones((2, 4, 8), np.float32)
-    out = pk.paged_attention(q, [], 0, 0.5, True, 2, np.full((2, 4, 8), 7, np.float32))
+    table = np.zeros((0, pk.TABLE_COLS), np.int64)  # no blocks
+    out = pk.paged_attention(q, table, 0, 0, 0.5, True, 2, 16, np.full((2, 4, 8), 7, np.float32))
     np.testing.assert_array_equal(out, 0)
 
 
@@ -277,7 +278,10 @@ def test_workspace_independent_of_context_and_no_dequantized_bytes():
         peaks[ctx] = d["attention_workspace_peak"]
         assert d["bytes_dequantized"] == 0
         assert d["bytes_read_kv_attention"] > 0
-    assert peaks[64] == peaks[4096] == 4 * (14 * 66 + 2 * 2 * 64)
+    # per (kv head, query) task: m, l, tile max, accumulators, two tiles of scores, four rows
+    # and the tile's block list (kernels.paged_attention.workspace_bytes)
+    g, w = 7, 64
+    assert peaks[64] == peaks[4096] == 2 * (4 * (3 * g + g * 64 + 2 * g * w + 4 * 64) + 16 * w)
 
 
 # -- ONNX Attention-23 reference (GQA, past lengths 0, 1, 17) -----------------------------------

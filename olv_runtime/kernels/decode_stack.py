@@ -44,7 +44,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from . import packed_f32, packed_i8
-from .attention import _attend_one
+from .attention import TILE, _attend_rows, _merge_partials, _state_init
 from .config import JIT, PJIT
 from .norm import _rms_norm_row
 
@@ -172,12 +172,36 @@ class StackWorkspace:
         self.facc32 = np.zeros((nt, packed_f32.ROWS_MAX * GROUP_ROWS), np.float32)
         self.bar = np.zeros(BARRIER_SLOTS, np.int64)
         self.vocab = vocab
+        self._att = None
+        self._q3 = None
+
+    def q3(self, n_heads, d):
+        """The query part of ``qkv`` viewed as float32 [H, D] (no copy)."""
+        if self._q3 is None or self._q3[0] is not self.qkv:
+            self._q3 = (self.qkv, self.qkv[0, :n_heads * d].reshape(n_heads, d))
+        return self._q3[1]
+
+    def attention(self, n_heads, n_kv, d, width=TILE):
+        """Attention buffers: per task partial max/sum/output ``pm, pl [nt, H]``, ``po [nt, H,
+        D]``, the private merged output ``attn_p [nt, 1, H*D]``, scores/probabilities
+        ``[nt, H/KVH, width]`` and the tile max ``[nt, H/KVH]``."""
+        a = self._att
+        if a is None or a[4].shape[2] != width:
+            nt, g = self.nt, n_heads // n_kv
+            a = self._att = (np.zeros((nt, n_heads), np.float32),
+                             np.zeros((nt, n_heads), np.float32),
+                             np.zeros((nt, n_heads, d), np.float32),
+                             np.zeros((nt, 1, n_heads * d), np.float32),
+                             np.zeros((nt, g, width), np.float32),
+                             np.zeros((nt, g, width), np.float32),
+                             np.zeros((nt, g), np.float32))
+        return a
 
     @property
     def nbytes(self) -> int:
         return int(sum(getattr(self, a).nbytes for a in (
             "xa", "xb", "qkv", "attn", "gu", "act", "hx", "xq", "xd", "xs8", "facc8", "facc32",
-            "bar")))
+            "bar"))) + sum(a.nbytes for a in (self._att or ()))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,12 +250,105 @@ def _rope_head(buf, off, cos, sin, interleaved, rdim):
 
 
 @njit(**JIT)
+def _layer_head(tid, nt, quant, x, li, codes, scales, biases, has_bias, norms, eps, h, q8, qd,
+                qs, qkv, f8, f32, bar, vnni):
+    """Steps 1-2: input norm (private), q/k/v projection (+ bias); barrier."""
+    e = x.shape[1]
+    w = 4 * li
+    _rms_norm_row(x[0], norms[2 * li], eps, h[0])
+    _quantize(quant, h, e, codes[w].shape[1], q8, qd, qs)
+    r0, r1 = _linear_part(tid, nt, quant, codes[w], scales[w], h, q8, qd, qs, qkv, f8, f32, vnni)
+    if has_bias[li]:
+        b = biases[li]
+        for r in range(r0, r1):
+            qkv[0, r] = qkv[0, r] + b[r]
+    _barrier(bar, nt)
+
+
+@njit(**JIT)
+def _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved):
+    """RoPE of this task's query heads and kv heads (in place in ``qkv``); returns the task's
+    kv-head range."""
+    hd = n_heads * d
+    h0 = tid * n_heads // nt
+    h1 = (tid + 1) * n_heads // nt
+    for hh in range(h0, h1):
+        _rope_head(qkv, hh * d, cos, sin, interleaved, rdim)
+    k0 = tid * n_kv // nt
+    k1 = (tid + 1) * n_kv // nt
+    for g in range(k0, k1):
+        _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
+    return k0, k1
+
+
+@njit(**JIT)
+def _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p):
+    """Every task combines the partial softmax states of all heads into its private copy of
+    the attention output (no barrier needed before the output projection reads it)."""
+    ap = attn_p[tid]
+    for hh in range(n_heads):
+        _merge_partials(pm, pl, po, nt, hh, ap[0, hh * d:(hh + 1) * d])
+
+
+@njit(**JIT)
+def _layer_tail(tid, nt, quant, x, xa, xb, nxt, li, codes, scales, norms, eps, inter, attn, h,
+                q8, qd, qs, gu, act, f8, f32, bar, vnni):
+    """Steps 5-8 (output projection + residual, post norm, gate/up, SiLU*up, down + residual);
+    returns the new residual buffer and the flip flag."""
+    w = 4 * li
+    hd = attn.shape[1]
+    e = x.shape[1]
+    xn = xa if nxt == 0 else xb
+    _quantize(quant, attn, hd, codes[w + 1].shape[1], q8, qd, qs)
+    r0, r1 = _linear_part(tid, nt, quant, codes[w + 1], scales[w + 1], attn, q8, qd, qs,
+                          xn, f8, f32, vnni)
+    for r in range(r0, r1):
+        xn[0, r] = xn[0, r] + x[0, r]
+    _barrier(bar, nt)
+    x = xn
+    nxt = 1 - nxt
+    xn = xa if nxt == 0 else xb
+    # 6: post-attention norm (private), gate/up projection
+    _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
+    _quantize(quant, h, e, codes[w + 2].shape[1], q8, qd, qs)
+    _linear_part(tid, nt, quant, codes[w + 2], scales[w + 2], h, q8, qd, qs, gu, f8, f32,
+                 vnni)
+    _barrier(bar, nt)
+    # 7: SiLU(gate) * up (same operations as fusion.SiluMul)
+    j0 = tid * inter // nt
+    j1 = (tid + 1) * inter // nt
+    one = np.float32(1.0)
+    for j in range(j0, j1):
+        gv = gu[0, j]
+        sg = one / (np.exp(-gv) + one)
+        act[0, j] = (gv * sg) * gu[0, inter + j]
+    _barrier(bar, nt)
+    # 8: down projection + residual
+    _quantize(quant, act, inter, codes[w + 3].shape[1], q8, qd, qs)
+    r0, r1 = _linear_part(tid, nt, quant, codes[w + 3], scales[w + 3], act, q8, qd, qs,
+                          xn, f8, f32, vnni)
+    for r in range(r0, r1):
+        xn[0, r] = xn[0, r] + x[0, r]
+    _barrier(bar, nt)
+    return xn, 1 - nxt
+
+
+@njit(**JIT)
+def _lm_head(tid, nt, quant, x, n_layers, codes, scales, norms, eps, h, q8, qd, qs, logits, f8,
+             f32, vnni):
+    e = x.shape[1]
+    _rms_norm_row(x[0], norms[2 * n_layers], eps, h[0])
+    wl = 4 * n_layers
+    _quantize(quant, h, e, codes[wl].shape[1], q8, qd, qs)
+    _linear_part(tid, nt, quant, codes[wl], scales[wl], h, q8, qd, qs, logits, f8, f32, vnni)
+
+
+@njit(**JIT)
 def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps,
                   kbufs, vbufs, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-                  inter, xa, xb, qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
-                  logits, vnni):
+                  inter, xa, xb, qkv, q3, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
+                  logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
     n_layers = len(kbufs)
-    e = x0.shape[1]
     hd = n_heads * d
     kvd = n_kv * d
     group = n_heads // n_kv
@@ -241,106 +358,67 @@ def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, ep
     qs = xs8[tid]
     f8 = facc8[tid]
     f32 = facc32[tid]
+    sc = asc[tid]
+    p = ap[tid]
+    mx = amx[tid]
+    attn = attn_p[tid]
     # residual stream: x0 -> xa -> xb -> xa ... (each write goes to the buffer x is not in)
     x = x0
     nxt = 0  # 0: the next write goes to xa, 1: to xb
     for li in range(n_layers):
-        xn = xa if nxt == 0 else xb
-        w = 4 * li
-        # 1-2: input norm (private), q/k/v projection (+ bias)
-        _rms_norm_row(x[0], norms[2 * li], eps, h[0])
-        _quantize(quant, h, e, codes[w].shape[1], q8, qd, qs)
-        r0, r1 = _linear_part(tid, nt, quant, codes[w], scales[w], h, q8, qd, qs, qkv, f8, f32,
-                              vnni)
-        if has_bias[li]:
-            b = biases[li]
-            for r in range(r0, r1):
-                qkv[0, r] = qkv[0, r] + b[r]
-        _barrier(bar, nt)
-        # 3: RoPE on q and k heads, k and v into the capacity buffers
+        _layer_head(tid, nt, quant, x, li, codes, scales, biases, has_bias, norms, eps, h, q8,
+                    qd, qs, qkv, f8, f32, bar, vnni)
+        # 3: RoPE on q and k heads, k and v into slot t of the capacity buffers
         t = tpos[li]
         kb = kbufs[li]
         vb = vbufs[li]
-        c = cos
-        s = sin
-        h0 = tid * n_heads // nt
-        h1 = (tid + 1) * n_heads // nt
-        for hh in range(h0, h1):
-            _rope_head(qkv, hh * d, c, s, interleaved, rdim)
-        k0 = tid * n_kv // nt
-        k1 = (tid + 1) * n_kv // nt
+        k0, k1 = _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved)
         for g in range(k0, k1):
-            _rope_head(qkv, hd + g * d, c, s, interleaved, rdim)
             for i in range(d):
                 kb[0, g, t, i] = qkv[0, hd + g * d + i]
                 vb[0, g, t, i] = qkv[0, hd + kvd + g * d + i]
         _barrier(bar, nt)
-        # 4: attention of this task's query heads over t + 1 keys
-        for hh in range(h0, h1):
-            g = hh // group
-            _attend_one(qkv[0, hh * d:(hh + 1) * d], kb[0, g], vb[0, g], t + 1, att_scale,
-                        attn[0, hh * d:(hh + 1) * d])
+        # 4: this task's share of the t + 1 keys for every kv head (flash-decoding split);
+        #    barrier; every task merges the partial states into its private output
+        j0 = tid * (t + 1) // nt
+        j1 = (tid + 1) * (t + 1) // nt
+        for g in range(n_kv):
+            hs = g * group
+            m = pm[tid, hs:hs + group]
+            l = pl[tid, hs:hs + group]
+            o = po[tid, hs:hs + group]
+            _state_init(m, l, o, group)
+            _attend_rows(q3[hs:hs + group], group, kb[0, g], vb[0, g], j0, j1, att_scale, m, l,
+                         o, sc, p, mx)
         _barrier(bar, nt)
-        # 5: output projection + residual
-        _quantize(quant, attn, hd, codes[w + 1].shape[1], q8, qd, qs)
-        r0, r1 = _linear_part(tid, nt, quant, codes[w + 1], scales[w + 1], attn, q8, qd, qs,
-                              xn, f8, f32, vnni)
-        for r in range(r0, r1):
-            xn[0, r] = xn[0, r] + x[0, r]
-        _barrier(bar, nt)
-        x = xn
-        nxt = 1 - nxt
-        xn = xa if nxt == 0 else xb
-        # 6: post-attention norm (private), gate/up projection
-        _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
-        _quantize(quant, h, e, codes[w + 2].shape[1], q8, qd, qs)
-        _linear_part(tid, nt, quant, codes[w + 2], scales[w + 2], h, q8, qd, qs, gu, f8, f32,
-                     vnni)
-        _barrier(bar, nt)
-        # 7: SiLU(gate) * up (same operations as fusion.SiluMul)
-        j0 = tid * inter // nt
-        j1 = (tid + 1) * inter // nt
-        one = np.float32(1.0)
-        for j in range(j0, j1):
-            gv = gu[0, j]
-            sg = one / (np.exp(-gv) + one)
-            act[0, j] = (gv * sg) * gu[0, inter + j]
-        _barrier(bar, nt)
-        # 8: down projection + residual
-        _quantize(quant, act, inter, codes[w + 3].shape[1], q8, qd, qs)
-        r0, r1 = _linear_part(tid, nt, quant, codes[w + 3], scales[w + 3], act, q8, qd, qs,
-                              xn, f8, f32, vnni)
-        for r in range(r0, r1):
-            xn[0, r] = xn[0, r] + x[0, r]
-        _barrier(bar, nt)
-        x = xn
-        nxt = 1 - nxt
-    # final norm (private) and lm_head
-    _rms_norm_row(x[0], norms[2 * n_layers], eps, h[0])
-    wl = 4 * n_layers
-    _quantize(quant, h, e, codes[wl].shape[1], q8, qd, qs)
-    _linear_part(tid, nt, quant, codes[wl], scales[wl], h, q8, qd, qs, logits, f8, f32,
-                 vnni)
+        _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
+        x, nxt = _layer_tail(tid, nt, quant, x, xa, xb, nxt, li, codes, scales, norms, eps,
+                             inter, attn, h, q8, qd, qs, gu, act, f8, f32, bar, vnni)
+    _lm_head(tid, nt, quant, x, n_layers, codes, scales, norms, eps, h, q8, qd, qs, logits, f8,
+             f32, vnni)
 
 
 @njit(**PJIT)
 def _stack_par(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
-               cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, attn,
-               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni):
+               cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, q3,
+               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni, pm, pl, po, attn_p,
+               asc, ap, amx):
     for tid in prange(nt):
         _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs,
                       vbufs, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-                      inter, xa, xb, qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
-                      logits, vnni)
+                      inter, xa, xb, qkv, q3, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
+                      logits, vnni, pm, pl, po, attn_p, asc, ap, amx)
 
 
 @njit(**JIT)
 def _stack_ser(quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
-               cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, attn,
-               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni):
+               cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, q3,
+               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni, pm, pl, po, attn_p,
+               asc, ap, amx):
     _stack_thread(0, 1, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs,
                   tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
-                  qkv, attn, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni)
+                  qkv, q3, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni, pm, pl,
+                  po, attn_p, asc, ap, amx)
 
 
 def decode_stack(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
@@ -367,9 +445,9 @@ def decode_stack(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbu
     logits : float32 [1, V] (written)
     """
     args = (quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos, cos, sin,
-            n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb, ws.qkv, ws.attn,
-            ws.gu, ws.act, ws.hx, ws.xq, ws.xd, ws.xs8, ws.facc8, ws.facc32, ws.bar, logits,
-            packed_i8.use_vnni())
+            n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb, ws.qkv,
+            ws.q3(n_heads, d), ws.gu, ws.act, ws.hx, ws.xq, ws.xd, ws.xs8, ws.facc8, ws.facc32,
+            ws.bar, logits, packed_i8.use_vnni(), *ws.attention(n_heads, n_kv, d))
     if nt > 1:
         _stack_par(nt, *args)
     else:

@@ -26,22 +26,33 @@ format       arrays                                       element ``(slot, g, t,
 
 ``SB`` is ``BS`` (scales per token and head) or 1 (per block and head).
 
-Dequantization happens inside the loop, one ``D``-row of one kv head at a time into a private
-``[D]`` scratch row: no block is ever dequantized into a buffer. The workspace of one call is the
-running max ``m[S, H]``, sum ``l[S, H]`` and un-normalised output ``acc[S, H, D]`` plus two rows
-per kv head: ``4 * (S*H*(D+2) + 2*KVH*D)`` bytes, independent of the context length.
+The attention kernel reads blocks through a *block table*: an int64 array with one row per block
+(:data:`TABLE_COLS`: per side the format code, the slot's raw address, the scale address and a
+per-token-scale flag; then the block's first position and its valid tokens; :func:`table_row`).
+The table is plain data, so a compiled decode step takes it as an argument
+(:mod:`olv_runtime.kernels.decode_stack`). Each (kv head, query) task makes one pass over the
+blocks for every query head of its group (GQA): consecutive blocks fill one softmax tile of up to
+:func:`tile_width` keys (scores of float32 rows straight from the block, of other formats from a
+row dequantized into a private ``[D]`` scratch row -- INT8 codes times the token's scale, INT4
+nibbles, float16 by ``fpext``, codebook indices), then one online-softmax update per head and tile
+with vectorised exponentials (:func:`~.attention._softmax_tile`), then ``o += p @ V`` from the
+same rows. No block is ever dequantized into a buffer; the workspace of a call
+(:func:`workspace_bytes`) depends on the query and head counts only.
 
-Three tiers (STYLE.md): ``_load_row`` (serial, inlined), ``_paged_segment`` (parallel over kv
-heads, one chunk's blocks), and the public :func:`paged_attention` (validates, calls once per
-chunk, normalises). A query with no attendable key gets zeros (fully masked rows are defined).
+A query with no attendable key gets zeros (fully masked rows are defined). Sealing (conversion of
+a full block into a quantized format) is :func:`convert_block`.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.core.extending import intrinsic
 
 from olv_runtime.errors import InvalidArgument
 
+from .attention import TILE, _FM, _accum_rows, _scores_rows, _softmax_tile, _state_finish, \
+    _state_init, _tile_max_init
 from .config import JIT, PJIT, lazy_njit
 
 __all__ = ["FORMAT_CODES", "ChunkSide", "paged_attention", "convert_block", "F16_TABLE",
@@ -93,93 +104,170 @@ def _load_row(fmt, f32, u16, codes, scale, table, slot, g, t, row):
             row[i] = table[idx] * scale[slot, g, t, grp]
 
 
-_SEG_SIG = types.void(
-    types.Array(types.float32, 3, "C"),        # q [S, H, D]
-    types.Array(types.int64, 1, "C"),          # kslots [n]
-    types.Array(types.int64, 1, "C"),          # vslots [n]
-    types.Array(types.int64, 1, "C"),          # starts [n] (absolute position of token 0)
-    types.Array(types.int64, 1, "C"),          # lens [n] (valid tokens)
-    types.int64, types.float32, types.boolean,  # past_len, scale, causal
-    *_SIDE, *_SIDE,                             # K side, V side
-    types.Array(types.float32, 2, "C"),        # m [S, H]
-    types.Array(types.float32, 2, "C"),        # l [S, H]
-    types.Array(types.float32, 3, "C"),        # acc [S, H, D]
-    types.Array(types.float32, 2, "C"),        # krow [KVH, D]
-    types.Array(types.float32, 2, "C"),        # vrow [KVH, D]
-)
+# -- raw block addresses -------------------------------------------------------------------------
+#: Columns of a block-table row (int64): format and slot addresses of the key and value sides,
+#: position of the block's first token, valid tokens.
+T_KFMT, T_KADDR, T_KSADDR, T_KPT, T_VFMT, T_VADDR, T_VSADDR, T_VPT, T_START, T_LEN = range(10)
+TABLE_COLS = 10
 
 
-@lazy_njit(_SEG_SIG, **PJIT)
-def _paged_segment(q, kslots, vslots, starts, lens, past_len, scale, causal,
-                   kfmt, kf32, ku16, kcodes, kscale, ktable,
-                   vfmt, vf32, vu16, vcodes, vscale, vtable,
-                   m, l, acc, krow, vrow):
-    s_n, h_n, d = q.shape
-    kvh = krow.shape[0]
-    group = h_n // kvh
-    nb = kslots.shape[0]
-    for g in prange(kvh):
-        kr = krow[g]
-        vr = vrow[g]
-        for bi in range(nb):
-            kslot = kslots[bi]
-            vslot = vslots[bi]
-            start = starts[bi]
-            for t in range(lens[bi]):
-                pos = start + t
-                s0 = 0
-                if causal:
-                    s0 = pos - past_len
-                    if s0 < 0:
-                        s0 = 0
-                    if s0 >= s_n:
-                        break  # later tokens of the block are later still
-                _load_row(kfmt, kf32, ku16, kcodes, kscale, ktable, kslot, g, t, kr)
-                _load_row(vfmt, vf32, vu16, vcodes, vscale, vtable, vslot, g, t, vr)
-                for hh in range(group):
-                    h = g * group + hh
-                    for s in range(s0, s_n):
-                        qv = q[s, h]
-                        a0 = np.float32(0.0)
-                        a1 = np.float32(0.0)
-                        a2 = np.float32(0.0)
-                        a3 = np.float32(0.0)
-                        d4 = d - d % 4
-                        for i in range(0, d4, 4):
-                            a0 += qv[i] * kr[i]
-                            a1 += qv[i + 1] * kr[i + 1]
-                            a2 += qv[i + 2] * kr[i + 2]
-                            a3 += qv[i + 3] * kr[i + 3]
-                        for i in range(d4, d):
-                            a0 += qv[i] * kr[i]
-                        sc = ((a0 + a1) + (a2 + a3)) * scale
-                        o = acc[s, h]
-                        mx = m[s, h]
-                        if sc > mx:
-                            corr = np.exp(mx - sc)  # exp(-inf) = 0 for the first key
-                            l[s, h] = l[s, h] * corr + np.float32(1.0)
-                            for i in range(d):
-                                o[i] = o[i] * corr + vr[i]
-                            m[s, h] = sc
-                        else:
-                            p = np.exp(sc - mx)
-                            l[s, h] += p
-                            for i in range(d):
-                                o[i] += p * vr[i]
+def _ptr_intrinsic(nbty):
+    @intrinsic
+    def ptr(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+        sig = types.CPointer(nbty)(addr)
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+        return sig, codegen
+    return ptr
+
+
+_f32p = _ptr_intrinsic(types.float32)
+_u8p = _ptr_intrinsic(types.uint8)
+_u16p = _ptr_intrinsic(types.uint16)
+
+
+@intrinsic
+def _half_to_f32(typingctx, bits):
+    """float16 bits (uint16) -> float32 (``fpext``: ``vcvtph2ps`` once vectorised)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if sig.args[0].bitwidth != 16:
+            v = builder.trunc(v, ir.IntType(16))
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_half(typingctx, x):
+    """float32 -> float16 bits (uint16), round to nearest even (``fptrunc``)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(h, ir.IntType(16))
+    return types.uint16(x), codegen
 
 
 @njit(**JIT)
-def _finish(m, l, acc, out):
-    s_n, h_n, d = acc.shape
-    for s in range(s_n):
-        for h in range(h_n):
-            if l[s, h] > 0:
-                inv = np.float32(1.0) / l[s, h]
-                for i in range(d):
-                    out[s, h, i] = acc[s, h, i] * inv
-            else:  # fully masked row (no key attended): zeros, as the contiguous kernel
-                for i in range(d):
-                    out[s, h, i] = np.float32(0.0)
+def _block_f32(addr, g, bs, d):
+    """The float32 [BS, D] rows of kv head ``g`` of a float32 block slot at ``addr``."""
+    return carray(_f32p(addr + g * bs * d * 4), (bs, d))
+
+
+@njit(**_FM)
+def _dequant_row(fmt, addr, saddr, pt, g, t, bs, d, row):
+    """Token ``t`` of kv head ``g`` of a float16/int8/int4/codebook2 block slot into ``row[D]``
+    (the decoded values, scale applied)."""
+    r = g * bs + t
+    if fmt == 1:
+        src = carray(_u16p(addr + r * d * 2), (d,))
+        for i in range(d):
+            row[i] = _half_to_f32(src[i])
+    elif fmt == 2 or fmt == 3:
+        sidx = r if pt else g
+        s = carray(_f32p(saddr + sidx * 4), (1,))[0]
+        if fmt == 2:
+            src = carray(_u8p(addr + r * d), (d,))
+            for i in range(d):
+                c = np.int32(src[i])
+                row[i] = np.float32((c ^ 128) - 128) * s
+        else:
+            h = d // 2
+            src = carray(_u8p(addr + r * h), (h,))
+            for i in range(h):
+                b = np.int32(src[i])
+                row[2 * i] = np.float32(((b & 15) ^ 8) - 8) * s
+                row[2 * i + 1] = np.float32(((b >> 4) ^ 8) - 8) * s
+    else:  # codebook2: records of 8 code bytes (32 x 2-bit indices) + float32 scale
+        ng = d // 32
+        table = carray(_f32p(saddr), (4,))
+        for grp in range(ng):
+            rec = addr + (r * ng + grp) * 12
+            codes = carray(_u8p(rec), (8,))
+            s = carray(_f32p(rec + 8), (1,))[0]
+            for j in range(32):
+                b = np.int32(codes[j >> 2])
+                row[grp * 32 + j] = table[(b >> ((j & 3) * 2)) & 3] * s
+
+
+@njit(**JIT)
+def _block_scores(qg, ng, fmt, addr, saddr, pt, g, bs, d, nk, scale, sc, c0, mx, row):
+    """Scores of the first ``nk`` tokens of one block side (any format) into ``sc[:, c0:]``."""
+    if fmt == 0:
+        _scores_rows(qg, ng, _block_f32(addr, g, bs, d), 0, nk, scale, sc, c0, mx)
+    else:
+        r2 = row.reshape(1, d)
+        for t in range(nk):
+            _dequant_row(fmt, addr, saddr, pt, g, t, bs, d, row)
+            _scores_rows(qg, ng, r2, 0, 1, scale, sc, c0 + t, mx)
+
+
+@njit(**JIT)
+def _block_accum(p, c0, ng, fmt, addr, saddr, pt, g, bs, d, nk, o, rows):
+    """``o += p[:, c0:c0+nk] @ V`` for the first ``nk`` tokens of one block side."""
+    one = np.float32(1.0)
+    if fmt == 0:
+        _accum_rows(p, c0, ng, _block_f32(addr, g, bs, d), 0, nk, o, one)
+    else:
+        nr = rows.shape[0]
+        for t0 in range(0, nk, nr):
+            n = min(nr, nk - t0)
+            for j in range(n):
+                _dequant_row(fmt, addr, saddr, pt, g, t0 + j, bs, d, rows[j])
+            _accum_rows(p, c0 + t0, ng, rows, 0, n, o, one)
+
+
+@njit(**JIT)
+def _flush(table, pend, npend, qg_unused, ng, g, bs, d, c, mx, m, l, o, sc, p, rows):
+    _softmax_tile(sc, ng, c, mx, m, l, o, p)
+    c0 = 0
+    for k in range(npend):
+        bi = pend[k, 0]
+        nk = pend[k, 1]
+        _block_accum(p, c0, ng, table[bi, T_VFMT], table[bi, T_VADDR], table[bi, T_VSADDR],
+                     table[bi, T_VPT], g, bs, d, nk, o, rows)
+        c0 += nk
+
+
+@njit(**JIT)
+def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, p, mx, rows,
+                pend):
+    """Blocks ``table[b0:b1]`` of kv head ``g`` into the partial softmax state ``m, l, o`` of the
+    ``ng`` query heads ``qg[ng, D]`` of the query at position ``qpos`` (keys at positions
+    ``> qpos`` skipped when ``causal``). Consecutive blocks share one softmax tile of up to
+    ``sc.shape[1]`` keys. Scratch: ``sc, p`` float32 [ng, W >= BS], ``mx`` [ng], ``rows``
+    float32 [4, D] (dequantized rows), ``pend`` int64 [W, 2]."""
+    d = qg.shape[1]
+    w = sc.shape[1]
+    c = 0
+    npend = 0
+    _tile_max_init(mx, ng)
+    for bi in range(b0, b1):
+        nk = table[bi, T_LEN]
+        if causal:
+            nk = min(nk, qpos - table[bi, T_START] + 1)
+        if nk <= 0:
+            continue
+        if c + nk > w:
+            _flush(table, pend, npend, qg, ng, g, bs, d, c, mx, m, l, o, sc, p, rows)
+            c = 0
+            npend = 0
+            _tile_max_init(mx, ng)
+        _block_scores(qg, ng, table[bi, T_KFMT], table[bi, T_KADDR], table[bi, T_KSADDR],
+                      table[bi, T_KPT], g, bs, d, nk, scale, sc, c, mx, rows[0])
+        pend[npend, 0] = bi
+        pend[npend, 1] = nk
+        npend += 1
+        c += nk
+    if c:
+        _flush(table, pend, npend, qg, ng, g, bs, d, c, mx, m, l, o, sc, p, rows)
 
 
 class ChunkSide:
@@ -195,7 +283,8 @@ class ChunkSide:
         Payload bytes the kernel reads per token and kv head (codes + its share of scales).
     """
 
-    __slots__ = ("fmt", "f32", "u16", "codes", "scale", "table", "row_bytes")
+    __slots__ = ("fmt", "f32", "u16", "codes", "scale", "table", "row_bytes", "addr", "stride",
+                 "saddr", "sstride", "per_token")
 
     def __init__(self, fmt, f32=None, u16=None, codes=None, scale=None, table=None, row_bytes=0):
         self.fmt = int(fmt)
@@ -205,6 +294,37 @@ class ChunkSide:
         self.scale = _DUMMY_SCL if scale is None else scale
         self.table = _DUMMY_TAB if table is None else table
         self.row_bytes = int(row_bytes)
+        self._addresses()
+
+    def _addresses(self):
+        """Slot addresses for the block table (:func:`table_row`): ``addr + slot * stride`` is
+        the slot's first byte (``[KVH, BS, ...]`` C-order inside a slot, checked), likewise
+        ``saddr``/``sstride`` for INT8/INT4 scales (codebook2: ``saddr`` is the codebook)."""
+        fmt = self.fmt
+        main = (self.f32, self.u16, self.codes, self.codes, self.codes)[fmt]
+        if fmt != 4 and not _slot_contiguous(main):
+            raise InvalidArgument(f"block storage: expected C-ordered slots, got strides "
+                                  f"{main.strides} for shape {list(main.shape)}")
+        self.addr = int(main.__array_interface__["data"][0])
+        self.stride = int(main.strides[0])
+        self.saddr, self.sstride, self.per_token = 0, 0, 0
+        if fmt in (2, 3):
+            if not _slot_contiguous(self.scale):
+                raise InvalidArgument("block scales: expected C-ordered slots")
+            self.saddr = int(self.scale.__array_interface__["data"][0])
+            self.sstride = int(self.scale.strides[0])
+            self.per_token = int(self.scale.shape[2] > 1)
+        elif fmt == 4:
+            if self.codes.strides[1:] != (self.codes.shape[2] * self.codes.shape[3] * 12,
+                                          self.codes.shape[3] * 12, 12, 1):
+                raise InvalidArgument("codebook blocks: expected contiguous 12-byte records")
+            self.table = np.ascontiguousarray(self.table, np.float32)
+            self.saddr = int(self.table.__array_interface__["data"][0])
+
+    def slot_row(self, slot: int):
+        """(format, slot address, scale address, per-token flag) of one slot."""
+        return (self.fmt, self.addr + slot * self.stride, self.saddr + slot * self.sstride,
+                self.per_token)
 
     def args(self):
         return (self.fmt, self.f32, self.u16, self.codes, self.scale, self.table)
@@ -217,28 +337,93 @@ _DUMMY_SCL = np.zeros((1, 1, 1, 1), np.float32)
 _DUMMY_TAB = np.zeros(1, np.float32)
 
 
+def _slot_contiguous(a: np.ndarray) -> bool:
+    """True when every ``a[i]`` is C-contiguous (the leading stride may be anything)."""
+    st = a.itemsize
+    for n, s in zip(reversed(a.shape[1:]), reversed(a.strides[1:])):
+        if n > 1 and s != st:
+            return False
+        st *= n
+    return True
+
+
 def dummy_side() -> ChunkSide:
     return ChunkSide(0)
 
 
-def workspace_bytes(s: int, h: int, kvh: int, d: int) -> int:
-    """Bytes of the attention workspace for ``S`` queries (independent of the context)."""
-    return 4 * (s * h * (d + 2) + 2 * kvh * d)
+def tile_width(block_size: int) -> int:
+    """Keys per softmax tile of the paged kernel: :data:`TILE`, or the block size if larger."""
+    return max(TILE, int(block_size))
 
 
-def paged_attention(q: np.ndarray, segments, past_len: int, scale: float, is_causal: bool,
-                    kv_heads: int, out: np.ndarray, workspace=None) -> np.ndarray:
+def workspace_bytes(s: int, h: int, kvh: int, d: int, block_size: int = 16) -> int:
+    """Bytes of the attention workspace of one call for ``S`` queries: per (kv head, query) task
+    the running max/sum and output accumulator of the group's heads, two tiles of scores, four
+    dequantized rows and the tile's block list -- independent of the context length."""
+    g = h // kvh
+    w = tile_width(block_size)
+    per_task = 4 * (3 * g + g * d + 2 * g * w + 4 * d) + 16 * w
+    return s * kvh * per_task
+
+
+@njit(**JIT)
+def _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, out):
+    s_n, h_n, d = q.shape
+    ng = h_n // kvh
+    s = t // kvh
+    g = t - s * kvh
+    m = np.empty(ng, np.float32)
+    l = np.empty(ng, np.float32)
+    mx = np.empty(ng, np.float32)
+    sc = np.empty((ng, w), np.float32)
+    p = np.empty((ng, w), np.float32)
+    rows = np.empty((4, d), np.float32)
+    pend = np.empty((w, 2), np.int64)
+    o = out[s, g * ng:(g + 1) * ng]
+    _state_init(m, l, o, ng)
+    _paged_rows(q[s, g * ng:(g + 1) * ng], ng, table, 0, nblocks, g, bs, past_len + s, causal,
+                scale, m, l, o, sc, p, mx, rows, pend)
+    _state_finish(l, o, ng, o)
+
+
+_PAGED_SIG = types.void(
+    types.Array(types.float32, 3, "C"),   # q [S, H, D]
+    types.Array(types.int64, 2, "C"),     # table [>= n, TABLE_COLS]
+    types.int64, types.int64, types.float32, types.boolean,  # n blocks, past_len, scale, causal
+    types.int64, types.int64, types.int64,  # KVH, BS, tile width
+    types.Array(types.float32, 3, "C"),   # out [S, H, D]
+)
+
+
+@lazy_njit(_PAGED_SIG, **PJIT)
+def _paged_par(q, table, nblocks, past_len, scale, causal, kvh, bs, w, out):
+    for t in prange(q.shape[0] * kvh):
+        _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, out)
+
+
+def table_row(kside: ChunkSide, kslot: int, vside: ChunkSide, vslot: int, start: int,
+              length: int) -> tuple:
+    """One block-table row (see :data:`TABLE_COLS`)."""
+    return (*kside.slot_row(kslot), *vside.slot_row(vslot), int(start), int(length))
+
+
+def paged_attention(q: np.ndarray, table: np.ndarray, nblocks: int, past_len: int, scale: float,
+                    is_causal: bool, kv_heads: int, block_size: int, out: np.ndarray,
+                    keepalive=None) -> np.ndarray:
     """Attention of ``S`` new queries over paged KV blocks (GQA, online softmax, fused dequant).
 
     Parameters
     ----------
     q : ndarray of float32, shape [S, H, D], C-contiguous
         Queries of one sequence (batch 1), RoPE applied.
-    segments : iterable of (ChunkSide, ChunkSide, kslots, vslots, starts, lens)
-        Per (K chunk, V chunk) pair: its K and V sides and the blocks read from it: ``kslots`` /
-        ``vslots`` int64 [n] (slots in the chunks), ``starts`` int64 [n] (absolute position of the block's first token),
-        ``lens`` int64 [n] (valid tokens). Blocks may come in any order (the online softmax is
-        order independent up to rounding).
+    table : ndarray of int64, shape [>= nblocks, TABLE_COLS], C-contiguous
+        Block table: per block the key and value side's format code (:data:`FORMAT_CODES`), the
+        slot's address, its scale address and per-token-scale flag, then the absolute position
+        of the block's first token and its valid tokens (rows from :func:`table_row`). The
+        addresses are raw: the caller keeps the chunks alive (``keepalive``) for the call.
+        Blocks may come in any order (the online softmax is order independent up to rounding).
+    nblocks : int
+        Rows of ``table`` read.
     past_len : int
         Tokens before the new ones; query ``s`` sits at position ``past_len + s``.
     scale : float
@@ -247,9 +432,9 @@ def paged_attention(q: np.ndarray, segments, past_len: int, scale: float, is_cau
         Query at position ``p`` attends keys at positions ``<= p``; otherwise all keys.
     kv_heads : int
         ``KVH``; ``H % KVH == 0``.
+    block_size : int
+        ``BS``, tokens per block slot.
     out : ndarray of float32, shape [S, H, D], C-contiguous
-    workspace : tuple of arrays, optional
-        ``(m [S,H], l [S,H], acc [S,H,D], krow [KVH,D], vrow [KVH,D])`` float32, reused.
 
     Returns
     -------
@@ -270,27 +455,14 @@ def paged_attention(q: np.ndarray, segments, past_len: int, scale: float, is_cau
     if out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise InvalidArgument(f"out: expected float32 {list(q.shape)}, got {out.dtype} "
                               f"{list(out.shape)}")
-    if workspace is None:
-        workspace = make_workspace(s, h, kv_heads, d)
-    m, l, acc, krow, vrow = workspace
-    m[:s].fill(-np.inf)
-    l[:s].fill(0.0)
-    acc[:s].fill(0.0)
-    m, l, acc = m[:s], l[:s], acc[:s]
-    sc = np.float32(scale)
-    for kside, vside, kslots, vslots, starts, lens in segments:
-        if len(kslots):
-            _paged_segment(q, kslots, vslots, starts, lens, int(past_len), sc, bool(is_causal),
-                           *kside.args(), *vside.args(), m, l, acc, krow, vrow)
-    _finish(m, l, acc, out)
+    if (table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != TABLE_COLS
+            or table.shape[0] < nblocks or not table.flags.c_contiguous):
+        raise InvalidArgument(f"table: expected a C-contiguous int64 [>= {nblocks}, "
+                              f"{TABLE_COLS}] array, got {table.dtype} {list(table.shape)}")
+    if s:
+        _paged_par(q, table, int(nblocks), int(past_len), np.float32(scale), bool(is_causal),
+                   int(kv_heads), int(block_size), tile_width(block_size), out)
     return out
-
-
-def make_workspace(s: int, h: int, kvh: int, d: int):
-    """The float32 workspace arrays of :func:`paged_attention` for up to ``S`` queries."""
-    return (np.empty((s, h), np.float32), np.empty((s, h), np.float32),
-            np.empty((s, h, d), np.float32), np.empty((kvh, d), np.float32),
-            np.empty((kvh, d), np.float32))
 
 
 # -- sealing: conversion of one block into another format ---------------------------------------

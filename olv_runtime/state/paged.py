@@ -412,7 +412,7 @@ class _BlockTable:
     numpy instead of a Python loop per block: chunk ids ``kc``/``vc`` (indices into ``chunks``),
     slots ``ks``/``vs``, ``start``, ``length`` (int64 [n_blocks]). Immutable once built."""
 
-    __slots__ = ("chunks", "ids", "kc", "vc", "ks", "vs", "start", "length")
+    __slots__ = ("chunks", "ids", "kc", "vc", "ks", "vs", "start", "length", "_rows")
 
     @classmethod
     def extend(cls, prev, keep, blocks, refs):
@@ -446,6 +446,29 @@ class _BlockTable:
             arrs[5][i] = int(b["length"])
         t.kc, t.vc, t.ks, t.vs, t.start, t.length = arrs
         return t
+
+    def rows(self, kvh: int):
+        """(block-table rows int64 [n, TABLE_COLS] for :func:`~..kernels.paged_attention.paged_attention`,
+        KV bytes they make the kernel read); memoised (the table is immutable)."""
+        r = getattr(self, "_rows", None)
+        if r is not None:
+            return r
+        n = len(self.kc)
+        attrs = np.array([(c.side.fmt, c.side.addr, c.side.stride, c.side.saddr, c.side.sstride,
+                           c.side.per_token, c.side.row_bytes) for c in self.chunks],
+                         np.int64).reshape(-1, 7)
+        rows = np.empty((n, pk.TABLE_COLS), np.int64)
+        for col, cid, slot in ((0, self.kc, self.ks), (4, self.vc, self.vs)):
+            a = attrs[cid]
+            rows[:, col] = a[:, 0]
+            rows[:, col + 1] = a[:, 1] + slot * a[:, 2]
+            rows[:, col + 2] = a[:, 3] + slot * a[:, 4]
+            rows[:, col + 3] = a[:, 5]
+        rows[:, pk.T_START] = self.start
+        rows[:, pk.T_LEN] = self.length
+        read = int((self.length * (attrs[self.kc, 6] + attrs[self.vc, 6])).sum()) * kvh if n else 0
+        self._rows = (rows, read)
+        return self._rows
 
     def groups(self):
         """[(K chunk, V chunk, ks, vs, starts, lengths)] with blocks in table order per group."""
@@ -715,26 +738,17 @@ class PagedKV:
         return dst, dslot
 
     def _workspace(self, s: int, h: int):
-        ws = getattr(self._local, "ws", None)
-        g = self.geom
-        if ws is None or ws[0].shape[0] < s or ws[0].shape[1] != h:
-            ws = self._local.ws = pk.make_workspace(max(s, 1), h, g.kv_heads, g.head_dim)
-            if self.counters is not None:
-                self.counters.add("arrays_allocated", 5)
-                self.counters.add("bytes_allocated", sum(a.nbytes for a in ws))
+        """Records the attention workspace of a call (the kernel's per-task scratch, allocated
+        inside the kernel: bounded by the query count, independent of the context)."""
         if self.counters is not None:
+            g = self.geom
             self.counters.set_max("attention_workspace_peak",
-                                  pk.workspace_bytes(s, h, g.kv_heads, g.head_dim))
-        return ws
+                                  pk.workspace_bytes(s, h, g.kv_heads, g.head_dim, g.block_size))
+        return None
 
     def _attend(self, q, table, past, scale, causal, out, ws) -> int:
-        """Group the blocks by (K chunk, V chunk) (vectorised over the block table), run the
-        kernel; returns KV bytes read."""
-        segs = []
-        read = 0
-        kvh = self.geom.kv_heads
-        for kc, vc, ks, vs, starts, lens in table.groups():
-            segs.append((kc.side, vc.side, ks, vs, starts, lens))
-            read += int(lens.sum()) * kvh * (kc.side.row_bytes + vc.side.row_bytes)
-        pk.paged_attention(q, segs, past, scale, causal, kvh, out, ws)
+        """Run the kernel over the value's block table; returns KV bytes read."""
+        rows, read = table.rows(self.geom.kv_heads)
+        pk.paged_attention(q, rows, rows.shape[0], past, scale, causal, self.geom.kv_heads,
+                           self.geom.block_size, out)
         return read
