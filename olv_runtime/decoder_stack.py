@@ -38,7 +38,7 @@ import numba
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, ValidationError
-from olv_runtime.fusion import LinearStep, RopeAttention, SiluMul, Step
+from olv_runtime.fusion import LAST_ONLY, LinearStep, RopeAttention, SiluMul, Step, last_position_args
 from olv_runtime.kernels import config
 from olv_runtime.kernels.packed_i8 import PackedInt4I8
 from olv_runtime.pool import current as current_pool
@@ -557,8 +557,11 @@ class DecoderStack:
         pool = current_pool()
         env = dict(zip(self.inputs, args))
         consts = self.constants
+        last_only = LAST_ONLY.get()
         for st, rel in zip(self.sub_steps, self._release):
             vals = [env[n] if n in env else consts[n] if n else None for n in st.inputs]
+            if last_only:
+                vals = last_position_args(st, vals, last_only)
             try:
                 res = st.fn(*vals)
             except (InvalidArgument, ValidationError):

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+import contextvars
 import math
 import threading
 
@@ -33,6 +34,25 @@ from olv_runtime.state import kv
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.pool import empty
 from olv_runtime.values import AffineValue
+
+
+#: Graph outputs the current run needs at the last position only (``State.run(last_only=)``),
+#: seen by every step runner of the run (the executor and the DecoderStack's generic path).
+LAST_ONLY: contextvars.ContextVar = contextvars.ContextVar("olv_last_only", default=frozenset())
+
+#: Step kinds computing ``y[..., s, :]`` from ``x[..., s, :]`` alone (input 0, rank >= 2).
+ROWWISE_KINDS = frozenset({"Linear", "PlanesLinear"})
+
+
+def last_position_args(step, args, last_only):
+    """``args`` with input 0 cut to its last position (``x[..., -1:, :]``, C-contiguous; a view
+    for batch 1) when ``step`` is row-wise and produces an output of ``last_only``."""
+    if step.kind not in ROWWISE_KINDS or step.outputs[0] not in last_only:
+        return args
+    x = args[0]
+    if not isinstance(x, np.ndarray) or x.ndim < 2 or x.shape[-2] <= 1:
+        return args
+    return [np.ascontiguousarray(x[..., -1:, :])] + list(args[1:])
 
 
 class Step:

@@ -449,7 +449,9 @@ def generate(
         else:
             t0 = time.perf_counter()
             step_ids = np.asarray(feed, np.int64).reshape(1, -1)
-            logits = state.run({"input_ids": step_ids})["logits"]
+            # only the last row of the prompt's logits is read (the lm_head of the other
+            # positions is not computed, as in llama.cpp)
+            logits = state.run({"input_ids": step_ids}, last_only=("logits",))["logits"]
             state.tokens, state.cached_tokens = list(history), len(history)
             stats.prefill_tokens = len(feed)
             step = np.empty((1, 1), np.int64)

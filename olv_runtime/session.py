@@ -30,10 +30,12 @@ from olv_runtime.counters import Counters
 from olv_runtime.recognize import gather_table
 from olv_runtime.recognize import linear_weight as affine_linear_weight
 from olv_runtime.fusion import (
+    LAST_ONLY,
     EncodedGather,
     LinearStep,
     PlanesGather,
     PlanesLinear,
+    last_position_args,
     Step,
     optimize,
     prepare_linears,
@@ -728,8 +730,15 @@ class InferenceSession:
         """
         return self.buffer_pool().recycle(array)
 
-    def run_env(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        """Execute the plan on prepared feeds; returns the graph outputs by name."""
+    def run_env(self, feeds: dict[str, Any], last_only: frozenset = frozenset()) -> dict[str, Any]:
+        """Execute the plan on prepared feeds; returns the graph outputs by name.
+
+        ``last_only``: graph output names needed at the last position only (axis -2, e.g. the
+        logits of a prefill, of which :func:`~olv_runtime.generate` reads one row). When such an
+        output is produced directly by a row-wise linear step (a fused Decode/MatMul:
+        ``y[..., s, :]`` depends only on ``x[..., s, :]``), the step runs on the last row of
+        its input and the output has size 1 on axis -2; other outputs are computed in full.
+        """
         self.model.check_external_files()  # PayloadError if a mapped file changed (no SIGBUS)
         env = dict(self._constants)
         env.update(feeds)
@@ -740,10 +749,13 @@ class InferenceSession:
         pool = self.buffer_pool()
         meter = self.counters.run_meter(pool)  # arrays allocated, workspace peak
         prev = pool_mod.activate(pool)
+        token = LAST_ONLY.set(frozenset(last_only))
         ok = False
         try:
             for step in self._steps:
                 args = [env[n] if n else None for n in step.inputs]
+                if last_only:
+                    args = last_position_args(step, args, last_only)
                 try:
                     results = step.fn(*args)
                 except (InvalidArgument, ValidationError):
@@ -764,6 +776,7 @@ class InferenceSession:
             pool.end_run()
             ok = True
         finally:
+            LAST_ONLY.reset(token)
             pool_mod.restore(prev)
             if not ok:
                 pool.abort_run()

@@ -211,3 +211,31 @@ def test_generate_refuses_a_model_without_persistent_bindings(tmp_path, tiny_qwe
     del m.proto.graph.persistent_bindings[:]
     with pytest.raises(StateError, match="no persistent_bindings.*past_key"):
         olv_runtime.generate(olv_runtime.InferenceSession(m), [1, 2, 3], 2)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_last_only_logits_equal_the_last_row(tiny_chat_models, quantize):
+    """State.run(last_only=("logits",)) computes the lm_head on the last position only: the
+    row equals (bitwise: each row of the linear kernels depends only on its own input row) the
+    last row of the full logits, and the retained KV cache is the same."""
+    s = olv_runtime.InferenceSession(olv_runtime.load(tiny_chat_models["int4"]),
+                                     olv_runtime.SessionOptions(quantize_activations=quantize))
+    ids = np.array([PROMPT], np.int64)
+    full_st = olv_runtime.make_state(s, olv_runtime.empty_cache(s))
+    full = np.array(full_st.run({"input_ids": ids})["logits"])
+    last_st = olv_runtime.make_state(s, olv_runtime.empty_cache(s))
+    last = np.array(last_st.run({"input_ids": ids}, last_only=("logits",))["logits"])
+    assert full.shape[1] == len(PROMPT) and last.shape == (1, 1, full.shape[2])
+    np.testing.assert_array_equal(last[0, 0], full[0, -1])
+    for name, v in full_st.values.items():
+        np.testing.assert_array_equal(np.asarray(last_st.values[name]), np.asarray(v))
+    # the next step continues identically
+    nxt = np.array([[int(full[0, -1].argmax())]], np.int64)
+    np.testing.assert_array_equal(last_st.run({"input_ids": nxt})["logits"],
+                                  full_st.run({"input_ids": nxt})["logits"])
+    with pytest.raises(InvalidArgument, match="last_only"):
+        last_st.run({"input_ids": nxt}, last_only=("present.0.key",))
+    with pytest.raises(InvalidArgument, match="last_only"):
+        last_st.run({"input_ids": nxt}, last_only="logits")
+    full_st.close()
+    last_st.close()

@@ -35,7 +35,7 @@ import dataclasses
 import threading
 import types
 import weakref
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -455,7 +455,7 @@ class State:
             raise StateError("State.values: the state is closed")
         return self._values
 
-    def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def run(self, feeds: Mapping[str, Any], *, last_only: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """Run one call with ``feeds`` plus the retained values; retain the bound outputs.
 
         Parameters
@@ -466,6 +466,13 @@ class State:
             for a converted LM, ``input_ids`` feed ONNX ``Gather``, so negative ids in
             ``[-vocab, 0)`` count from the end of the vocabulary (``-1`` is ``vocab - 1``);
             :func:`olv_runtime.generate` and the CLI accept only ids in ``[0, vocab)``.
+        last_only : sequence of str
+            Graph outputs (not bound to state) needed at the last position only, e.g.
+            ``("logits",)`` for a prefill whose next token is all that is wanted (as llama.cpp
+            computes only the last row unless asked for all). Where such an output comes
+            straight from a fused linear step (the converter's lm_head), only its last row is
+            computed and the returned array has size 1 on axis -2 (``logits[0, -1]`` is the same
+            row); otherwise the output is complete. Retained values are never affected.
 
         Returns
         -------
@@ -497,6 +504,18 @@ class State:
                             f"{name!r} (bound to output {self._by_input[name].output!r}); "
                             "reset the state to change it"
                         )
+                if isinstance(last_only, str):
+                    raise InvalidArgument(f"last_only: expected a sequence of output names, "
+                                          f"got the string {last_only!r}")
+                last = frozenset(last_only)
+                if last:
+                    bound = {b.output for b in self._resolved}
+                    free = [a.name for a in self._session.get_outputs() if a.name not in bound]
+                    for name in sorted(last):
+                        if name not in free:
+                            raise InvalidArgument(
+                                f"last_only: expected names of graph outputs not bound to the "
+                                f"state ({free}), got {name!r}")
                 retained = self._values
                 all_feeds = dict(feeds)
                 all_feeds.update(retained)
@@ -506,7 +525,7 @@ class State:
                     p = prepared[name]
                     if p is not v and p.nbytes and _data_ptr(p) != _data_ptr(v):
                         sess.counters.add("bytes_copied_state", p.nbytes)  # never expected
-                outputs = sess.run_env(prepared)
+                outputs = sess.run_env(prepared, last)
                 new_values = {}
                 for b in self._resolved:
                     new_values[b.input] = self._retain(
