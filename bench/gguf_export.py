@@ -161,7 +161,7 @@ def export_f16(checkpoint_dir, out_path, progress=print) -> pathlib.Path:
     w.add_tokenizer_pre("qwen2")
     w.add_token_list([f"<t{i}>" for i in range(V)])
     w.add_token_types([gguf.TokenType.NORMAL] * V)
-    w.add_token_merges([])
+    w.add_token_merges(["<t1> <t2>"])  # llama.cpp refuses a BPE vocabulary without merges
     w.add_eos_token_id(V - 1)
     w.add_bos_token_id(V - 1)
     with Checkpoint(checkpoint_dir) as ck:

@@ -1,0 +1,798 @@
+"""GEMV/GEMM kernels that read ggml blocks (Q8_0, Q5_0, Q4_K, Q6_K) at their own bits per weight.
+
+A GGUF weight of one of these types is repacked once, at session creation, from the file's
+blocks (``[N, K / block_size, type_size]`` bytes) into *group records* (:class:`GGMLPacked`):
+``G = 8`` consecutive output rows form a group (the 8 int32 / float32 lanes of a ymm), and every
+group is a sequence of records along K, one per ggml block of the 8 rows. A record holds exactly
+the bytes of the 8 rows' blocks, rearranged so that one 32-byte load gives 8 rows x 4
+consecutive codes (lane ``r`` = row ``r``) -- the same bits per weight as the file (Q8_0 8.5,
+Q5_0 5.5, Q4_K 4.5, Q6_K 6.5625), never a float copy.
+
+Codes are written unsigned, ``u`` (Q8_0 keeps its signed int8 ``q``); for every 32-element block
+``b`` of a record the 8 *chunk vectors* ``U_t`` (``t = 0..7``) have byte ``4r + j`` = code of row
+``r`` at ``k = 32b + 4t + j``. Record layouts (byte offsets; ``f16[8]`` = one float16 per row):
+
+======  =====  ==========================================================================
+type    bytes  record (8 rows x one ggml block)
+======  =====  ==========================================================================
+Q8_0    272    ``d f16[8]`` | 8 chunks x 32 B: byte ``32t + 4r + j`` = ``q[r, 4t + j]``
+Q5_0    176    ``d f16[8]`` | ``H`` 32 B: byte ``4r + j`` bit ``s`` = ``h[r, 4s + j]`` |
+               nibbles 4 x 32 B: byte ``32c + 4r + j`` = ``lo[r, 4c+j] | lo[r, 16+4c+j] << 4``
+Q4_K    1152   ``d f16[8]`` | ``dmin f16[8]`` | packed 6-bit scales 12 x 8 B (byte ``8j + r`` =
+               ``scales[r, j]``) | 8 sub-blocks x nibbles 128 B (as Q5_0's, codes ``q``)
+Q6_K    1680   ``d f16[8]`` | ``scales int8`` 16 x 8 B (byte ``8j + r``) | 8 sub-blocks x
+               nibbles 128 B (low 4 bits) | 8 sub-blocks x 64 B: vector ``v``, byte
+               ``32v + 4r + j`` bits ``2p, 2p+1`` = high 2 bits of ``k = 4(4v + p) + j``
+======  =====  ==========================================================================
+
+Weights (gguf-py ``dequantize_blocks``): Q8_0 ``d q``; Q5_0 ``d (u - 16)``, ``u = lo | h << 4``;
+Q4_K ``(d sc_b) q - (dmin m_b)`` per 32-sub-block ``b`` (6-bit ``sc_b``, ``m_b``); Q6_K
+``(d sc_h) (u - 32)`` per 16 weights ``h``.
+
+int8 activations (:func:`linear_ggml_i8`) -- the quantization of :mod:`.packed_i8` (every
+32-block of ``x`` to int8, ``d_x = max|x| / 127``), then per (row group, 32-block) the exact int32
+sums ``S = sum_t dot4(U_t, X_t)`` with two instruction paths chosen at run time by
+:func:`~.packed_i8.isa` (the same switch as the INT4 kernels; ``OLV_ISA=avx2`` /
+:func:`~.packed_i8.set_isa` force the fallback): ``avx512vnni`` -- ``vpdpbusd`` (u8 x s8 -> s32);
+``avx2`` -- ``vpmaddubsw`` + ``vpmaddwd`` per chunk (pair sums <= 2 x 63 x 127, never saturate).
+Q8_0's signed codes use the sign trick (``|q|`` x ``sign(x, q)``, ``|pair| <= 2 x 128 x 127``).
+Both paths give the same integers, so the results are bitwise equal. Float lanes per block:
+
+* Q8_0: ``acc += float(S) * (d * d_x)``; Q5_0: ``acc += float(S - 16 sum(xq)) * (d * d_x)``;
+* Q4_K: ``acc += ((d sc_b) float(S) - (dmin m_b) float(sum xq)) * d_x``;
+* Q6_K: ``acc += float(sc_0 (S_0 - 32 s_0) + sc_1 (S_1 - 32 s_1)) * (d * d_x)`` (halves of 16).
+
+Exact mode (:func:`linear_ggml_exact`, float32 activations): the codes are decoded exactly
+(integer ``u - offset`` converted to float32) and multiplied with the activations in 4 FMA
+chains per block, combined per block with the scales as above (Q4_K: ``(d sc_b) s - (dmin m_b)
+sum(x)``). Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
+``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |dmin m|) + 1e-6`` (tests/test_ggml_packed.py).
+
+Memory: each task streams one contiguous range of groups; ``prefetcht0`` :data:`PF_BYTES` ahead.
+Bytes read per call: ``packed.nbytes`` (= the GGUF tensor's bytes, rows padded to 8).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from olv_runtime.errors import InvalidArgument
+
+from .config import JIT, PJIT, check_array, check_int
+from .packed import prepare_call, workspace_args
+from .packed_i8 import (
+    GROUP_ROWS, HOST_VNNI, V8F32, _aligned_empty, _check_array_arg, _elem_ptr, _fzero,
+    _prefetch, _quantize_rows_i8, _splat, _store_group, use_vnni,
+)
+
+__all__ = ["GGMLPacked", "GGMLWorkspace", "KINDS", "RECORD_BYTES", "prepack_ggml",
+           "linear_ggml_i8", "linear_ggml_exact", "make_workspace_ggml", "dequantize_rows"]
+
+#: ggml type ids of the supported block types (the ``kind`` of a :class:`GGMLPacked`).
+KINDS = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+#: (weights per ggml block, bytes per ggml block) of each kind.
+BLOCKS = {6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+#: bytes per record (8 rows x one ggml block).
+RECORD_BYTES = {k: GROUP_ROWS * b for k, (_, b) in BLOCKS.items()}
+PF_BYTES = 2048
+SERIAL_MAX_WORK = 1 << 18
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F32 = ir.FloatType()
+_LV32I8 = ir.VectorType(_I8, 32)
+_LV16I16 = ir.VectorType(_I16, 16)
+_LV8I32 = ir.VectorType(_I32, 8)
+_LV8F32 = ir.VectorType(_F32, 8)
+_LV8I16 = ir.VectorType(_I16, 8)
+_LV8I8 = ir.VectorType(_I8, 8)
+_LV8F16 = ir.VectorType(ir.HalfType(), 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# IR building blocks
+# ------------------------------------------------------------------------------------------------
+class _Emit:
+    """IR helpers over one record: ``data`` (uint8 array) at byte offset ``roff``."""
+
+    def __init__(self, context, builder, dty, data, roff):
+        self.c, self.b = context, builder
+        self.dty, self.data, self.roff = dty, data, roff
+
+    def const(self, v, ty=None):
+        return ir.Constant(ty or self.roff.type, v)
+
+    def ptr(self, off, vty):
+        o = self.b.add(self.roff, self.const(off))
+        return _elem_ptr(self.c, self.b, self.dty, self.data, o, vty)
+
+    def v32(self, off):
+        return self.b.load(self.ptr(off, _LV32I8), align=1)
+
+    def f16x8(self, off):
+        h = self.b.bitcast(self.b.load(self.ptr(off, _LV8I16), align=1), _LV8F16)
+        return self.b.fpext(h, _LV8F32)
+
+    def bytes8(self, off, signed):
+        v = self.b.load(self.ptr(off, _LV8I8), align=1)
+        return self.b.sext(v, _LV8I32) if signed else self.b.zext(v, _LV8I32)
+
+    def srl16(self, v, s):
+        if s == 0:
+            return v
+        w = self.b.bitcast(v, _LV16I16)
+        return self.b.bitcast(self.b.lshr(w, ir.Constant(_LV16I16, [s] * 16)), _LV32I8)
+
+    def and8(self, v, m):
+        return self.b.and_(v, ir.Constant(_LV32I8, [m] * 32))
+
+    def nibbles(self, off):
+        """Chunk vectors U_0..U_7 (low 4 bits) of the 128 nibble bytes at ``off``."""
+        vs = [self.v32(off + 32 * c) for c in range(4)]
+        return [self.and8(v, 15) for v in vs] + [self.and8(self.srl16(v, 4), 15) for v in vs]
+
+    def with_high(self, lo, hvecs, bits):
+        """U_t |= (high bits of chunk t) << 4; ``hvecs``: vectors holding ``8 // per`` chunks."""
+        per = 8 // bits  # chunks per high-bit vector
+        out = []
+        mask = (1 << bits) - 1
+        for t, u in enumerate(lo):
+            h = self.and8(self.srl16(hvecs[t // per], bits * (t % per)), mask)
+            out.append(self.b.or_(u, self.b.bitcast(
+                self.b.shl(self.b.bitcast(h, _LV16I16), ir.Constant(_LV16I16, [4] * 16)),
+                _LV32I8)))
+        return out
+
+
+def _xbcast(context, builder, xty, xq, xo, t):
+    """The 4 int8 activations ``xq[xo + 4t : xo + 4t + 4]`` repeated in the 8 lanes."""
+    o = builder.add(xo, ir.Constant(xo.type, 4 * t))
+    p = _elem_ptr(context, builder, xty, xq, o, _I32)
+    return builder.bitcast(_splat(builder, builder.load(p, align=1), _LV8I32), _LV32I8)
+
+
+def _dot_sums(builder, us, xs, vnni, groups, signed=False):
+    """Exact int32 lanes ``sum_{t in group} dot4(U_t, X_t)`` for each group of chunk indices, on
+    the VNNI path (``vpdpbusd``) when ``vnni`` is true at run time (and the host has it), else
+    ``vpmaddubsw`` + ``vpmaddwd``. ``signed``: U are signed int8 (sign trick)."""
+    if signed:
+        zero = ir.Constant(_LV32I8, [0] * 32)
+        su, sx = [], []
+        for u, x in zip(us, xs):
+            neg = builder.icmp_signed("<", u, zero)
+            su.append(builder.select(neg, builder.sub(zero, u), u))
+            xn = builder.select(neg, builder.sub(zero, x), x)
+            sx.append(builder.select(builder.icmp_signed("==", u, zero), zero, xn))
+        us, xs = su, sx
+
+    def avx2():
+        mub = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8]),
+            "llvm.x86.avx2.pmadd.ub.sw")
+        mwd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV8I32, [_LV16I16, _LV16I16]),
+            "llvm.x86.avx2.pmadd.wd")
+        ones = ir.Constant(_LV16I16, [1] * 16)
+        res = []
+        for grp in groups:
+            acc = None
+            for t in grp:
+                p = builder.call(mwd, [builder.call(mub, [us[t], xs[t]]), ones])
+                acc = p if acc is None else builder.add(acc, p)
+            res.append(acc)
+        return res
+
+    def avx512vnni():
+        dp = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV8I32, [_LV8I32, _LV32I8, _LV32I8]),
+            "llvm.x86.avx512.vpdpbusd.256")
+        res = []
+        for grp in groups:
+            acc = ir.Constant(_LV8I32, [0] * 8)
+            for t in grp:
+                acc = builder.call(dp, [acc, us[t], xs[t]])
+            res.append(acc)
+        return res
+
+    if not HOST_VNNI:  # the VNNI instruction cannot even be compiled here
+        return avx2()
+    pred = builder.icmp_unsigned("!=", vnni, ir.Constant(vnni.type, 0))
+    with builder.if_else(pred) as (then, otherwise):
+        with then:
+            r_v = avx512vnni()
+            b_v = builder.block
+        with otherwise:
+            r_a = avx2()
+            b_a = builder.block
+    out = []
+    for x1, x2 in zip(r_v, r_a):
+        phi = builder.phi(_LV8I32)
+        phi.add_incoming(x1, b_v)
+        phi.add_incoming(x2, b_a)
+        out.append(phi)
+    return out
+
+
+def _load_i32(context, builder, aty, arr, off):
+    return builder.load(_elem_ptr(context, builder, aty, arr, off, _I32))
+
+
+def _load_f32(context, builder, aty, arr, off):
+    return builder.load(_elem_ptr(context, builder, aty, arr, off, _F32))
+
+
+def _idx(builder, base, k):
+    return builder.add(base, ir.Constant(base.type, k))
+
+
+def _k4_scales(e, b):
+    """(sc_b, m_b) lanes (int32, one per row) of sub-block ``b`` from the packed 6-bit scales
+    (record bytes 32..127, byte ``8j + r``)."""
+    bl = e.b
+
+    def s(j):
+        return e.bytes8(32 + 8 * j, signed=False)
+
+    def c(v):
+        return ir.Constant(_LV8I32, [v] * 8)
+    if b < 4:
+        return bl.and_(s(b), c(63)), bl.and_(s(b + 4), c(63))
+    sc = bl.or_(bl.and_(s(b + 4), c(15)), bl.shl(bl.lshr(s(b - 4), c(6)), c(4)))
+    mn = bl.or_(bl.lshr(s(b + 4), c(4)), bl.shl(bl.lshr(s(b), c(6)), c(4)))
+    return sc, mn
+
+
+def _chunks(e, kind, sub):
+    """Chunk vectors U_0..U_7 of 32-block ``sub`` of the record."""
+    if kind == 8:
+        return [e.v32(16 + 32 * t) for t in range(8)]
+    if kind == 6:
+        return e.with_high(e.nibbles(48), [e.v32(16)], 1)
+    if kind == 12:
+        return e.nibbles(128 + 128 * sub)
+    return e.with_high(e.nibbles(144 + 128 * sub),
+                       [e.v32(1168 + 64 * sub), e.v32(1168 + 64 * sub + 32)], 2)
+
+
+def _nsub(kind):
+    return 1 if kind in (6, 8) else 8
+
+
+# ------------------------------------------------------------------------------------------------
+# int8-activation record kernels
+# ------------------------------------------------------------------------------------------------
+def _make_rec_i8(kind):
+    @intrinsic
+    def rec(typingctx, acc, data, roff, xq, xo, xd, xs8, xs16, bo, vnni):
+        if not (acc == V8F32 and _check_array_arg(data, types.uint8)
+                and _check_array_arg(xq, types.int8) and _check_array_arg(xd, types.float32)
+                and _check_array_arg(xs8, types.int32) and _check_array_arg(xs16, types.int32)):
+            return None
+        sig = V8F32(V8F32, data, types.intp, xq, types.intp, xd, xs8, xs16, types.intp,
+                    types.boolean)
+
+        def codegen(context, builder, sig, args):
+            a, dat, ro, xqa, xoff, xda, s8a, s16a, boff, vn = args
+            at = sig.args
+            e = _Emit(context, builder, at[1], dat, ro)
+            d = e.f16x8(0)
+            dmin = e.f16x8(16) if kind == 12 else None
+            for sub in range(_nsub(kind)):
+                us = _chunks(e, kind, sub)
+                xo_s = _idx(builder, xoff, 32 * sub)
+                xs = [_xbcast(context, builder, at[3], xqa, xo_s, t) for t in range(8)]
+                bo_s = _idx(builder, boff, sub)
+                xd_s = _splat(builder, _load_f32(context, builder, at[5], xda, bo_s), _LV8F32)
+                if kind == 14:
+                    s0, s1 = _dot_sums(builder, us, xs, vn, ((0, 1, 2, 3), (4, 5, 6, 7)))
+                    i16 = builder.mul(bo_s, ir.Constant(bo_s.type, 2))
+                    t0 = _load_i32(context, builder, at[7], s16a, i16)
+                    t1 = _load_i32(context, builder, at[7], s16a, _idx(builder, i16, 1))
+                    c32 = ir.Constant(_I32, 32)
+                    s0 = builder.sub(s0, _splat(builder, builder.mul(t0, c32), _LV8I32))
+                    s1 = builder.sub(s1, _splat(builder, builder.mul(t1, c32), _LV8I32))
+                    sc0 = e.bytes8(16 + 8 * (2 * sub), signed=True)
+                    sc1 = e.bytes8(16 + 8 * (2 * sub + 1), signed=True)
+                    tot = builder.add(builder.mul(sc0, s0), builder.mul(sc1, s1))
+                    f = builder.sitofp(tot, _LV8F32)
+                    a = builder.fadd(a, builder.fmul(f, builder.fmul(d, xd_s)))
+                    continue
+                (s,) = _dot_sums(builder, us, xs, vn, (tuple(range(8)),), signed=(kind == 8))
+                if kind == 8:
+                    a = builder.fadd(a, builder.fmul(builder.sitofp(s, _LV8F32),
+                                                     builder.fmul(d, xd_s)))
+                    continue
+                x8 = _load_i32(context, builder, at[6], s8a, bo_s)  # 8 * sum(xq)
+                if kind == 6:
+                    s = builder.sub(s, _splat(builder, builder.shl(x8, ir.Constant(_I32, 1)),
+                                              _LV8I32))
+                    a = builder.fadd(a, builder.fmul(builder.sitofp(s, _LV8F32),
+                                                     builder.fmul(d, xd_s)))
+                    continue
+                # Q4_K
+                sc, mn = _k4_scales(e, sub)
+                big_d = builder.fmul(d, builder.sitofp(sc, _LV8F32))
+                big_m = builder.fmul(dmin, builder.sitofp(mn, _LV8F32))
+                sx = builder.sitofp(builder.ashr(x8, ir.Constant(_I32, 3)), _F32)
+                f = builder.fsub(builder.fmul(big_d, builder.sitofp(s, _LV8F32)),
+                                 builder.fmul(big_m, _splat(builder, sx, _LV8F32)))
+                a = builder.fadd(a, builder.fmul(f, xd_s))
+            return a
+        return sig, codegen
+    return rec
+
+
+_rec_i8_q8_0 = _make_rec_i8(8)
+_rec_i8_q5_0 = _make_rec_i8(6)
+_rec_i8_q4_k = _make_rec_i8(12)
+_rec_i8_q6_k = _make_rec_i8(14)
+
+
+# ------------------------------------------------------------------------------------------------
+# exact (float32 activation) record kernels
+# ------------------------------------------------------------------------------------------------
+_OFFSET = {8: 0, 6: 16, 12: 0, 14: 32}
+
+
+def _make_rec_f32(kind):
+    @intrinsic
+    def rec(typingctx, acc, data, roff, x, xo, xsum, bo):
+        if not (acc == V8F32 and _check_array_arg(data, types.uint8)
+                and _check_array_arg(x, types.float32) and _check_array_arg(xsum, types.float32)):
+            return None
+        sig = V8F32(V8F32, data, types.intp, x, types.intp, xsum, types.intp)
+
+        def codegen(context, builder, sig, args):
+            a, dat, ro, xa, xoff, xsa, boff = args
+            at = sig.args
+            e = _Emit(context, builder, at[1], dat, ro)
+            d = e.f16x8(0)
+            dmin = e.f16x8(16) if kind == 12 else None
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_LV8F32, [_LV8F32] * 3), "llvm.fma.v8f32")
+            off = ir.Constant(_LV8I32, [_OFFSET[kind]] * 8)
+            m255 = ir.Constant(_LV8I32, [255] * 8)
+            zero = ir.Constant(_LV8F32, [0.0] * 8)
+            for sub in range(_nsub(kind)):
+                us = _chunks(e, kind, sub)
+                xo_s = _idx(builder, xoff, 32 * sub)
+                halves = []
+                for grp in ((0, 1, 2, 3), (4, 5, 6, 7)):
+                    ch = [zero] * 4  # 4 chains (j = byte within the lane)
+                    for t in grp:
+                        v = builder.bitcast(us[t], _LV8I32)
+                        for j in range(4):
+                            if kind == 8:  # signed byte j
+                                w = builder.ashr(builder.shl(v, ir.Constant(_LV8I32, [24 - 8 * j] * 8)),
+                                                 ir.Constant(_LV8I32, [24] * 8))
+                            else:
+                                w = builder.and_(builder.lshr(v, ir.Constant(_LV8I32, [8 * j] * 8)),
+                                                 m255) if j else builder.and_(v, m255)
+                                if _OFFSET[kind]:
+                                    w = builder.sub(w, off)
+                            wf = builder.sitofp(w, _LV8F32)
+                            xv = _load_f32(context, builder, at[3], xa, _idx(builder, xo_s, 4 * t + j))
+                            ch[j] = builder.call(fma, [wf, _splat(builder, xv, _LV8F32), ch[j]])
+                    halves.append(builder.fadd(builder.fadd(ch[0], ch[1]),
+                                               builder.fadd(ch[2], ch[3])))
+                bo_s = _idx(builder, boff, sub)
+                if kind == 14:
+                    sc0 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub), signed=True), _LV8F32)
+                    sc1 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), _LV8F32)
+                    a = builder.call(fma, [halves[0], builder.fmul(d, sc0), a])
+                    a = builder.call(fma, [halves[1], builder.fmul(d, sc1), a])
+                    continue
+                s = builder.fadd(halves[0], halves[1])
+                if kind in (6, 8):
+                    a = builder.call(fma, [s, d, a])
+                    continue
+                sc, mn = _k4_scales(e, sub)
+                big_d = builder.fmul(d, builder.sitofp(sc, _LV8F32))
+                big_m = builder.fmul(dmin, builder.sitofp(mn, _LV8F32))
+                sx = _splat(builder, _load_f32(context, builder, at[5], xsa, bo_s), _LV8F32)
+                a = builder.fadd(a, builder.fsub(builder.fmul(big_d, s), builder.fmul(big_m, sx)))
+            return a
+        return sig, codegen
+    return rec
+
+
+_rec_f32_q8_0 = _make_rec_f32(8)
+_rec_f32_q5_0 = _make_rec_f32(6)
+_rec_f32_q4_k = _make_rec_f32(12)
+_rec_f32_q6_k = _make_rec_f32(14)
+
+
+# ------------------------------------------------------------------------------------------------
+# serial group loops and drivers
+# ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni):
+    nrec = data.shape[1]
+    rb = data.shape[2]
+    nsub = 1 if kind == 6 or kind == 8 else 8
+    xo = i * xq.shape[1]
+    bo = i * xd.shape[1]
+    acc = _fzero()
+    base = g * nrec
+    if kind == 8:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            _prefetch(data, ro + PF_BYTES)
+            _prefetch(data, ro + PF_BYTES + 64)
+            _prefetch(data, ro + PF_BYTES + 128)
+            _prefetch(data, ro + PF_BYTES + 192)
+            _prefetch(data, ro + PF_BYTES + 256)
+            acc = _rec_i8_q8_0(acc, data, ro, xq, xo + 32 * s, xd, xs8, xs16, bo + s, vnni)
+    elif kind == 6:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            _prefetch(data, ro + PF_BYTES)
+            _prefetch(data, ro + PF_BYTES + 64)
+            _prefetch(data, ro + PF_BYTES + 128)
+            acc = _rec_i8_q5_0(acc, data, ro, xq, xo + 32 * s, xd, xs8, xs16, bo + s, vnni)
+    elif kind == 12:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            for p in range(0, 1152, 64):
+                _prefetch(data, ro + PF_BYTES + p)
+            acc = _rec_i8_q4_k(acc, data, ro, xq, xo + 256 * s, xd, xs8, xs16,
+                               bo + nsub * s, vnni)
+    else:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            for p in range(0, 1728, 64):
+                _prefetch(data, ro + PF_BYTES + p)
+            acc = _rec_i8_q6_k(acc, data, ro, xq, xo + 256 * s, xd, xs8, xs16,
+                               bo + nsub * s, vnni)
+    return acc
+
+
+@njit(**JIT)
+def _row_f32(kind, data, g, x, xsum, i):
+    nrec = data.shape[1]
+    rb = data.shape[2]
+    nsub = 1 if kind == 6 or kind == 8 else 8
+    xo = i * x.shape[1]
+    bo = i * xsum.shape[1]
+    acc = _fzero()
+    base = g * nrec
+    for s in range(nrec):
+        ro = (base + s) * rb
+        for p in range(0, rb, 64):
+            _prefetch(data, ro + PF_BYTES + p)
+        if kind == 8:
+            acc = _rec_f32_q8_0(acc, data, ro, x, xo + 32 * s, xsum, bo + s)
+        elif kind == 6:
+            acc = _rec_f32_q5_0(acc, data, ro, x, xo + 32 * s, xsum, bo + s)
+        elif kind == 12:
+            acc = _rec_f32_q4_k(acc, data, ro, x, xo + 256 * s, xsum, bo + nsub * s)
+        else:
+            acc = _rec_f32_q6_k(acc, data, ro, x, xo + 256 * s, xsum, bo + nsub * s)
+    return acc
+
+
+@njit(**JIT)
+def _act_sums(kind, m, k, xq, xs16, x, xsum, quant):
+    """Q6_K (int8 mode): per-16 sums of xq; Q4_K (exact mode): per-32 float sums of x."""
+    if quant and kind == 14:
+        for i in range(m):
+            for h in range(k // 16):
+                t = 0
+                for p in range(16):
+                    t += np.int32(xq[i, 16 * h + p])
+                xs16[i, h] = t
+    if not quant and kind == 12:
+        for i in range(m):
+            for b in range(k // 32):
+                t = np.float32(0.0)
+                for p in range(32):
+                    t += x[i, 32 * b + p]
+                xsum[i, b] = t
+
+
+@njit(**JIT)
+def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, quant, vnni):
+    for g in range(g0, g1):
+        for i in range(m):
+            if quant:
+                acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
+            else:
+                acc = _row_f32(kind, data, g, x, xsum, i)
+            _store_group(acc, facc, g, i, n, out)
+
+
+@njit(**PJIT)
+def _linear_par(kind, data, x, m, k, n, out, ntasks, xq, xd, xs8, xs16, xsum, facc, quant,
+                vnni):
+    if quant:
+        _quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
+    _act_sums(kind, m, k, xq, xs16, x, xsum, quant)
+    ng = data.shape[0]
+    for task in prange(ntasks):
+        g0 = task * ng // ntasks
+        g1 = (task + 1) * ng // ntasks
+        _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc[task], quant,
+                vnni)
+
+
+@njit(**JIT)
+def _linear_ser(kind, data, x, m, k, n, out, xq, xd, xs8, xs16, xsum, facc, quant, vnni):
+    if quant:
+        _quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
+    _act_sums(kind, m, k, xq, xs16, x, xsum, quant)
+    _groups(kind, data, np.int64(0), data.shape[0], x, xq, xd, xs8, xs16, xsum, m, n, out,
+            facc, quant, vnni)
+
+
+# ------------------------------------------------------------------------------------------------
+# container, workspace, wrappers
+# ------------------------------------------------------------------------------------------------
+class GGMLPacked:
+    """A ggml ``[N, K]`` weight in group records (see the module docstring).
+
+    Attributes
+    ----------
+    kind : int
+        ggml type id (:data:`KINDS`).
+    data : ndarray of uint8, shape [NG, K / block_size, RECORD_BYTES[kind]] (64-byte aligned)
+    n, k, n_groups : int
+    k_padded : int
+        ``= k`` (K is a multiple of the block size).
+    """
+
+    __slots__ = ("kind", "data", "n", "k", "k_padded", "n_groups")
+
+    def __init__(self, kind, data, n, k):
+        self.kind, self.data = int(kind), data
+        self.n, self.k = int(n), int(k)
+        self.k_padded = self.k
+        self.n_groups = int(data.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def type_name(self) -> str:
+        return {v: k for k, v in KINDS.items()}[self.kind]
+
+    def __repr__(self) -> str:
+        return (f"GGMLPacked({self.type_name}, n={self.n}, k={self.k}, "
+                f"nbytes={self.nbytes})")
+
+
+class GGMLWorkspace:
+    """Buffers of :func:`linear_ggml_i8` / :func:`linear_ggml_exact` (``M <= m_max``,
+    ``K <= k_max``, at most ``n_tasks`` tasks): ``xq`` int8 [m_max, Kp], ``xd`` float32 /
+    ``xs8`` int32 / ``xsum`` float32 [m_max, Kp/32], ``xs16`` int32 [m_max, Kp/16], ``facc``
+    float32 [n_tasks, 1, 8]."""
+
+    __slots__ = ("m_max", "k_max", "n_tasks", "xq", "xd", "xs8", "xs16", "xsum", "facc")
+
+    def __init__(self, m_max, k_max, n_tasks):
+        kp = 32 * (-(-k_max // 32))
+        self.m_max, self.k_max, self.n_tasks = m_max, kp, n_tasks
+        self.xq = _aligned_empty((m_max, kp), np.int8)
+        self.xq[...] = 0
+        self.xd = np.zeros((m_max, kp // 32), np.float32)
+        self.xs8 = np.zeros((m_max, kp // 32), np.int32)
+        self.xs16 = np.zeros((m_max, kp // 16), np.int32)
+        self.xsum = np.zeros((m_max, kp // 32), np.float32)
+        self.facc = np.zeros((n_tasks, 1, GROUP_ROWS), np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(getattr(self, a).nbytes for a in ("xq", "xd", "xs8", "xs16", "xsum",
+                                                         "facc")))
+
+
+def make_workspace_ggml(m_max: int, k_max: int, n_tasks: int | None = None) -> GGMLWorkspace:
+    """Preallocate the buffers of the ggml linears (see :class:`GGMLWorkspace`)."""
+    m_max, k_max, n_tasks = workspace_args(m_max, k_max, n_tasks)
+    return GGMLWorkspace(m_max, k_max, n_tasks)
+
+
+def _run(x, packed, out, workspace, quant):
+    m, out, ws = prepare_call(x, packed, GGMLPacked, out, workspace, GGMLWorkspace,
+                              make_workspace_ggml)
+    if m == 0:
+        return out
+    ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
+    vnni = use_vnni()
+    if m * packed.n * packed.k < SERIAL_MAX_WORK or ntasks == 1:
+        _linear_ser(packed.kind, packed.data, x, m, packed.k, packed.n, out, ws.xq, ws.xd,
+                    ws.xs8, ws.xs16, ws.xsum, ws.facc[0], quant, vnni)
+    else:
+        _linear_par(packed.kind, packed.data, x, m, packed.k, packed.n, out, ntasks, ws.xq,
+                    ws.xd, ws.xs8, ws.xs16, ws.xsum, ws.facc, quant, vnni)
+    return out
+
+
+def linear_ggml_i8(x: np.ndarray, packed: GGMLPacked, out: np.ndarray | None = None,
+                   workspace: GGMLWorkspace | None = None) -> np.ndarray:
+    """``y = x @ W.T`` with int8-quantized activation blocks (32) for a :func:`prepack_ggml`
+    weight (the math of the module docstring; VNNI and AVX2 paths bitwise equal).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape [M, K], C-contiguous
+    packed : GGMLPacked
+    out : ndarray of float32, shape [M, N], optional
+    workspace : GGMLWorkspace, optional (with ``out``: the call allocates nothing)
+
+    Raises
+    ------
+    InvalidArgument
+        Wrong types, dtypes or shapes (expected vs got).
+    """
+    return _run(x, packed, out, workspace, True)
+
+
+def linear_ggml_exact(x: np.ndarray, packed: GGMLPacked, out: np.ndarray | None = None,
+                      workspace: GGMLWorkspace | None = None) -> np.ndarray:
+    """``y = x @ W.T`` with float32 activations (exact mode) for a :func:`prepack_ggml` weight;
+    arguments as :func:`linear_ggml_i8`. Tolerance: see the module docstring."""
+    return _run(x, packed, out, workspace, False)
+
+
+# ------------------------------------------------------------------------------------------------
+# repacking (numpy, session creation) and row dequantization
+# ------------------------------------------------------------------------------------------------
+def _f16bits(blocks, off):
+    return np.ascontiguousarray(blocks[..., off:off + 2]).view(np.uint16)[..., 0]
+
+
+def _nib_chunks(u):
+    """u uint8 [ng, 8, nb, 32] codes (< 16) -> nibble bytes [ng, nb, 128]."""
+    ng, _, nb, _ = u.shape
+    lo = u[..., 0:16].reshape(ng, 8, nb, 4, 4)
+    hi = u[..., 16:32].reshape(ng, 8, nb, 4, 4)
+    b = (lo & 15) | ((hi & 15) << 4)
+    return b.transpose(0, 2, 3, 1, 4).reshape(ng, nb, 128)
+
+
+def _high_bits(h, bits):
+    """h uint8 [ng, 8, nb, 32] high parts (< 2**bits) -> [ng, nb, 32 * bits] bytes."""
+    ng, _, nb, _ = h.shape
+    per = 8 // bits
+    hv = h.reshape(ng, 8, nb, bits, per, 4).astype(np.uint8)   # t = per * v + p
+    sh = (np.arange(per, dtype=np.uint8) * bits).reshape(1, 1, 1, 1, per, 1)
+    byte = np.bitwise_or.reduce(hv << sh, axis=4)               # [ng, 8, nb, v, 4]
+    return byte.transpose(0, 2, 3, 1, 4).reshape(ng, nb, 32 * bits)
+
+
+def _per_row(a):
+    """[ng, 8, nb, ...] per-row values -> [ng, nb, ..., 8] (row innermost)."""
+    return np.ascontiguousarray(np.moveaxis(a, 1, a.ndim - 1))
+
+
+def _records(kind, blocks):
+    """blocks uint8 [ng, 8, nb, type_size] -> records [ng, nb, RECORD_BYTES]."""
+    ng, _, nb, _ = blocks.shape
+    d = _per_row(_f16bits(blocks, 0 if kind != 14 else 208)).view(np.uint8).reshape(ng, nb, 16)
+    if kind == 8:
+        q = blocks[..., 2:34].reshape(ng, 8, nb, 8, 4)
+        codes = q.transpose(0, 2, 3, 1, 4).reshape(ng, nb, 256)
+        return np.concatenate([d, codes], axis=-1)
+    if kind == 6:
+        qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+        h = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        qs = blocks[..., 6:22]
+        lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        return np.concatenate([d, _high_bits(h, 1), _nib_chunks(lo)], axis=-1)
+    if kind == 12:
+        dmin = _per_row(_f16bits(blocks, 2)).view(np.uint8).reshape(ng, nb, 16)
+        sc = _per_row(blocks[..., 4:16]).reshape(ng, nb, 96)       # byte 8j + r
+        qs = blocks[..., 16:144].reshape(ng, 8, nb, 4, 1, 32) >> np.array(
+            [0, 4], np.uint8).reshape(1, 1, 1, 1, 2, 1)
+        q = (qs & 15).reshape(ng, 8, nb * 8, 32)
+        nib = _nib_chunks(q).reshape(ng, nb, 8 * 128)
+        return np.concatenate([d, dmin, sc, nib], axis=-1)
+    # Q6_K
+    ql = blocks[..., 0:128].reshape(ng, 8, nb, 2, 1, 64) >> np.array(
+        [0, 4], np.uint8).reshape(1, 1, 1, 1, 2, 1)
+    lo = (ql & 15).reshape(ng, 8, nb * 8, 32)
+    qh = blocks[..., 128:192].reshape(ng, 8, nb, 2, 1, 32) >> np.array(
+        [0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 1, 4, 1)
+    hi = (qh & 3).reshape(ng, 8, nb * 8, 32)
+    sc = _per_row(blocks[..., 192:208]).reshape(ng, nb, 128)
+    return np.concatenate([d, sc, _nib_chunks(lo).reshape(ng, nb, 1024),
+                           _high_bits(hi, 2).reshape(ng, nb, 512)], axis=-1)
+
+
+_CHUNK_GROUPS = 256  # groups repacked per numpy pass (bounds the temporaries)
+
+
+def prepack_ggml(kind, blocks: np.ndarray, n: int, k: int) -> GGMLPacked:
+    """Repack ggml blocks into group records (session creation; bytes only, no float copy).
+
+    Parameters
+    ----------
+    kind : int or str
+        ggml type (:data:`KINDS`: Q8_0, Q5_0, Q4_K, Q6_K, by name or type id).
+    blocks : ndarray of uint8, shape [N * K / block_size * type_size] or [N, K / bs, type_size]
+        The tensor's bytes as in the GGUF file (row-major blocks).
+    n, k : int
+        Rows and row length (``k`` a multiple of the block size).
+
+    Raises
+    ------
+    InvalidArgument
+        Unknown kind, ``k`` not a multiple of the block size, or a payload of the wrong size.
+    """
+    if isinstance(kind, str):
+        if kind not in KINDS:
+            raise InvalidArgument(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
+        kind = KINDS[kind]
+    if kind not in BLOCKS:
+        raise InvalidArgument(f"kind: expected a ggml type id in {sorted(BLOCKS)}, got {kind!r}")
+    n = check_int(n, "n", lo=1)
+    k = check_int(k, "k", lo=1)
+    bs, ts = BLOCKS[kind]
+    if k % bs:
+        raise InvalidArgument(f"k: expected a multiple of the block size {bs}, got {k}")
+    nb = k // bs
+    check_array(blocks, "blocks", dtype=np.uint8, contiguous=False)
+    if blocks.size != n * nb * ts:
+        raise InvalidArgument(f"blocks: expected {n * nb * ts} bytes for [{n}, {k}], got "
+                              f"{blocks.size}")
+    blocks = blocks.reshape(n, nb, ts)
+    ng = -(-n // GROUP_ROWS)
+    data = _aligned_empty((ng, nb, RECORD_BYTES[kind]), np.uint8)
+    for g0 in range(0, ng, _CHUNK_GROUPS):
+        g1 = min(ng, g0 + _CHUNK_GROUPS)
+        r0, r1 = g0 * GROUP_ROWS, min(n, g1 * GROUP_ROWS)
+        part = blocks[r0:r1]
+        if r1 - r0 < (g1 - g0) * GROUP_ROWS:  # padding rows: zero blocks (weights 0)
+            part = np.concatenate([part, np.zeros(((g1 - g0) * GROUP_ROWS - (r1 - r0), nb, ts),
+                                                  np.uint8)])
+        data[g0:g1] = _records(kind, part.reshape(g1 - g0, GROUP_ROWS, nb, ts))
+    return GGMLPacked(kind, data, n, k)
+
+
+def dequantize_rows(kind, blocks: np.ndarray) -> np.ndarray:
+    """Rows of ggml blocks ``uint8 [R, nb, type_size]`` -> float32 ``[R, nb * block_size]``,
+    with the float32 operations of gguf-py's ``dequantize_blocks`` (bitwise equal results)."""
+    if isinstance(kind, str):
+        kind = KINDS[kind]
+    r, nb, _ = blocks.shape
+
+    def f16(off):
+        return _f16bits(blocks, off).view(np.float16).astype(np.float32)
+    if kind == 8:
+        d = f16(0)[..., None]
+        return (d * blocks[..., 2:34].view(np.int8).astype(np.float32)).reshape(r, -1)
+    if kind == 6:
+        d = f16(0)[..., None]
+        qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+        h = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        qs = blocks[..., 6:22]
+        lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        q = (lo | (h << 4)).astype(np.int8) - np.int8(16)
+        return (d * q.astype(np.float32)).reshape(r, -1)
+    if kind == 12:
+        d, dmin = f16(0)[..., None], f16(2)[..., None]
+        s = blocks[..., 4:16]
+        d_, m_, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = np.concatenate([d_ & 63, (md & 15) | ((d_ >> 2) & 0x30)], axis=-1)
+        mn = np.concatenate([m_ & 63, (md >> 4) | ((m_ >> 2) & 0x30)], axis=-1)
+        big_d = (d * sc.astype(np.float32))[..., None]
+        big_m = (dmin * mn.astype(np.float32))[..., None]
+        qs = blocks[..., 16:144].reshape(r, nb, 4, 1, 32) >> np.array(
+            [0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 15).reshape(r, nb, 8, 32).astype(np.float32)
+        return (big_d * q - big_m).reshape(r, -1)
+    d = f16(208)[..., None]
+    sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
+    dd = (d * sc).reshape(r, nb, 16, 1)
+    ql = blocks[..., 0:128].reshape(r, nb, 2, 1, 64) >> np.array(
+        [0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    ql = (ql & 15).reshape(r, nb, 8, 32)
+    qh = blocks[..., 128:192].reshape(r, nb, 2, 1, 32) >> np.array(
+        [0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    qh = (qh & 3).reshape(r, nb, 8, 32)
+    q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return (dd * q.reshape(r, nb, 16, 16).astype(np.float32)).reshape(r, -1)

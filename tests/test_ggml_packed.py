@@ -1,0 +1,124 @@
+"""ggml block kernels (kernels/ggml_packed.py): Q8_0, Q5_0, Q4_K, Q6_K group records.
+
+Oracle: gguf-py's ``gguf.quants.dequantize`` (the weights) and a float64 product. Exact mode is
+within the module's stated bound; int8 mode equals a plain numpy model of its integer math (the
+same activation quantization, exact integer block sums) to float32 rounding, and the VNNI and
+AVX2 paths are bitwise equal.
+"""
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from olv_runtime.errors import InvalidArgument  # noqa: E402
+from olv_runtime.kernels import ggml_packed as gp  # noqa: E402
+from olv_runtime.kernels import packed_i8  # noqa: E402
+
+QT = gguf.GGMLQuantizationType
+TYPES = {"Q8_0": QT.Q8_0, "Q5_0": QT.Q5_0, "Q4_K": QT.Q4_K, "Q6_K": QT.Q6_K}
+
+
+def random_blocks(name, n, k, seed):
+    """Random valid blocks: random code bytes, finite small float16 scales."""
+    rng = np.random.default_rng(seed)
+    bs, ts = gp.BLOCKS[gp.KINDS[name]]
+    b = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+
+    def put_f16(off, lo, hi):
+        v = rng.uniform(lo, hi, size=b.shape[:2]).astype(np.float16)
+        b[..., off:off + 2] = v.view(np.uint8).reshape(*b.shape[:2], 2)
+    if name == "Q6_K":
+        put_f16(208, 0.001, 0.01)
+    else:
+        put_f16(0, 0.001, 0.02)
+        if name == "Q4_K":
+            put_f16(2, 0.0, 0.02)
+    return b
+
+
+def reference(name, blocks, n, k):
+    w = gguf.quants.dequantize(blocks.reshape(n, -1), TYPES[name])
+    return np.asarray(w, np.float32).reshape(n, k)
+
+
+def int8_model(name, blocks, x, n, k):
+    """numpy model of linear_ggml_i8: xq per 32-block, exact integer sums, float32 per block."""
+    m = x.shape[0]
+    xb = x.reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(axis=2)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        xq = np.where(amax[..., None] > 0, np.clip(np.rint(xb / d[..., None]), -127, 127), 0)
+    xq = xq.astype(np.int64)
+    w = reference(name, blocks, n, k).astype(np.float64).reshape(n, k // 32, 32)
+    # the integer math is exact; the float combination differs from this float64 sum only by
+    # float32 rounding of a few products per block
+    return np.einsum("mbj,nbj,mb->mn", xq.astype(np.float64), w, d.astype(np.float64))
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("n,m", [(24, 1), (13, 3)])
+def test_exact_and_int8(name, n, m):
+    bs = gp.BLOCKS[gp.KINDS[name]][0]
+    k = 2 * bs if bs == 256 else 96
+    blocks = random_blocks(name, n, k, seed=n + m)
+    w = reference(name, blocks, n, k)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    packed = gp.prepack_ggml(name, blocks.reshape(-1), n, k)
+    assert packed.nbytes == -(-n // 8) * 8 * blocks.shape[1] * blocks.shape[2]
+    # exact mode within the stated bound
+    y = gp.linear_ggml_exact(x, packed)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
+    if name == "Q4_K":  # the bound also counts the mins (d sc q - dmin m)
+        mag = mag + np.abs(x).astype(np.float64).sum(1, keepdims=True) * 0.02 * 63
+    assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6), np.abs(y - ref).max()
+    # int8 mode: model of its integer math, and VNNI == AVX2 bitwise
+    ws = gp.make_workspace_ggml(m, k)
+    packed_i8.set_isa("avx2")
+    try:
+        y2 = gp.linear_ggml_i8(x, packed, workspace=ws)
+    finally:
+        packed_i8.set_isa(None)
+    model = int8_model(name, blocks, x, n, k)
+    assert np.allclose(y2, model, rtol=1e-4, atol=1e-4 * np.abs(model).max()), \
+        np.abs(y2 - model).max()
+    if packed_i8.HOST_VNNI:
+        packed_i8.set_isa("avx512vnni")
+        try:
+            y1 = gp.linear_ggml_i8(x, packed, workspace=ws)
+        finally:
+            packed_i8.set_isa(None)
+        assert np.array_equal(y1.view(np.uint32), y2.view(np.uint32))
+    # int8 quantization error against the exact product stays small
+    assert np.abs(y2 - ref).max() <= 0.02 * np.abs(ref).max() + 1e-3
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_dequantize_rows_bitwise(name):
+    bs = gp.BLOCKS[gp.KINDS[name]][0]
+    k = 512 if bs == 256 else 64
+    blocks = random_blocks(name, 5, k, seed=3)
+    got = gp.dequantize_rows(name, blocks)
+    assert np.array_equal(got.view(np.uint32), reference(name, blocks, 5, k).view(np.uint32))
+
+
+def test_parallel_driver_matches_serial():
+    name, n, k = "Q5_0", 512, 1024  # above SERIAL_MAX_WORK: the parallel driver
+    blocks = random_blocks(name, n, k, seed=11)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(1).standard_normal((1, k)).astype(np.float32)
+    y = gp.linear_ggml_i8(x, packed)
+    ys = np.concatenate([gp.linear_ggml_i8(x, gp.prepack_ggml(name, blocks[r:r + 64], 64, k))
+                         for r in range(0, n, 64)], axis=1)  # small calls: serial driver
+    assert np.array_equal(y, ys)
+
+
+def test_bad_arguments():
+    with pytest.raises(InvalidArgument, match="kind"):
+        gp.prepack_ggml("Q3_K", np.zeros(10, np.uint8), 1, 256)
+    with pytest.raises(InvalidArgument, match="multiple of the block size 256"):
+        gp.prepack_ggml("Q4_K", np.zeros(144, np.uint8), 1, 100)
+    with pytest.raises(InvalidArgument, match="expected 144 bytes"):
+        gp.prepack_ggml("Q4_K", np.zeros(143, np.uint8), 1, 256)
