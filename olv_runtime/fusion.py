@@ -88,6 +88,12 @@ class Step:
         return f"Step({self.kind} {self.name!r}: {list(self.inputs)} -> {list(self.outputs)})"
 
 
+def _ggml_kind(ws):
+    """The ggml type id shared by every weight of ``ws`` (GGMLWeight), else None."""
+    kinds = {getattr(w, "ggml_kind", None) for w in ws}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
 def _packable(w) -> bool:
     return isinstance(w, AffineValue) and w.is_int4_rows_blocked() and w.block_size == 32
 
@@ -195,6 +201,8 @@ class LinearStep:
                         lambda x, p, out, quantize_activations, workspace:
                         linear_packed_i8_exact(x, p, out, workspace=workspace))
                     self.i8, self.kernel = "f32", "packed_i8_exact"
+        elif _ggml_kind(ws) is not None and prepack:
+            self._prepare_ggml()
         elif len(ws) == 1 and isinstance(ws[0], np.ndarray):
             self.dense = np.ascontiguousarray(ws[0])
             self.kernel = "dense"
@@ -204,6 +212,29 @@ class LinearStep:
         self.bias = (np.ascontiguousarray(np.concatenate(biases))
                      if any(b is not None for b in self.biases) else None)
         self._prepared = True
+
+    def _prepare_ggml(self) -> None:
+        """ggml blocks (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K, verified by structs/ggml_native.py):
+        repacked into the group records of kernels/ggml_packed.py, at the file's bits per
+        weight (compiled only for models that have such weights)."""
+        from olv_runtime.kernels import ggml_packed as gp
+
+        ws = self.weights
+        parts = [gp.prepack_ggml(w.kind, w.blocks, w.shape[0], w.shape[1]) for w in ws]
+        if len(parts) == 1:
+            self.packed = parts[0]
+        else:  # merged siblings (every N a multiple of 8): groups concatenated
+            data = gp._aligned_empty((sum(p.n_groups for p in parts),) + parts[0].data.shape[1:],
+                                     np.uint8)
+            np.concatenate([p.data for p in parts], axis=0, out=data)
+            self.packed = gp.GGMLPacked(parts[0].kind, data, self.n, self.k)
+        if self.counters is not None:
+            self.counters.add("bytes_repacked", self.packed.nbytes)
+        fn = gp.linear_ggml_i8 if self.quantize else gp.linear_ggml_exact
+        self._linear_packed = (lambda x, p, out, quantize_activations, workspace:
+                               fn(x, p, out, workspace=workspace))
+        self.i8 = "ggml-int8" if self.quantize else "ggml-f32"
+        self.kernel = "ggml_" + self.packed.type_name + ("_i8" if self.quantize else "_exact")
 
     def _repack(self, symmetric: bool):
         """Prepack the weights (concatenated along N when merged) from their source payloads."""
@@ -238,8 +269,13 @@ class LinearStep:
         return packed
 
     def can_merge(self, other: "LinearStep") -> bool:
+        ws = self.weights + other.weights
+        if _ggml_kind(ws) is not None:  # ggml records: whole 8-row groups of one block type
+            return (self.k == other.k and not self.residual and not other.residual
+                    and all(w.shape[0] % 8 == 0 for w in ws)
+                    and getattr(self.options, "prepack", True))
         return (self.k == other.k and not self.residual and not other.residual
-                and all(_packable(w) for w in self.weights + other.weights)
+                and all(_packable(w) for w in ws)
                 and getattr(self.options, "prepack", True))
 
     # -- execution ------------------------------------------------------------------------------
@@ -572,11 +608,13 @@ def prepare_linears(steps: list[Step], counters=None, compiled=None) -> None:
         if not lin._prepared:
             lin.compiled = compiled
             lin.prepare()
-    for i8 in (False, "int8", "f32"):
+    for i8 in (False, "int8", "f32", "ggml-int8", "ggml-f32"):
         packed = [lin for lin in linears if lin.packed is not None and lin.i8 == i8]
         if packed:
             factory = None
-            if i8 == "int8":
+            if i8 in ("ggml-int8", "ggml-f32"):
+                from olv_runtime.kernels.ggml_packed import make_workspace_ggml as factory
+            elif i8 == "int8":
                 from olv_runtime.kernels.packed_i8 import make_workspace_i8 as factory
             elif i8 == "f32":
                 from olv_runtime.kernels.packed_f32 import make_workspace_f32 as factory

@@ -53,7 +53,7 @@ from olv_runtime.ops import control, lookup  # noqa: F401  (control: If, local f
 from olv_runtime.ops.registry import canonical_domain
 from olv_runtime.proto import EncodedValueProto, TensorProto, ValueInfoProto
 from olv_runtime.structs import StructValue
-from olv_runtime.structs.ggml_native import PlanesWeight
+from olv_runtime.structs.ggml_native import GGMLGather, GGMLWeight, PlanesWeight
 from olv_runtime.structs import resolve as resolve_encoded
 from olv_runtime.values import (
     NP_DTYPE,
@@ -530,10 +530,11 @@ class InferenceSession:
                 if axis and axis[0] != 0:
                     continue
                 weight, chain = const_source(node.input[0], "gather")
-                if not isinstance(weight, (AffineValue, PlanesWeight)):
+                if not isinstance(weight, (AffineValue, PlanesWeight, GGMLWeight)):
                     continue
                 name = node.name or f"Gather({node.output[0]})"
                 gat = (PlanesGather(name, weight) if isinstance(weight, PlanesWeight)
+                       else GGMLGather(name, weight) if isinstance(weight, GGMLWeight)
                        else EncodedGather(name, weight))
                 fused[i] = Step(name, "EncodedGather", gat, [node.input[1]], node.output, gat)
                 for p in chain:

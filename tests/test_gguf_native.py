@@ -8,7 +8,11 @@ import pytest
 import olv_runtime
 from olv_runtime import SessionOptions
 from olv_runtime.structs import ggml, resolve
-from olv_runtime.structs.ggml_native import FAST_TYPES, PlanesWeight, linear_weight
+from olv_runtime.kernels import packed_i8
+from olv_runtime.kernels.ggml_packed import dequantize_rows
+from olv_runtime.structs.ggml_native import (
+    BLOCK_KERNEL_TYPES, FAST_TYPES, GGMLWeight, PlanesWeight, linear_weight,
+)
 
 from gguf_models import write_gguf
 
@@ -35,6 +39,10 @@ def test_fast_consumer_matches_decoder_path(tmp_path, ttype):
     assert "Decode" not in kinds  # every ggml weight is read by a native consumer
     if ttype == "Q4_0":  # the converter's INT4 form: Linear steps, or inside the compiled
         assert "Linear" in kinds or "DecoderStack" in kinds  # decoder stack (issue 10)
+    elif ttype in BLOCK_KERNEL_TYPES:  # their own block kernels, no INT4 planes
+        assert "PlanesLinear" not in kinds
+        kernels = {s.impl.kernel for s in fast.all_steps() if s.kind == "Linear"}
+        assert kernels == {f"ggml_{ttype}_exact"}
     else:
         assert "PlanesLinear" in kinds
     assert fast.counters["payload_bytes_copied"] == 0
@@ -55,6 +63,11 @@ def test_repack_reproduces_the_decoded_weight(tmp_path, ttype):
     value = resolve(model).value("model.layers.0.mlp.down_proj.weight")
     rep = linear_weight(value)
     n, k = value.logical[1]
+    if ttype in BLOCK_KERNEL_TYPES:  # read in place: the payload's blocks, no repack yet
+        assert isinstance(rep, GGMLWeight) and np.shares_memory(rep.blocks, value.payload)
+        w = dequantize_rows(ttype, rep.blocks)
+        assert np.array_equal(w.view(np.uint32), value.decode().view(np.uint32))
+        return
     planes = rep.planes if isinstance(rep, PlanesWeight) else [rep]
     w = np.zeros((n, k), np.float64)
     for p in planes:
@@ -93,3 +106,29 @@ def test_consumer_verifies_the_declaration(tmp_path):
     assert linear_weight(value) is None
     sess = olv_runtime.InferenceSession(tampered)
     assert "Decode" in {kind for kind, _ in sess.plan()}
+
+
+@pytest.mark.parametrize("ttype", BLOCK_KERNEL_TYPES)
+def test_block_kernels_int8_mode(tmp_path, ttype):
+    """int8 activations on the block kernels: close to the exact decoder path, the same
+    greedy token, the VNNI and AVX2 paths bitwise equal, the records as many bytes as the
+    file's blocks (no float copy, no INT4 planes)."""
+    model = _model(tmp_path, ttype)
+    ref = _logits(olv_runtime.InferenceSession(model, SessionOptions(enable_fusion=False)))
+    outs = []
+    for isa in (["avx2", "avx512vnni"] if packed_i8.HOST_VNNI else ["avx2"]):
+        packed_i8.set_isa(isa)
+        try:
+            sess = olv_runtime.InferenceSession(model, SessionOptions(quantize_activations=True))
+            outs.append(_logits(sess))
+        finally:
+            packed_i8.set_isa(None)
+    lins = [s.impl for s in sess.all_steps() if s.kind == "Linear"]
+    assert {lin.kernel for lin in lins} == {f"ggml_{ttype}_i8"}
+    assert sess.counters["bytes_repacked"] == sum(lin.packed.nbytes for lin in lins)
+    assert sess.counters["bytes_repacked"] <= sum(
+        w.nbytes for lin in lins for w in lin.weights) * 1.01
+    assert all(np.array_equal(o.view(np.uint32), outs[0].view(np.uint32)) for o in outs)
+    got = outs[0]
+    assert float(np.max(np.abs(got - ref))) <= 0.05 * float(np.max(np.abs(ref)))
+    assert np.array_equal(got[0, -1].argmax(), ref[0, -1].argmax())

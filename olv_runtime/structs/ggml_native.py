@@ -44,9 +44,12 @@ import numpy as np
 from olv_runtime.structs import ggml
 from olv_runtime.values import AffineValue
 
-__all__ = ["linear_weight", "PlanesWeight", "FAST_TYPES"]
+__all__ = ["linear_weight", "PlanesWeight", "GGMLWeight", "GGMLGather", "FAST_TYPES",
+           "BLOCK_KERNEL_TYPES"]
 
 FAST_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
+#: types read by their own block kernels (kernels/ggml_packed.py) instead of INT4 planes
+BLOCK_KERNEL_TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
 _CANON: dict[tuple, tuple] = {}
 _ROWS = 256  # rows repacked per chunk (bounds the temporaries)
 
@@ -65,6 +68,53 @@ class PlanesWeight:
     def nbytes(self) -> int:
         return sum(p.codes.nbytes + p.scale.nbytes for p in self.planes) + (
             self.offset.nbytes if self.offset is not None else 0)
+
+
+class GGMLWeight:
+    """A verified ggml weight read in place: ``blocks`` uint8 ``[N, K / block_size,
+    type_size]`` is a view of the value's payload (the .gguf's mapped pages, no copy).
+    :class:`~olv_runtime.fusion.LinearStep` repacks it into the group records of
+    :mod:`olv_runtime.kernels.ggml_packed` at session creation (same bits per weight);
+    :class:`GGMLGather` dequantizes only the looked-up rows from it."""
+
+    def __init__(self, name, type_name, blocks, n, k):
+        from olv_runtime.kernels.ggml_packed import KINDS
+
+        self.name = name
+        self.type_name = type_name
+        self.ggml_kind = self.kind = KINDS[type_name]
+        self.blocks = blocks
+        self.shape = (int(n), int(k))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+
+class GGMLGather:
+    """``Gather(Decode(W), ids, axis=0)`` for a :class:`GGMLWeight`: dequantizes only the rows
+    ``ids`` (negative ids count from the end, as ONNX Gather), with gguf-py's float32 operations
+    (equal to the FunctionProto decoder bit for bit). Output float32 ``[*ids.shape, K]``."""
+
+    def __init__(self, name: str, weight: GGMLWeight):
+        self.name = name
+        self.w = weight
+
+    def __call__(self, ids):
+        from olv_runtime.errors import InvalidArgument
+        from olv_runtime.kernels.ggml_packed import dequantize_rows
+
+        if ids.dtype not in (np.int64, np.int32):
+            raise InvalidArgument(
+                f"node {self.name!r} (Gather): indices must be int64 or int32, got {ids.dtype}")
+        n, k = self.w.shape
+        flat = np.asarray(ids, np.int64).reshape(-1)
+        if flat.size and (flat.min() < -n or flat.max() >= n):
+            bad = flat[(flat < -n) | (flat >= n)][0]
+            raise InvalidArgument(f"node {self.name!r} (Gather): index {int(bad)} out of range "
+                                  f"[-{n}, {n - 1}] for {self.w.name!r} ({n} rows)")
+        rows = dequantize_rows(self.w.kind, self.w.blocks[flat % n])
+        return (rows.reshape(ids.shape + (k,)),)
 
 
 def _verified(value) -> ggml.GGMLBlock | None:
@@ -232,7 +282,11 @@ def linear_weight(value, counters=None):
         return cached
     b = _verified(value)
     out = None
-    if b is not None:
+    if b is not None and b.name in BLOCK_KERNEL_TYPES:
+        n, k = value.logical[1]
+        blocks = value.payload.reshape(n, k // b.block_size, b.type_size)
+        out = GGMLWeight(value.name, b.name, blocks, n, k)
+    elif b is not None:
         n, k = value.logical[1]
         nb = k // b.block_size
         blocks = value.payload.reshape(n, nb, b.type_size)
