@@ -876,6 +876,11 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
         return out
     k, n, kp = packed.k, packed.n, packed.k_padded
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
+    if m >= 8 and m * n * kp >= SERIAL_MAX_WORK and use_vnni():
+        # prefill: the register-blocked VNNI tile GEMM (same bits; compiled at its first use)
+        from .packed_i8_gemm import gemm_i8_vnni
+
+        return gemm_i8_vnni(x, m, k, packed, out, ws, max(1, ntasks))
     if m * n * kp < SERIAL_MAX_WORK or ntasks == 1:
         _linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
                     ws.facc[0], use_vnni())

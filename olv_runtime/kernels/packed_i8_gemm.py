@@ -1,0 +1,258 @@
+"""Register-blocked INT4 x int8 GEMM for prefill (M >= :data:`MIN_ROWS`) with AVX-512 VNNI.
+
+The math is that of :func:`~.packed_i8.linear_packed_i8` (module docstring there): activation rows
+quantized per 32-block to int8 once per call, exact int32 block sums ``S = sum q * xq``, and per
+(row, block) the same float32 operations ``acc + float32(S - 8 sum xq) * (scale * d)`` (blocks in
+order, no FMA), so results are bitwise equal to :func:`~.packed_i8.linear_packed_i8` on either
+instruction path and to ``linear_packed(quantize_activations=True)``.
+
+Tile (the technique of register-blocked Q4 x Q8 GEMMs such as ik_llama.cpp's ``iqk`` kernels:
+decode a weight tile once, reuse it for several activation rows from registers): 16 output rows
+(two 8-row groups of the :class:`~.packed_i8.PackedInt4I8` layout side by side in one zmm:
+lanes 0..7 group ``g``, lanes 8..15 group ``g + 1``) x :data:`TILE_ROWS` = 8 activation rows.
+Per block (32 codes) the 16 x 32 codes are loaded and split into nibbles once (4 ``vinserti64x4``
+pairs of 32-byte chunks, ``vpand``/``vpsrlw``: 8 zmm of unsigned codes), then per activation row
+8 ``vpdpbusd zmm`` whose signed operand is the row's 4 int8 activations broadcast from memory
+(``{1to16}``): 8 independent int32 chains, one per activation row, cover the instruction's
+latency. The float epilogue per (activation row, block) is ``vpsubd``, ``vcvtdq2ps``, 2
+``vmulps``, ``vaddps`` on 16 lanes. Accumulators: 8 float32 zmm (one per activation row), live
+across the block loop.
+
+Loop nest per task (a contiguous range of group pairs): activation rows in chunks of
+:data:`CHUNK_BYTES` of int8 codes (kept in L2), then group pairs, then 8-row tiles, then blocks.
+Rows left over (``M % 8``), and an odd last group, run the kernels of :mod:`.packed_i8`.
+
+Only the VNNI path is here: on CPUs without AVX-512 VNNI (or with ``OLV_ISA=avx2``) the callers
+keep :mod:`.packed_i8`'s AVX2 kernels (4 activation rows per decoded group), which give the same
+bits. The driver is compiled at its first call (prefill), never by decode-only use.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from .config import JIT, PJIT
+from .packed_i8 import (
+    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, HOST_VNNI, _Vec, _check_array_arg, _elem_ptr,
+    _group_r1, _group_r2, _group_r4, _is_scale_array, _quantize_rows_i8, _splat,
+)
+
+__all__ = ["TILE_ROWS", "MIN_ROWS", "gemm_i8_vnni"]
+
+TILE_ROWS = 8          # activation rows per tile (one zmm float accumulator each)
+MIN_ROWS = 8           # callers use this GEMM from this many activation rows
+CHUNK_BYTES = 1 << 18  # int8 activation bytes per row chunk (kept in L2 while pairs stream)
+
+V16F32 = _Vec(32, 16, True)
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F32 = ir.FloatType()
+_LV32I8 = ir.VectorType(_I8, 32)
+_LV64I8 = ir.VectorType(_I8, 64)
+_LV32I16 = ir.VectorType(_I16, 32)
+_LV16I32 = ir.VectorType(_I32, 16)
+_LV16F32 = ir.VectorType(_F32, 16)
+_LV8F32 = ir.VectorType(_F32, 8)
+_LV8I16 = ir.VectorType(_I16, 8)
+_LV8F16 = ir.VectorType(ir.HalfType(), 8)
+
+_TILE = types.UniTuple(V16F32, TILE_ROWS)
+
+
+def _concat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * n),
+                                                    list(range(2 * n))))
+
+
+def _scales16(context, builder, aty, arr, off0, off1):
+    """16 float32 lanes: 8 scales at linear element ``off0`` then 8 at ``off1`` (float32, or
+    float16 bits widened exactly)."""
+    if aty.dtype == types.uint16:
+        h = [builder.bitcast(builder.load(_elem_ptr(context, builder, aty, arr, o, _LV8I16),
+                                          align=2), _LV8F16) for o in (off0, off1)]
+        return builder.fpext(_concat(builder, h[0], h[1]), _LV16F32)
+    v = [builder.load(_elem_ptr(context, builder, aty, arr, o, _LV8F32), align=4)
+         for o in (off0, off1)]
+    return _concat(builder, v[0], v[1])
+
+
+@intrinsic
+def _tile_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        z = ir.Constant(_LV16F32, [0.0] * 16)
+        return context.make_tuple(builder, sig.return_type, [z] * TILE_ROWS)
+    return _TILE(), codegen
+
+
+@intrinsic
+def _tile_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, kx, xd, xs8,
+                do, kbx):
+    """One block of a 16 x 8 tile: ``acc[r] += float32(S_r - xs8) * (scale16 * xd)`` for
+    activation rows r = 0..7 (xq bytes ``xo + r * kx``, xd / xs8 elements ``do + r * kbx``)
+    against the group pair whose codes start at byte ``cb`` (second group ``gstride`` bytes
+    later) and scales at element ``so`` (second group ``sstride`` later)."""
+    if not (acc == _TILE and _check_array_arg(codes, types.uint8) and _is_scale_array(scale)
+            and _check_array_arg(xq, types.int8) and _check_array_arg(xd, types.float32)
+            and _check_array_arg(xs8, types.int32)):
+        return None
+    sig = _TILE(_TILE, codes, types.intp, types.intp, scale, types.intp, types.intp, xq,
+                types.intp, types.intp, xd, xs8, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        (acc_v, codes_v, cb_v, gs_v, sc_v, so_v, ss_v, xq_v, xo_v, kx_v, xd_v, xs_v, do_v,
+         kbx_v) = args
+        aty = sig.args
+        accs = [builder.extract_value(acc_v, r) for r in range(TILE_ROWS)]
+        if not HOST_VNNI:  # never called (the wrappers check use_vnni()); nothing to emit
+            return context.make_tuple(builder, sig.return_type, accs)
+        m0f = ir.Constant(_LV64I8, [0x0F] * 64)
+        sh4 = ir.Constant(_LV32I16, [4] * 32)
+        us = []  # us[2c + h]: chunk c, nibble h (0 low: k = 4c + j, 1 high: k = 16 + 4c + j)
+        for c in range(4):
+            o0 = builder.add(cb_v, ir.Constant(cb_v.type, 32 * c))
+            o1 = builder.add(o0, gs_v)
+            a = builder.load(_elem_ptr(context, builder, aty[1], codes_v, o0, _LV32I8), align=1)
+            b = builder.load(_elem_ptr(context, builder, aty[1], codes_v, o1, _LV32I8), align=1)
+            v = _concat(builder, a, b)
+            us.append(builder.and_(v, m0f))
+            vh = builder.bitcast(builder.lshr(builder.bitcast(v, _LV32I16), sh4), _LV64I8)
+            us.append(builder.and_(vh, m0f))
+        dp = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV16I32, [_LV16I32, _LV64I8, _LV64I8]),
+            "llvm.x86.avx512.vpdpbusd.512")
+        ws = _scales16(context, builder, aty[4], sc_v, so_v, builder.add(so_v, ss_v))
+        out = []
+        for r in range(TILE_ROWS):
+            xr = builder.add(xo_v, builder.mul(kx_v, ir.Constant(kx_v.type, r)))
+            s = ir.Constant(_LV16I32, [0] * 16)
+            for c in range(4):
+                for h in range(2):
+                    off = builder.add(xr, ir.Constant(xr.type, 16 * h + 4 * c))
+                    p = _elem_ptr(context, builder, aty[7], xq_v, off, _I32)
+                    xb = builder.bitcast(_splat(builder, builder.load(p, align=1), _LV16I32),
+                                         _LV64I8)
+                    s = builder.call(dp, [s, us[2 * c + h], xb])
+            dr = builder.add(do_v, builder.mul(kbx_v, ir.Constant(kbx_v.type, r)))
+            s8 = builder.load(_elem_ptr(context, builder, aty[11], xs_v, dr, _I32))
+            d = builder.load(_elem_ptr(context, builder, aty[10], xd_v, dr, _F32))
+            f = builder.sitofp(builder.sub(s, _splat(builder, s8, _LV16I32)), _LV16F32)
+            v = builder.fmul(ws, _splat(builder, d, _LV16F32))
+            out.append(builder.fadd(accs[r], builder.fmul(f, v)))
+        return context.make_tuple(builder, sig.return_type, out)
+    return sig, codegen
+
+
+@intrinsic
+def _tile_store(typingctx, out, off, ld, nvalid, acc):
+    """Store row r of the tile (16 lanes, the first ``nvalid`` kept) at linear element
+    ``off + r * ld`` of ``out`` (float32)."""
+    if not (_check_array_arg(out, types.float32) and acc == _TILE):
+        return None
+    sig = types.none(out, types.intp, types.intp, types.intp, _TILE)
+
+    def codegen(context, builder, sig, args):
+        out_v, off_v, ld_v, nv_v, acc_v = args
+        lanes = ir.Constant(ir.VectorType(off_v.type, 16), list(range(16)))
+        mask = builder.icmp_signed("<", lanes, _splat(builder, nv_v,
+                                                      ir.VectorType(off_v.type, 16)))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_LV16F32, _LV16F32.as_pointer(),
+                                                            _I32, ir.VectorType(ir.IntType(1), 16)]),
+            "llvm.masked.store.v16f32.p0")
+        for r in range(TILE_ROWS):
+            o = builder.add(off_v, builder.mul(ld_v, ir.Constant(ld_v.type, r)))
+            p = _elem_ptr(context, builder, sig.args[0], out_v, o, _LV16F32)
+            builder.call(fn, [builder.extract_value(acc_v, r), p, ir.Constant(_I32, 4), mask])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(**JIT)
+def _pair_tile(codes, scale, g, xq, xd, xs8, i0, n, out):
+    """Output rows 8g .. 8g+15 of activation rows i0 .. i0+7 (groups g, g+1 exist)."""
+    kb = codes.shape[1]
+    kx = xq.shape[1]
+    kbx = xd.shape[1]
+    gstride = kb * GROUP_BLOCK_BYTES
+    sstride = kb * GROUP_ROWS
+    acc = _tile_zero()
+    base = g * kb
+    xo = i0 * kx
+    do = i0 * kbx
+    for b in range(kb):
+        acc = _tile_block(acc, codes, (base + b) * GROUP_BLOCK_BYTES, gstride, scale,
+                          (base + b) * GROUP_ROWS, sstride, xq, xo + b * BLOCK, kx, xd, xs8,
+                          do + b, kbx)
+    r0 = g * GROUP_ROWS
+    _tile_store(out, i0 * n + r0, n, min(2 * GROUP_ROWS, n - r0), acc)
+
+
+@njit(**JIT)
+def _rows_tail(codes, scale, g, xq, xd, xs8, i0, m, n, out, facc, vnni):
+    """Group g for activation rows i0 .. m-1 with the :mod:`.packed_i8` kernels (4, 2, 1)."""
+    while m - i0 >= 4:
+        _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+        i0 += 4
+    if m - i0 >= 2:
+        _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+        i0 += 2
+    if m - i0 >= 1:
+        _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+
+
+@njit(**JIT)
+def _task(codes, scale, p0, p1, xq, xd, xs8, m, n, out, facc, last_group, vnni):
+    """Group pairs p0..p1-1 (groups 2p, 2p+1) for all m activation rows; ``last_group``: also
+    the unpaired last group (odd group count)."""
+    kx = xq.shape[1]
+    rows_chunk = max(TILE_ROWS, (CHUNK_BYTES // max(kx, 1)) // TILE_ROWS * TILE_ROWS)
+    m8 = m // TILE_ROWS * TILE_ROWS
+    c0 = np.int64(0)
+    while c0 < m8:
+        c1 = min(m8, c0 + rows_chunk)
+        for p in range(p0, p1):
+            i0 = c0
+            while i0 < c1:
+                _pair_tile(codes, scale, 2 * p, xq, xd, xs8, i0, n, out)
+                i0 += TILE_ROWS
+        c0 = c1
+    if m8 < m:
+        for p in range(p0, p1):
+            _rows_tail(codes, scale, 2 * p, xq, xd, xs8, m8, m, n, out, facc, vnni)
+            _rows_tail(codes, scale, 2 * p + 1, xq, xd, xs8, m8, m, n, out, facc, vnni)
+    if last_group >= 0:
+        _rows_tail(codes, scale, last_group, xq, xd, xs8, np.int64(0), m, n, out, facc, vnni)
+
+
+@njit(**PJIT)
+def _gemm_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc, vnni):
+    kb = codes.shape[1]
+    # activation quantization once per call, rows split over the tasks
+    for t in prange(ntasks):
+        r0 = t * m // ntasks
+        r1 = (t + 1) * m // ntasks
+        if r1 > r0:
+            _quantize_rows_i8(x[r0:r1], r1 - r0, k, kb, xq[r0:r1], xd[r0:r1], xs8[r0:r1])
+    ng = codes.shape[0]
+    npair = ng // 2
+    odd = ng - 2 * npair
+    for t in prange(ntasks):
+        p0 = t * npair // ntasks
+        p1 = (t + 1) * npair // ntasks
+        lg = np.int64(-1)
+        if odd == 1 and t == ntasks - 1:
+            lg = np.int64(ng - 1)
+        _task(codes, scale, p0, p1, xq, xd, xs8, m, n, out, facc[t], lg, vnni)
+
+
+def gemm_i8_vnni(x, m, k, packed, out, ws, ntasks):
+    """Run the VNNI tile GEMM (arguments already checked by :func:`~.packed_i8.linear_packed_i8`,
+    which calls this for ``M >= MIN_ROWS`` on the VNNI path)."""
+    assert HOST_VNNI
+    _gemm_par(x, m, k, packed.codes, packed.scale, packed.n, out, ntasks, ws.xq, ws.xd,
+              ws.xs8, ws.facc, True)
+    return out
