@@ -597,6 +597,10 @@ def optimize(steps: list[Step], constants: dict, graph_outputs: set[str], option
         from olv_runtime.decoder_stack import fuse_decoder_stack
 
         steps = fuse_decoder_stack(steps, constants, graph_outputs, counters)
+        if any(s.kind == "PagedAttention" for s in steps):
+            from olv_runtime.paged_stack import fuse_paged_decoder_stack
+
+            steps = fuse_paged_decoder_stack(steps, constants, graph_outputs, counters)
     return steps
 
 

@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from . import packed_f32, packed_i8
+from . import paged_attention as pk
 from .attention import TILE, _attend_rows, _merge_partials, _state_init
+from .paged_attention import _paged_rows
 from .config import JIT, PJIT
 from .norm import _rms_norm_row
 
@@ -195,6 +197,17 @@ class StackWorkspace:
                              np.zeros((nt, g, width), np.float32),
                              np.zeros((nt, g, width), np.float32),
                              np.zeros((nt, g), np.float32))
+        return a
+
+    def paged(self, d, width, n_kv):
+        """Paged-step scratch: dequantized rows ``[nt, 4, D]``, a tile's block list ``[nt,
+        width, 2]`` int64, the new key/value rows ``[nt, 2, KVH*D]``."""
+        a = getattr(self, "_paged", None)
+        if a is None or a[1].shape[1] != width:
+            nt = self.nt
+            a = self._paged = (np.zeros((nt, 4, d), np.float32),
+                               np.zeros((nt, width, 2), np.int64),
+                               np.zeros((nt, 2, n_kv * d), np.float32))
         return a
 
     @property
@@ -419,6 +432,135 @@ def _stack_ser(quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vb
                   tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
                   qkv, q3, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni, pm, pl,
                   po, attn_p, asc, ap, amx)
+
+
+# ------------------------------------------------------------------------------------------------
+# the paged variant: block tables instead of capacity buffers (compiled only for paged models)
+# ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def _write_open_row(tab, nb, g, bs, d, t_in, src, off):
+    """Write the key ``src[0, off:off+D]`` and value ``src[1, off:off+D]`` as token ``t_in`` of kv
+    head ``g`` into the open (last) block of the table (float32, or float16 rounded to nearest
+    even)."""
+    for side in range(2):
+        fmt = tab[nb - 1, pk.T_KFMT if side == 0 else pk.T_VFMT]
+        addr = tab[nb - 1, pk.T_KADDR if side == 0 else pk.T_VADDR]
+        r = g * bs + t_in
+        if fmt == 0:
+            dst = carray(pk._f32p(addr + r * d * 4), (d,))
+            for i in range(d):
+                dst[i] = src[side, off + i]
+        else:
+            dst16 = carray(pk._u16p(addr + r * d * 2), (d,))
+            for i in range(d):
+                dst16[i] = pk._f32_to_half(src[side, off + i])
+
+
+@njit(**JIT)
+def _stack_thread_paged(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps,
+                        tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
+                        att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx, xq, xd, xs8,
+                        facc8, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx,
+                        arows, apend):
+    n_layers = len(tabs)
+    hd = n_heads * d
+    kvd = n_kv * d
+    group = n_heads // n_kv
+    h = hx[tid]
+    q8 = xq[tid]
+    qd = xd[tid]
+    qs = xs8[tid]
+    f8 = facc8[tid]
+    f32 = facc32[tid]
+    sc = asc[tid]
+    p = ap[tid]
+    mx = amx[tid]
+    rows = arows[tid]
+    pend = apend[tid]
+    attn = attn_p[tid]
+    kv = kvnew[tid]
+    x = x0
+    nxt = 0
+    for li in range(n_layers):
+        _layer_head(tid, nt, quant, x, li, codes, scales, biases, has_bias, norms, eps, h, q8,
+                    qd, qs, qkv, f8, f32, bar, vnni)
+        tab = tabs[li]
+        nb = nblk[li]
+        k0, k1 = _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved)
+        for g in range(k0, k1):
+            for i in range(d):
+                kv[0, g * d + i] = qkv[0, hd + g * d + i]
+                kv[1, g * d + i] = qkv[0, hd + kvd + g * d + i]
+            _write_open_row(tab, nb, g, bs, d, tin[li], kv, g * d)
+        _barrier(bar, nt)
+        b0 = tid * nb // nt
+        b1 = (tid + 1) * nb // nt
+        for g in range(n_kv):
+            hs = g * group
+            m = pm[tid, hs:hs + group]
+            l = pl[tid, hs:hs + group]
+            o = po[tid, hs:hs + group]
+            _state_init(m, l, o, group)
+            _paged_rows(q3[hs:hs + group], group, tab, b0, b1, g, bs, 0, False, att_scale, m, l,
+                        o, sc, p, mx, rows, pend)
+        _barrier(bar, nt)
+        _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
+        x, nxt = _layer_tail(tid, nt, quant, x, xa, xb, nxt, li, codes, scales, norms, eps,
+                             inter, attn, h, q8, qd, qs, gu, act, f8, f32, bar, vnni)
+    _lm_head(tid, nt, quant, x, n_layers, codes, scales, norms, eps, h, q8, qd, qs, logits, f8,
+             f32, vnni)
+
+
+@njit(**PJIT)
+def _stack_par_paged(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk, tin,
+                     bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
+                     qkv, q3, kvnew, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni,
+                     pm, pl, po, attn_p, asc, ap, amx, arows, apend):
+    for tid in prange(nt):
+        _stack_thread_paged(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps,
+                            tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
+                            att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx, xq, xd, xs8,
+                            facc8, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx,
+                            arows, apend)
+
+
+@njit(**JIT)
+def _stack_ser_paged(quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk, tin,
+                     bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
+                     qkv, q3, kvnew, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni,
+                     pm, pl, po, attn_p, asc, ap, amx, arows, apend):
+    _stack_thread_paged(0, 1, quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk,
+                        tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter,
+                        xa, xb, qkv, q3, kvnew, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
+                        logits, vnni, pm, pl, po, attn_p, asc, ap, amx, arows, apend)
+
+
+def decode_stack_paged(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk,
+                       tin, block_size, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+                       inter, ws, logits):
+    """:func:`decode_stack` over paged KV caches (compiled at the first call, for paged models).
+
+    Instead of capacity buffers, each layer's cache is a block table
+    (:mod:`.paged_attention`): ``tabs`` a typed list of int64 [>= nblk[l], TABLE_COLS] arrays
+    (one per layer), ``nblk`` int64 [L] rows used, ``tin`` int64 [L] the token index inside the
+    last (open, float32/float16) block where the new key and value are written, ``block_size``
+    BS. Step 3 writes k, v there (the bookkeeping -- slot claim, allocation, sealing -- is the
+    caller's, :meth:`olv_runtime.state.paged.PagedKV.decode_begin` / ``decode_end``); step 4 runs
+    :func:`~.paged_attention._paged_rows` over this task's share of the blocks for every kv head
+    and merges the partial states as the contiguous step does.
+    """
+    w = pk.tile_width(block_size)
+    att = ws.attention(n_heads, n_kv, d, w)
+    rows, pend, kvnew = ws.paged(d, w, n_kv)
+    args = (quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk, tin,
+            int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter,
+            ws.xa, ws.xb, ws.qkv, ws.q3(n_heads, d), kvnew, ws.gu, ws.act, ws.hx, ws.xq, ws.xd,
+            ws.xs8, ws.facc8, ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att, rows, pend)
+    if nt > 1:
+        _stack_par_paged(nt, *args)
+    else:
+        _stack_ser_paged(*args)
+    return logits
 
 
 def decode_stack(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,

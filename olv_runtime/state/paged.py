@@ -49,7 +49,7 @@ import numpy as np
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels import paged_attention as pk
 from olv_runtime.proto import StructTypeProto, TensorProto, TypeProto
-from olv_runtime.structs.runtime import RuntimeStruct
+from olv_runtime.structs.runtime import RuntimeStruct, SharedPrefix
 from olv_runtime.values import AffineValue
 
 __all__ = ["KV_CACHE_TYPE_ID", "KV_BLOCK_TYPE_ID", "PRESETS", "SealPolicy", "Geometry",
@@ -321,6 +321,17 @@ class Chunk:
         c.slot_bytes = c.field_nbytes()
         return c
 
+    def storage(self) -> tuple:
+        """The arrays owning this chunk's buffers (the ones its block field views point into)."""
+        st = self._storage
+        if st is None:
+            from olv_runtime.pool import owner
+
+            arrs = {"float32": ("data",), "float16": ("data",), "int8": ("codes", "scale"),
+                    "int4": ("codes", "scale"), "codebook2": ("payload",)}[self.fmt]
+            st = self._storage = tuple(owner(getattr(self, a)) for a in arrs)
+        return st
+
     def field_nbytes(self) -> int:
         g = self.geom
         n = g.kv_heads * g.block_size * g.head_dim
@@ -492,15 +503,98 @@ class _BlockTable:
 
 
 class _BlockIndex:
-    """``meta`` of a cache value made by :meth:`PagedKVManager.run`: its blocks' references
-    and block table, so the next call on that value does no per-block Python work (a value
-    from elsewhere is validated block by block)."""
+    """``meta`` of a cache value made by :meth:`PagedKV.run` or :meth:`PagedKV.decode_end`: its
+    blocks' references and block table(s), so the next call on that value does no per-block
+    Python work (a value from elsewhere is validated block by block). ``table`` (a
+    :class:`_BlockTable`) or ``ptab``/``pver`` (the :class:`_PtrTable` of the compiled decode
+    path and the version at which its rows were this value's) may be None."""
 
-    __slots__ = ("owner", "blocks", "refs", "length", "table")
+    __slots__ = ("owner", "blocks", "refs", "length", "table", "ptab", "pver")
 
-    def __init__(self, owner, blocks, refs, length, table):
+    def __init__(self, owner, blocks, refs, length, table, ptab=None, pver=-1):
         self.owner, self.blocks, self.refs, self.length, self.table = (owner, blocks, refs,
                                                                        length, table)
+        self.ptab, self.pver = ptab, pver
+
+
+class _PtrTable:
+    """Block-table rows of the newest cache value of one lineage, updated in place by the
+    compiled decode path (:meth:`PagedKV.decode_begin`): ``rows`` int64 [capacity,
+    TABLE_COLS] (first ``n`` valid), ``read`` KV bytes the kernel reads over them,
+    ``committed`` slot bytes of the blocks. ``version`` grows at every in-place update; a
+    cache value records the version its rows had (an older or branched value rebuilds)."""
+
+    __slots__ = ("rows", "n", "version", "read", "committed", "owners", "foreign")
+
+    def __init__(self, rows, n, read, committed, refs=()):
+        self.rows, self.n, self.read, self.committed = rows, n, read, committed
+        self.version = 0
+        # buffers the blocks' fields live in: {id(storage): [storage nbytes, block sides]}
+        self.owners: dict = {}
+        self.foreign = 0  # block sides viewing caller-made arrays (no memoised accounting)
+        for r in refs:
+            self.hold(r.kc, 1)
+            self.hold(r.vc, 1)
+
+    def hold(self, chunk, k: int) -> None:
+        """Count ``k`` more (or fewer) block sides stored in ``chunk``."""
+        if chunk.foreign:
+            self.foreign += k
+            return
+        for own in chunk.storage():
+            e = self.owners.get(id(own))
+            if e is None:
+                e = self.owners[id(own)] = [own.nbytes, 0]
+            e[1] += k
+            if e[1] == 0:
+                del self.owners[id(own)]
+
+    def accounting(self, key, nblocks: int):
+        """(payload bytes, {id: buffer bytes}) of the cache value with these blocks, as
+        :func:`~olv_runtime.structs.runtime.payload_nbytes` and the state's buffer count would
+        find them: the blocks' slots, their start/length scalars and the cache length (8 bytes
+        each, under the synthetic key ``key``); None when a block is caller-made."""
+        if self.foreign:
+            return None
+        own = {k: e[0] for k, e in self.owners.items()}
+        own[key] = 8 * (2 * nblocks + 1)
+        return self.committed + 8 * (2 * nblocks + 1), own
+
+    @classmethod
+    def build(cls, blocks, refs, table, kvh: int, spare: int = 64) -> "_PtrTable":
+        n = len(blocks)
+        rows = np.empty((max(2 * n, n + spare), pk.TABLE_COLS), np.int64)
+        if table is not None and len(table.kc) == n:
+            r, read = table.rows(kvh)
+            rows[:n] = r
+        else:
+            read = 0
+            for i, (b, ref) in enumerate(zip(blocks, refs)):
+                ln = int(b["length"])
+                rows[i] = pk.table_row(ref.kc.side, ref.ks, ref.vc.side, ref.vs, int(b["start"]),
+                                       ln)
+                read += ln * kvh * (ref.kc.side.row_bytes + ref.vc.side.row_bytes)
+        committed = sum(r.kc.slot_bytes + r.vc.slot_bytes for r in refs)
+        return cls(rows, n, read, committed, refs)
+
+    def append(self, row) -> None:
+        if self.n == self.rows.shape[0]:
+            grown = np.empty((2 * self.n + 16, pk.TABLE_COLS), np.int64)
+            grown[:self.n] = self.rows[:self.n]
+            self.rows = grown
+        self.rows[self.n] = row
+        self.n += 1
+
+
+class DecodeCall:
+    """What :meth:`PagedKV.decode_begin` prepared for one compiled decode token: the block
+    list with the new token's slot claimed, the block table (``ptab.rows[:ptab.n]``, the last
+    row's length already counting the new token, which the kernel writes at ``t_in``)."""
+
+    __slots__ = ("blocks", "refs", "ptab", "past", "t_in", "sealed_from")
+
+    def __init__(self, blocks, refs, ptab, past, t_in):
+        self.blocks, self.refs, self.ptab, self.past, self.t_in = blocks, refs, ptab, past, t_in
 
 
 class BlockRef:
@@ -687,6 +781,141 @@ class PagedKV:
             c.add("bytes_read_kv_attention", read)
             c.add("kv_committed_bytes", sum(r.kc.slot_bytes + r.vc.slot_bytes for r in refs))
         return out, new
+
+    # -- the compiled decode path (one token; the kernel runs between begin and end) -----------
+    def decode_begin(self, cache: RuntimeStruct) -> DecodeCall:
+        """Append bookkeeping of one decode token, before the compiled step writes its key/value
+        and attends (:class:`olv_runtime.paged_stack.PagedDecoderStack`).
+
+        Claims the new token's slot (in place when this cache owns the open block's fill, a
+        copy of the open block when branched, a new block when the last one is full), makes the
+        block table: the past value's own rows updated in place when it is the newest of its
+        lineage, else rebuilt. The caller must call :meth:`decode_end` after the kernel.
+
+        Raises
+        ------
+        InvalidArgument
+            Inconsistent cache (lengths, block positions), unsupported block representations.
+        """
+        g = self.geom
+        bs = g.block_size
+        src_blocks = cache["blocks"]
+        past = int(cache["length"])
+        idx = cache.meta
+        if not (isinstance(idx, _BlockIndex) and idx.owner is self and idx.blocks is src_blocks
+                and idx.length == past):
+            idx = None
+        if idx is not None:
+            refs = idx.refs
+        else:
+            refs = tuple(self._ref(b, i) for i, b in enumerate(src_blocks))
+            self._check_positions(src_blocks, past)
+        pt = None
+        if idx is not None and idx.ptab is not None:
+            with self._lock:
+                if idx.ptab.version == idx.pver:
+                    pt = idx.ptab
+                    pt.version += 1
+        if pt is None:
+            pt = _PtrTable.build(src_blocks, refs, idx.table if idx is not None else None,
+                                 g.kv_heads)
+        n = len(src_blocks)
+        kvh = g.kv_heads
+        if n and int(src_blocks[-1]["length"]) < bs:
+            last, ref = src_blocks[-1], refs[-1]
+            ln = int(last["length"])
+            inplace = False
+            if not ref.kc.foreign and ref.kc.fmt in _DENSE and ref.vc.fmt in _DENSE:
+                with self._lock:
+                    if ref.kc.fill[ref.ks] == ln:
+                        ref.kc.fill[ref.ks] = ln + 1  # claim before writing
+                        inplace = True
+            if inplace:
+                pt.rows[n - 1, pk.T_LEN] = ln + 1
+                blk = self._block(ref, int(last["start"]), ln + 1, last)
+            else:  # branched (or foreign/quantized) open block: copy its valid tokens
+                old = ref
+                ref = self._copy_open(ref, ln)
+                with self._lock:
+                    ref.kc.fill[ref.ks] = ln + 1
+                pt.rows[n - 1] = pk.table_row(ref.kc.side, ref.ks, ref.vc.side, ref.vs,
+                                              int(last["start"]), ln + 1)
+                pt.read += ln * kvh * (ref.kc.side.row_bytes + ref.vc.side.row_bytes
+                                       - old.kc.side.row_bytes - old.vc.side.row_bytes)
+                pt.committed += (ref.kc.slot_bytes + ref.vc.slot_bytes - old.kc.slot_bytes
+                                 - old.vc.slot_bytes)
+                for ch, k in ((ref.kc, 1), (ref.vc, 1), (old.kc, -1), (old.vc, -1)):
+                    pt.hold(ch, k)
+                blk = self._block(ref, int(last["start"]), ln + 1)
+            blocks = SharedPrefix(src_blocks[:-1] + (blk,), (src_blocks, n - 1))
+            refs = refs[:-1] + (ref,)
+            t_in = ln
+        else:
+            kc, ks = self._alloc(self.policy.open_format)
+            vc, vs = self._alloc(self.policy.open_format)
+            ref = BlockRef(kc, ks, vc, vs)
+            with self._lock:
+                kc.fill[ks] = 1
+            pt.append(pk.table_row(kc.side, ks, vc.side, vs, past, 1))
+            pt.committed += kc.slot_bytes + vc.slot_bytes
+            pt.hold(kc, 1)
+            pt.hold(vc, 1)
+            blocks = SharedPrefix(src_blocks + (self._block(ref, past, 1),), (src_blocks, n))
+            refs = refs + (ref,)
+            t_in = 0
+        pt.read += kvh * (ref.kc.side.row_bytes + ref.vc.side.row_bytes)
+        return DecodeCall(blocks, refs, pt, past, t_in)
+
+    def decode_end(self, call: DecodeCall) -> RuntimeStruct:
+        """Sealing after the compiled step (as :meth:`run`: a block that just filled and the
+        blocks whose age moved them to the next stage of the policy are converted); returns
+        the next cache value."""
+        bs = self.geom.block_size
+        kvh = self.geom.kv_heads
+        blocks, refs, pt = call.blocks, call.refs, call.ptab
+        c = self.counters
+        read = pt.read  # what the kernel read (before this call's sealing)
+        if call.t_in == bs - 1:  # the last block is now full: ages moved by one
+            nfull = len(blocks)
+            lo = max(0, nfull - (self.policy.horizon + 2))
+            bl, rl = None, None
+            base = blocks.base
+            for i in range(lo, nfull):
+                if int(blocks[i]["length"]) != bs:
+                    continue
+                want_k, want_v = self.policy.format_for(nfull - 1 - i)
+                ref = refs[i]
+                nk = self._convert(ref.kc, ref.ks, want_k)
+                nv = self._convert(ref.vc, ref.vs, want_v)
+                if nk is not None or nv is not None:
+                    if bl is None:
+                        bl, rl = list(blocks), list(refs)
+                    kc, ks = nk or (ref.kc, ref.ks)
+                    vc, vs = nv or (ref.vc, ref.vs)
+                    new = BlockRef(kc, ks, vc, vs)
+                    rl[i] = new
+                    bl[i] = self._block(new, int(blocks[i]["start"]), bs)
+                    pt.rows[i] = pk.table_row(kc.side, ks, vc.side, vs, int(blocks[i]["start"]),
+                                              bs)
+                    pt.read += bs * kvh * (kc.side.row_bytes + vc.side.row_bytes
+                                           - ref.kc.side.row_bytes - ref.vc.side.row_bytes)
+                    pt.committed += (kc.slot_bytes + vc.slot_bytes - ref.kc.slot_bytes
+                                     - ref.vc.slot_bytes)
+                    for ch, k in ((kc, 1), (vc, 1), (ref.kc, -1), (ref.vc, -1)):
+                        pt.hold(ch, k)
+            if bl is not None:
+                first = min(i for i in range(lo, nfull) if bl[i] is not blocks[i])
+                blocks = SharedPrefix(bl, (base[0], min(base[1], first)))
+                refs = tuple(rl)
+        total = call.past + 1
+        new = RuntimeStruct({"blocks": blocks, "length": _scalar(total)},
+                            _BlockIndex(self, blocks, refs, total, None, pt, pt.version))
+        new._readonly = True
+        new._acct = pt.accounting(id(new), len(blocks))
+        if c is not None:
+            c.add("bytes_read_kv_attention", read)
+            c.add("kv_committed_bytes", pt.committed)
+        return new
 
     def _check_positions(self, blocks, past: int) -> None:
         n = 0

@@ -411,6 +411,9 @@ class State:
         logical = sum(v.nbytes for v in values.values())
         owners = {}
         for v in values.values():
+            if type(v) is RuntimeStruct and v._acct is not None:  # the producer's accounting
+                owners.update(v._acct[1])
+                continue
             for arr in (field_arrays(v) if isinstance(v, RuntimeStruct) else (v,)):
                 own = _buffer_owner(arr)
                 owners[id(own)] = own.nbytes

@@ -34,7 +34,8 @@ from olv_runtime.errors import InvalidArgument
 from olv_runtime.proto import StructTypeProto, TensorProto, TypeProto
 from olv_runtime.values import NP_DTYPE, AffineValue, dtype_name
 
-__all__ = ["RuntimeStruct", "check_struct_value", "field_arrays", "payload_nbytes", "empty_value"]
+__all__ = ["RuntimeStruct", "SharedPrefix", "check_struct_value", "field_arrays", "payload_nbytes",
+           "empty_value"]
 
 
 class RuntimeStruct(Mapping):
@@ -53,13 +54,16 @@ class RuntimeStruct(Mapping):
     meta : object or None
     """
 
-    __slots__ = ("_fields", "meta", "_checked", "_readonly", "__weakref__")
+    __slots__ = ("_fields", "meta", "_checked", "_readonly", "_acct", "__weakref__")
 
     def __init__(self, fields: Mapping[str, Any], meta: Any = None):
         self._fields = dict(fields)
         self.meta = meta
         self._checked: Any = None  # the declaration this value was last validated against
         self._readonly: bool | None = None
+        # (payload bytes, {id(buffer owner): bytes}) when the producer knows them (the paged
+        # KV cache: O(1) per call instead of a walk over every block), else None
+        self._acct: Any = None
 
     def __getitem__(self, name: str):
         try:
@@ -133,6 +137,19 @@ def _readonly_value(v):
     return v
 
 
+class SharedPrefix(tuple):
+    """A sequence field value (a tuple) that shares its first ``base[1]`` items with the
+    tuple ``base[0]`` (the same objects): validation of a value whose previous version was
+    checked looks at the new items only (a paged KV cache grows by one block at a time).
+    ``checked`` is the element declaration the whole tuple was validated against."""
+
+    def __new__(cls, items, base=None):
+        t = super().__new__(cls, items)
+        t.base = base
+        t.checked = None
+        return t
+
+
 # -- payload accounting ------------------------------------------------------------------------
 def field_arrays(value) -> Iterator[np.ndarray]:
     """Every payload array inside a value (tensor fields, encoded codes/scales, nested fields)."""
@@ -156,6 +173,8 @@ def field_arrays(value) -> Iterator[np.ndarray]:
 def payload_nbytes(value) -> int:
     """Bytes of the payload arrays of ``value`` (an array, encoded value or struct); arrays seen
     twice (same data pointer and size) count once."""
+    if isinstance(value, RuntimeStruct) and value._acct is not None:
+        return value._acct[0]
     seen = set()
     total = 0
     for a in field_arrays(value):
@@ -238,6 +257,22 @@ def _check_value(where: str, value, tp: TypeProto, catalogue) -> None:
         if not isinstance(value, tuple):
             raise InvalidArgument(f"{where}: a sequence field is a tuple, got {type(value).__name__}")
         et = tp.sequence_type.elem_type
+        if et.WhichOneof("value") == "struct_type":
+            # items already checked against the element declaration are skipped in O(1); a
+            # SharedPrefix tuple skips even that for the prefix it shares with a checked one
+            decl = _deref(et.struct_type, catalogue, where)
+            start = 0
+            base = getattr(value, "base", None)
+            if base is not None and getattr(base[0], "checked", None) is decl:
+                start = base[1]
+            for i in range(start, len(value)):
+                item = value[i]
+                if type(item) is RuntimeStruct and item._checked is decl:
+                    continue
+                check_struct_value(f"{where}[{i}]", item, et.struct_type, catalogue)
+            if type(value) is SharedPrefix:
+                value.checked = decl
+            return
         for i, item in enumerate(value):
             _check_value(f"{where}[{i}]", item, et, catalogue)
     elif kind == "optional_type":
