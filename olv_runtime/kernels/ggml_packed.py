@@ -8,21 +8,21 @@ the bytes of the 8 rows' blocks, rearranged so that one 32-byte load gives 8 row
 consecutive codes (lane ``r`` = row ``r``) -- the same bits per weight as the file (Q8_0 8.5,
 Q5_0 5.5, Q4_K 4.5, Q6_K 6.5625), never a float copy.
 
-Codes are written unsigned, ``u`` (Q8_0 keeps its signed int8 ``q``); for every 32-element block
+Codes are written unsigned, ``u`` (Q8_0: ``u = q + 128``, i.e. ``q ^ 0x80``); for every 32-element block
 ``b`` of a record the 8 *chunk vectors* ``U_t`` (``t = 0..7``) have byte ``4r + j`` = code of row
 ``r`` at ``k = 32b + 4t + j``. Record layouts (byte offsets; ``f16[8]`` = one float16 per row):
 
 ======  =====  ==========================================================================
 type    bytes  record (8 rows x one ggml block)
 ======  =====  ==========================================================================
-Q8_0    272    ``d f16[8]`` | 8 chunks x 32 B: byte ``32t + 4r + j`` = ``q[r, 4t + j]``
+Q8_0    272    ``d f16[8]`` | 8 chunks x 32 B: byte ``32t + 4r + j`` = ``q[r, 4t+j] ^ 0x80``
 Q5_0    176    ``d f16[8]`` | ``H`` 32 B: byte ``4r + j`` bit ``s`` = ``h[r, 4s + j]`` |
                nibbles 4 x 32 B: byte ``32c + 4r + j`` = ``lo[r, 4c+j] | lo[r, 16+4c+j] << 4``
 Q4_K    1152   ``d f16[8]`` | ``dmin f16[8]`` | packed 6-bit scales 12 x 8 B (byte ``8j + r`` =
                ``scales[r, j]``) | 8 sub-blocks x nibbles 128 B (as Q5_0's, codes ``q``)
 Q6_K    1680   ``d f16[8]`` | ``scales int8`` 16 x 8 B (byte ``8j + r``) | 8 sub-blocks x
-               nibbles 128 B (low 4 bits) | 8 sub-blocks x 64 B: vector ``v``, byte
-               ``32v + 4r + j`` bits ``2p, 2p+1`` = high 2 bits of ``k = 4(4v + p) + j``
+               (nibbles 128 B (low 4 bits) | 64 B: vector ``v``, byte ``32v + 4r + j`` bits
+               ``2p, 2p+1`` = high 2 bits of ``k = 4(4v + p) + j``): one sequential stream
 ======  =====  ==========================================================================
 
 Weights (gguf-py ``dequantize_blocks``): Q8_0 ``d q``; Q5_0 ``d (u - 16)``, ``u = lo | h << 4``;
@@ -35,7 +35,8 @@ sums ``S = sum_t dot4(U_t, X_t)`` with two instruction paths chosen at run time 
 :func:`~.packed_i8.isa` (the same switch as the INT4 kernels; ``OLV_ISA=avx2`` /
 :func:`~.packed_i8.set_isa` force the fallback): ``avx512vnni`` -- ``vpdpbusd`` (u8 x s8 -> s32);
 ``avx2`` -- ``vpmaddubsw`` + ``vpmaddwd`` per chunk (pair sums <= 2 x 63 x 127, never saturate).
-Q8_0's signed codes use the sign trick (``|q|`` x ``sign(x, q)``, ``|pair| <= 2 x 128 x 127``).
+Q8_0: VNNI takes ``u = q + 128`` and starts from ``-128 sum(xq)``; AVX2 uses the sign trick on
+``q`` (``|q|`` x ``sign(x, q)``, ``|pair| <= 2 x 128 x 127``).
 Both paths give the same integers, so the results are bitwise equal. Float lanes per block:
 
 * Q8_0: ``acc += float(S) * (d * d_x)``; Q5_0: ``acc += float(S - 16 sum(xq)) * (d * d_x)``;
@@ -154,21 +155,29 @@ def _xbcast(context, builder, xty, xq, xo, t):
     return builder.bitcast(_splat(builder, builder.load(p, align=1), _LV8I32), _LV32I8)
 
 
-def _dot_sums(builder, us, xs, vnni, groups, signed=False):
+def _sign_trick(builder, us, xs):
+    """Signed codes ``q = u ^ 0x80`` -> (``|q|``, ``sign(x, q)``): ``|q| * sign(x, q) = q * x``
+    with ``|q| <= 128`` unsigned, so ``vpmaddubsw`` pair sums stay within int16."""
+    zero = ir.Constant(_LV32I8, [0] * 32)
+    su, sx = [], []
+    for u, x in zip(us, xs):
+        q = builder.xor(u, ir.Constant(_LV32I8, [0x80] * 32))
+        neg = builder.icmp_signed("<", q, zero)
+        su.append(builder.select(neg, builder.sub(zero, q), q))
+        xn = builder.select(neg, builder.sub(zero, x), x)
+        sx.append(builder.select(builder.icmp_signed("==", q, zero), zero, xn))
+    return su, sx
+
+
+def _dot_sums(builder, us, xs, vnni, groups, signed=False, xsum=None):
     """Exact int32 lanes ``sum_{t in group} dot4(U_t, X_t)`` for each group of chunk indices, on
     the VNNI path (``vpdpbusd``) when ``vnni`` is true at run time (and the host has it), else
-    ``vpmaddubsw`` + ``vpmaddwd``. ``signed``: U are signed int8 (sign trick)."""
-    if signed:
-        zero = ir.Constant(_LV32I8, [0] * 32)
-        su, sx = [], []
-        for u, x in zip(us, xs):
-            neg = builder.icmp_signed("<", u, zero)
-            su.append(builder.select(neg, builder.sub(zero, u), u))
-            xn = builder.select(neg, builder.sub(zero, x), x)
-            sx.append(builder.select(builder.icmp_signed("==", u, zero), zero, xn))
-        us, xs = su, sx
+    ``vpmaddubsw`` + ``vpmaddwd``. ``signed``: the sums of ``q = u - 128`` (Q8_0, stored as
+    ``u = q ^ 0x80``): VNNI subtracts ``128 * sum(x)`` (``xsum`` = that int32 value), AVX2
+    uses the sign trick on ``q``."""
 
     def avx2():
+        u2, x2 = _sign_trick(builder, us, xs) if signed else (us, xs)
         mub = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8]),
             "llvm.x86.avx2.pmadd.ub.sw")
@@ -180,7 +189,7 @@ def _dot_sums(builder, us, xs, vnni, groups, signed=False):
         for grp in groups:
             acc = None
             for t in grp:
-                p = builder.call(mwd, [builder.call(mub, [us[t], xs[t]]), ones])
+                p = builder.call(mwd, [builder.call(mub, [u2[t], x2[t]]), ones])
                 acc = p if acc is None else builder.add(acc, p)
             res.append(acc)
         return res
@@ -191,7 +200,8 @@ def _dot_sums(builder, us, xs, vnni, groups, signed=False):
             "llvm.x86.avx512.vpdpbusd.256")
         res = []
         for grp in groups:
-            acc = ir.Constant(_LV8I32, [0] * 8)
+            acc = (_splat(builder, builder.sub(ir.Constant(_I32, 0), xsum), _LV8I32) if signed
+                   else ir.Constant(_LV8I32, [0] * 8))
             for t in grp:
                 acc = builder.call(dp, [acc, us[t], xs[t]])
             res.append(acc)
@@ -253,8 +263,8 @@ def _chunks(e, kind, sub):
         return e.with_high(e.nibbles(48), [e.v32(16)], 1)
     if kind == 12:
         return e.nibbles(128 + 128 * sub)
-    return e.with_high(e.nibbles(144 + 128 * sub),
-                       [e.v32(1168 + 64 * sub), e.v32(1168 + 64 * sub + 32)], 2)
+    o = 144 + 192 * sub  # Q6_K sub-block: 128 nibble bytes, then 64 high-bit bytes
+    return e.with_high(e.nibbles(o), [e.v32(o + 128), e.v32(o + 160)], 2)
 
 
 def _nsub(kind):
@@ -300,12 +310,16 @@ def _make_rec_i8(kind):
                     f = builder.sitofp(tot, _LV8F32)
                     a = builder.fadd(a, builder.fmul(f, builder.fmul(d, xd_s)))
                     continue
-                (s,) = _dot_sums(builder, us, xs, vn, (tuple(range(8)),), signed=(kind == 8))
+                x8 = _load_i32(context, builder, at[6], s8a, bo_s)  # 8 * sum(xq)
+                if kind == 8:
+                    (s,) = _dot_sums(builder, us, xs, vn, (tuple(range(8)),), signed=True,
+                                     xsum=builder.shl(x8, ir.Constant(_I32, 4)))
+                else:
+                    (s,) = _dot_sums(builder, us, xs, vn, (tuple(range(8)),))
                 if kind == 8:
                     a = builder.fadd(a, builder.fmul(builder.sitofp(s, _LV8F32),
                                                      builder.fmul(d, xd_s)))
                     continue
-                x8 = _load_i32(context, builder, at[6], s8a, bo_s)  # 8 * sum(xq)
                 if kind == 6:
                     s = builder.sub(s, _splat(builder, builder.shl(x8, ir.Constant(_I32, 1)),
                                               _LV8I32))
@@ -334,7 +348,7 @@ _rec_i8_q6_k = _make_rec_i8(14)
 # ------------------------------------------------------------------------------------------------
 # exact (float32 activation) record kernels
 # ------------------------------------------------------------------------------------------------
-_OFFSET = {8: 0, 6: 16, 12: 0, 14: 32}
+_OFFSET = {8: 128, 6: 16, 12: 0, 14: 32}  # u - offset = the signed code
 
 
 def _make_rec_f32(kind):
@@ -365,14 +379,10 @@ def _make_rec_f32(kind):
                     for t in grp:
                         v = builder.bitcast(us[t], _LV8I32)
                         for j in range(4):
-                            if kind == 8:  # signed byte j
-                                w = builder.ashr(builder.shl(v, ir.Constant(_LV8I32, [24 - 8 * j] * 8)),
-                                                 ir.Constant(_LV8I32, [24] * 8))
-                            else:
-                                w = builder.and_(builder.lshr(v, ir.Constant(_LV8I32, [8 * j] * 8)),
-                                                 m255) if j else builder.and_(v, m255)
-                                if _OFFSET[kind]:
-                                    w = builder.sub(w, off)
+                            w = builder.and_(builder.lshr(v, ir.Constant(_LV8I32, [8 * j] * 8)),
+                                             m255) if j else builder.and_(v, m255)
+                            if _OFFSET[kind]:
+                                w = builder.sub(w, off)
                             wf = builder.sitofp(w, _LV8F32)
                             xv = _load_f32(context, builder, at[3], xa, _idx(builder, xo_s, 4 * t + j))
                             ch[j] = builder.call(fma, [wf, _splat(builder, xv, _LV8F32), ch[j]])
@@ -436,15 +446,11 @@ def _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni):
     elif kind == 12:
         for s in range(nrec):
             ro = (base + s) * rb
-            for p in range(0, 1152, 64):
-                _prefetch(data, ro + PF_BYTES + p)
             acc = _rec_i8_q4_k(acc, data, ro, xq, xo + 256 * s, xd, xs8, xs16,
                                bo + nsub * s, vnni)
     else:
         for s in range(nrec):
             ro = (base + s) * rb
-            for p in range(0, 1728, 64):
-                _prefetch(data, ro + PF_BYTES + p)
             acc = _rec_i8_q6_k(acc, data, ro, xq, xo + 256 * s, xd, xs8, xs16,
                                bo + nsub * s, vnni)
     return acc
@@ -674,7 +680,7 @@ def _records(kind, blocks):
     ng, _, nb, _ = blocks.shape
     d = _per_row(_f16bits(blocks, 0 if kind != 14 else 208)).view(np.uint8).reshape(ng, nb, 16)
     if kind == 8:
-        q = blocks[..., 2:34].reshape(ng, 8, nb, 8, 4)
+        q = blocks[..., 2:34].reshape(ng, 8, nb, 8, 4) ^ np.uint8(0x80)   # u = q + 128
         codes = q.transpose(0, 2, 3, 1, 4).reshape(ng, nb, 256)
         return np.concatenate([d, codes], axis=-1)
     if kind == 6:
@@ -699,8 +705,9 @@ def _records(kind, blocks):
         [0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 1, 4, 1)
     hi = (qh & 3).reshape(ng, 8, nb * 8, 32)
     sc = _per_row(blocks[..., 192:208]).reshape(ng, nb, 128)
-    return np.concatenate([d, sc, _nib_chunks(lo).reshape(ng, nb, 1024),
-                           _high_bits(hi, 2).reshape(ng, nb, 512)], axis=-1)
+    subs = np.concatenate([_nib_chunks(lo).reshape(ng, nb, 8, 128),
+                           _high_bits(hi, 2).reshape(ng, nb, 8, 64)], axis=-1)
+    return np.concatenate([d, sc, subs.reshape(ng, nb, 1536)], axis=-1)
 
 
 _CHUNK_GROUPS = 256  # groups repacked per numpy pass (bounds the temporaries)
