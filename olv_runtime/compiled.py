@@ -957,6 +957,11 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
                                                f"{lay.rows_per_group}"))
                     continue
                 arrays, _ints = lay.parts(lin.packed)
+                if (arrays.get("scale") is not None and arrays["scale"].dtype == np.uint16
+                        and all(np.asarray(w.scale).dtype == np.float32 for w in ws)):
+                    # float32 scales the session stored as float16 (all exact, see
+                    # decoder_stack._narrow_scales): persisted as the source's float32 values
+                    arrays["scale"] = arrays["scale"].view(np.float16).astype(np.float32)
                 # per-weight parts: slices along the row-group axis
                 bounds, g0 = [], 0
                 for w in ws:

@@ -138,3 +138,65 @@ def test_unrecognised_plans_stay_per_operator(tmp_path, tiny_qwen3_dir):
     ids, _ = _greedy(sess, 4)
     ref_ids, _ = _greedy(_session(model, False), 4)
     assert ids == ref_ids
+
+
+@pytest.fixture(scope="module")
+def qwen2_bf16_f32_scales(tmp_path_factory):
+    """A bfloat16 checkpoint converted with float32 scales: every scale m / -8 of a bfloat16
+    value is a float16 value too."""
+    from conftest import _build
+
+    ck = _build(tmp_path_factory, "tiny_qwen2_bf16", "Qwen2ForCausalLM", dtype="bfloat16",
+                intermediate_size=96, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("stack_bf16") / "model.onnx"
+    olv_runtime.convert(ck, path, weights="int4-block32", scale_dtype="float32")
+    return path
+
+
+def _stack(sess):
+    return next(s.impl for s in sess.all_steps() if s.kind == "DecoderStack")
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_float32_scales_exact_in_float16_are_read_as_float16(qwen2_bf16_f32_scales, quant,
+                                                             monkeypatch):
+    """The compiled step stores float32 block scales that are all float16 values as float16
+    (4.5 bits per weight instead of 5): every logit is bitwise that of the same compiled step
+    reading the float32 scales (narrowing switched off)."""
+    from olv_runtime import decoder_stack
+
+    model = olv_runtime.load(qwen2_bf16_f32_scales)
+    sess = _session(model, True, quant)
+    assert all(s.dtype == np.uint16 for s in _stack(sess).scales)
+    ids, got = _greedy(sess, 8)
+    monkeypatch.setattr(decoder_stack, "_narrow_scales", lambda *a, **k: False)
+    wide = _session(model, True, quant)
+    assert all(s.dtype == np.float32 for s in _stack(wide).scales)
+    ref_ids, want = _greedy(wide, 8)
+    assert ids == ref_ids
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_narrowed_scales_persist_as_float32(qwen2_bf16_f32_scales, tmp_path):
+    """olv compile of such a model stores the source's float32 scales (its entries hit again)."""
+    import shutil
+
+    from olv_runtime.compiled import compile_model
+
+    for f in qwen2_bf16_f32_scales.parent.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    path = tmp_path / qwen2_bf16_f32_scales.name
+    rep = compile_model(olv_runtime.load(path), path)
+    assert rep.entries > 0
+    sess = _session(olv_runtime.load(path), True)
+    report = sess.compiled_report()
+    assert report and {e.status for e in report} == {"hit"}
+    assert all(s.dtype == np.uint16 for s in _stack(sess).scales)
+
+
+def test_float32_scales_not_float16_values_stay_float32(tmp_path, tiny_qwen2_dir):
+    path = tmp_path / "f32.onnx"
+    olv_runtime.convert(tiny_qwen2_dir, path, weights="int4-block32", scale_dtype="float32")
+    sess = _session(olv_runtime.load(path), True)
+    assert all(s.dtype == np.float32 for s in _stack(sess).scales)
