@@ -49,6 +49,14 @@ __all__ = ["DecoderStack", "fuse_decoder_stack"]
 
 _F32 = np.dtype(np.float32)
 
+#: The compiled step runs serially (no parallel region, no barriers) when every linear of the
+#: stack has fewer than this many weight elements (N * Kp): the rule by which the per-operator
+#: plan runs each of those linears on its serial driver (``packed_i8.SERIAL_MAX_WORK``). Small
+#: models (``olv demo``: 128 hidden) decode several times faster serially than with two tasks
+#: meeting at ~20 barriers per layer, and never compile the parallel driver. Tests set it to 0
+#: to exercise the parallel driver on tiny models.
+STACK_SERIAL_MAX_WORK = 1 << 18
+
 
 def _linear(step, n_out=1, residual=False):
     if step.kind != "Linear":
@@ -408,8 +416,6 @@ class DecoderStack:
 
     def __init__(self, name, layers, norm_final, lm, sub_steps, inputs, outputs, constants,
                  counters, rope_table=False):
-        from numba.typed import List
-
         from olv_runtime.kernels import decode_stack as ds
 
         self.name = name
@@ -435,31 +441,28 @@ class DecoderStack:
         # True: the inputs are (x0, cos_cache, sin_cache, seqlens_k, total_sequence_length,
         # pasts...) of GroupQueryAttention (the token's cos/sin row is picked by its position)
         self.rope_table = bool(rope_table)
-        def ro(a):  # read-only views: one numba list type for owned and mapped (compiled) arrays
-            v = a.view()
-            v.flags.writeable = False
-            return v
-
-        codes, scales, biases, norms = List(), List(), List(), List()
-        has_bias = np.zeros(self.n_layers, np.bool_)
+        # views, not copies: an address table of the packed weights (the plan's LinearSteps own
+        # them); the norms and biases (E or N_qkv floats per layer) stacked into 2-D arrays
+        packed = [L[name].packed for L in layers for name in ("qkv", "o", "gu", "down")]
+        self.weights = ds.WeightTable(packed + [lm.packed])
+        self.biases = np.zeros((self.n_layers, L0["qkv"].n), np.float32)
+        self.has_bias = np.zeros(self.n_layers, np.bool_)
+        self.norms = np.empty((2 * self.n_layers + 1, self.e), np.float32)
         for li, L in enumerate(layers):
-            for name in ("qkv", "o", "gu", "down"):
-                codes.append(ro(L[name].packed.codes))
-                scales.append(ro(L[name].packed.scale))
             b = L["qkv"].bias
-            has_bias[li] = b is not None
-            biases.append(np.ascontiguousarray(b, np.float32) if b is not None
-                          else np.zeros(L["qkv"].n, np.float32))
-            norms.append(L["norm_in"])
-            norms.append(L["norm_post"])
-        norms.append(np.ascontiguousarray(norm_final))
-        codes.append(ro(lm.packed.codes))
-        scales.append(ro(lm.packed.scale))
-        self.codes, self.scales, self.biases, self.norms = codes, scales, biases, norms
-        self.has_bias = has_bias
+            if b is not None:
+                self.has_bias[li] = True
+                self.biases[li] = b
+            self.norms[2 * li] = L["norm_in"]
+            self.norms[2 * li + 1] = L["norm_post"]
+        self.norms[2 * self.n_layers] = norm_final
         self.k_max = max(self.e, self.heads * d, self.inter)
+        self.max_work = max(lin.n * (32 * -(-lin.k // 32))
+                            for lin in [L[n] for L in layers for n in ("qkv", "o", "gu", "down")]
+                            + [lm])
         self._ds = ds
         self._local = threading.local()
+        self.tasks = 0  # tasks of the last compiled call (1: serial driver)
         self.run_kernel = ds.decode_stack
         # lifetimes of the values made inside the run (generic path)
         keep = set(self.outputs) | set(self.inputs)
@@ -480,28 +483,34 @@ class DecoderStack:
     def _thread_state(self, nt):
         st = getattr(self._local, "st", None)
         if st is None or st["nt"] != nt:
-            from numba.typed import List
-
-            ws = self._ds.StackWorkspace(nt, self.e, self.codes[0].shape[0] * 8,
+            ws = self._ds.StackWorkspace(nt, self.e, self.biases.shape[1],
                                          self.heads * self.head_dim, 2 * self.inter, self.inter,
                                          self.vocab, self.k_max)
-            ws.qkv = np.zeros((1, self.biases[0].shape[0]), np.float32)
-            kb, vb = List(), List()
-            dummy = np.zeros((1, self.kv_heads, 1, self.head_dim), np.float32)
-            for _ in range(self.n_layers):
-                kb.append(dummy)
-                vb.append(dummy)
-            st = {"nt": nt, "ws": ws, "kb": kb, "vb": vb, "kb_py": [dummy] * self.n_layers,
-                  "vb_py": [dummy] * self.n_layers,
+            kv0 = np.zeros((1, self.kv_heads, 1, self.head_dim), np.float32)
+            # per layer: key buffer address, value buffer address, capacity (see decode_stack)
+            kvt = np.zeros((self.n_layers, 3), np.int64)
+            st = {"nt": nt, "ws": ws, "kvt": kvt, "kv0": kv0,
+                  "kb_py": [None] * self.n_layers, "vb_py": [None] * self.n_layers,
                   "tpos": np.zeros(self.n_layers, np.int64)}
             self._local.st = st
+            ws.attention(self.heads, self.kv_heads, self.head_dim)
             if self.counters is not None:
-                self.counters.add("arrays_allocated", 13)
-                self.counters.add("bytes_allocated", ws.nbytes)
-                self.counters.set_max("workspace_peak", ws.nbytes)
+                nbytes = ws.nbytes + kv0.nbytes + kvt.nbytes + st["tpos"].nbytes
+                self.counters.add("arrays_allocated", 23)
+                self.counters.add("bytes_allocated", nbytes)
+                self.counters.set_max("workspace_peak", nbytes)
         return st
 
     # -- execution ------------------------------------------------------------------------------
+    def _tasks(self) -> int:
+        """Tasks of this call: numba's thread count with the ``omp`` layer, 1 (the serial driver)
+        otherwise or when every linear is below :data:`STACK_SERIAL_MAX_WORK`."""
+        nt = 1
+        if self.max_work >= STACK_SERIAL_MAX_WORK and config.threading_layer() == "omp":
+            nt = numba.get_num_threads()
+        self.tasks = nt
+        return nt
+
     def _fast_ok(self, x0, cos, sin, pasts) -> bool:
         e, r2 = self.e, self.rotary_dim // 2
         if not (type(x0) is np.ndarray and x0.dtype == _F32 and x0.shape == (1, 1, e)
@@ -548,10 +557,9 @@ class DecoderStack:
             pasts = rest
             if not self._fast_ok(x0, cos, sin, pasts):
                 return self._run_generic((x0, cos, sin) + pasts)
-        layer = config.threading_layer()
-        nt = numba.get_num_threads() if layer == "omp" else 1
+        nt = self._tasks()
         st = self._thread_state(nt)
-        kb, vb, kb_py, vb_py, tpos = st["kb"], st["vb"], st["kb_py"], st["vb_py"], st["tpos"]
+        kvt, kb_py, vb_py, tpos = st["kvt"], st["kb_py"], st["vb_py"], st["tpos"]
         opts = self.kv_opts
         bufs = []
         for li in range(self.n_layers):
@@ -560,17 +568,24 @@ class DecoderStack:
             if t2 != t:
                 raise InvalidArgument(
                     f"node {self.name!r}: layer {li} past key has {t} tokens, past value {t2}")
-            if kbuf is not kb_py[li]:
-                kb[li] = kbuf
+            if kbuf is not kb_py[li] or vbuf is not vb_py[li]:
+                # a new capacity buffer (first call, growth, another state): its address into
+                # the table; kb_py / vb_py keep the buffers alive while the table points there
+                if (kbuf.shape != vbuf.shape or not kbuf.flags.c_contiguous
+                        or not vbuf.flags.c_contiguous):
+                    raise InvalidArgument(
+                        f"node {self.name!r}: layer {li} KV capacity buffers {kbuf.shape} / "
+                        f"{vbuf.shape} are not C-contiguous buffers of one shape")
+                kvt[li, 0] = self._ds.address(kbuf)
+                kvt[li, 1] = self._ds.address(vbuf)
+                kvt[li, 2] = kbuf.shape[2]
                 kb_py[li] = kbuf
-            if vbuf is not vb_py[li]:
-                vb[li] = vbuf
                 vb_py[li] = vbuf
             tpos[li] = t
             bufs.append((kbuf, vbuf, t))
         logits = empty((1, 1, self.vocab), np.float32)
-        self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.codes, self.scales,
-                        self.biases, self.has_bias, self.norms, self.eps, kb, vb, tpos,
+        self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.weights,
+                        self.biases, self.has_bias, self.norms, self.eps, kvt, st["kv0"], tpos,
                         cos.reshape(-1), sin.reshape(-1), self.heads, self.kv_heads,
                         self.head_dim, self.rotary_dim, self.interleaved, self.att_scale,
                         self.inter, st["ws"], logits.reshape(1, self.vocab))

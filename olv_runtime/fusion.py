@@ -264,6 +264,13 @@ class LinearStep:
             from olv_runtime.kernels.packed_zp import prepack_int4_i8_zp
 
             packed = prepack_int4_i8_zp(payload, scale, zp, self.n, self.k, 32)
+        # read-only, like the memory-mapped arrays of compiled entries and the DecoderStack's
+        # views: the kernels shared by the plan and the compiled step are compiled for one
+        # array type, not two (cold start)
+        for name in ("codes", "scale", "zp"):
+            a = getattr(packed, name, None)
+            if isinstance(a, np.ndarray):
+                a.flags.writeable = False
         if self.counters is not None:
             self.counters.add("bytes_repacked", packed.nbytes)  # 0 when compiled entries hit
         return packed

@@ -20,13 +20,11 @@ original steps. The paged driver is compiled at the first one-token call of a pa
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from olv_runtime.decoder_stack import DecoderStack, _consistent, _linear, _norm
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.fusion import Step
-from olv_runtime.kernels import config
 from olv_runtime.pool import empty
 from olv_runtime.structs.runtime import RuntimeStruct
 
@@ -212,8 +210,7 @@ class PagedDecoderStack(DecoderStack):
     def __call__(self, x0, cos, sin, *caches):
         if not self._fast_ok(x0, cos, sin, caches):
             return self._run_generic((x0, cos, sin) + caches)
-        layer = config.threading_layer()
-        nt = numba.get_num_threads() if layer == "omp" else 1
+        nt = self._tasks()
         st = self._paged_state(nt)
         tabs, tabs_py, nblk, tin = st["tabs"], st["tabs_py"], st["nblk"], st["tin"]
         calls = []
@@ -230,7 +227,7 @@ class PagedDecoderStack(DecoderStack):
             nblk[li] = pt.n
             tin[li] = call.t_in
         logits = empty((1, 1, self.vocab), np.float32)
-        self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.codes, self.scales,
+        self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.weights,
                         self.biases, self.has_bias, self.norms, self.eps, tabs, nblk, tin,
                         self.block_size, cos.reshape(-1), sin.reshape(-1), self.heads,
                         self.kv_heads, self.head_dim, self.rotary_dim, self.interleaved,

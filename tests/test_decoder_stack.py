@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import olv_runtime
-from olv_runtime.kernels import get_num_threads, set_num_threads
+from olv_runtime import decoder_stack
+from olv_runtime.kernels import get_num_threads, set_num_threads, threading_layer
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 
@@ -50,18 +51,45 @@ def test_plan_is_fused(qwen2_int4):
     assert len(kinds) < len(_session(qwen2_int4, False).plan()) - 10
 
 
+def _stack(sess):
+    (stack,) = [s for s in sess.all_steps() if s.kind == "DecoderStack"]
+    return stack.impl
+
+
 @pytest.mark.parametrize("quant,tol", [(False, 1e-4), (True, 5e-2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_per_operator_plan(qwen2_int4, quant, tol, threads):
+def test_matches_per_operator_plan(qwen2_int4, quant, tol, threads, monkeypatch):
+    # the tiny model's linears are all below the serial threshold: with 2 threads force the
+    # parallel driver (2 tasks, barriers) so that it is the one checked here
+    if threads == 2:
+        monkeypatch.setattr(decoder_stack, "STACK_SERIAL_MAX_WORK", 0)
     nt = get_num_threads()
     try:
         ref_ids, ref = _greedy(_session(qwen2_int4, False, quant, threads))
-        ids, got = _greedy(_session(qwen2_int4, True, quant, threads))
+        sess = _session(qwen2_int4, True, quant, threads)
+        ids, got = _greedy(sess)
+        tasks = _stack(sess).tasks
     finally:
         set_num_threads(nt)
+    want_tasks = 2 if threads == 2 and threading_layer() == "omp" else 1
+    assert tasks == want_tasks
     assert ids == ref_ids
     worst = max(float(np.abs(a - b).max()) for a, b in zip(got, ref))
     assert worst <= tol, worst
+
+
+def test_small_models_run_the_stack_serially(qwen2_int4):
+    """Every linear of the tiny model is below STACK_SERIAL_MAX_WORK (N * Kp): one task, no
+    parallel region, whatever the thread count (the parallel driver is not even compiled)."""
+    nt = get_num_threads()
+    try:
+        sess = _session(qwen2_int4, True, False, 2)
+        _greedy(sess, 3)
+    finally:
+        set_num_threads(nt)
+    stack = _stack(sess)
+    assert stack.max_work < decoder_stack.STACK_SERIAL_MAX_WORK
+    assert stack.tasks == 1
 
 
 def test_state_semantics_and_counters(qwen2_int4):

@@ -18,7 +18,7 @@ import pytest
 
 import olv_runtime
 import tests.naive as naive
-from olv_runtime.kernels import attention, get_num_threads, set_num_threads
+from olv_runtime.kernels import attention, get_num_threads, set_num_threads, threading_layer
 from olv_runtime.state.paged import block_counts, block_format
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
@@ -121,7 +121,12 @@ def test_paged_plan_runs_one_compiled_step(paged_models):
 
 
 @pytest.mark.parametrize("kv", ["paged", "paged-int8", "paged-mixed", "paged-int8-f16"])
-def test_compiled_paged_matches_per_operator_and_contiguous(paged_models, kv):
+def test_compiled_paged_matches_per_operator_and_contiguous(paged_models, kv, monkeypatch):
+    # the tiny models' linears are below the serial threshold: force the parallel driver (the
+    # one-thread test below covers the serial one)
+    from olv_runtime import decoder_stack
+
+    monkeypatch.setattr(decoder_stack, "STACK_SERIAL_MAX_WORK", 0)
     sess = _session(paged_models[kv], True)
     stack = _stack(sess)
     calls = []
@@ -133,6 +138,7 @@ def test_compiled_paged_matches_per_operator_and_contiguous(paged_models, kv):
     stack.run_kernel = counting
     got, st, d_got = _teacher_forced(sess)
     assert len(calls) == len(FORCED)  # every one-token call ran the compiled step
+    assert stack.tasks == (get_num_threads() if threading_layer() == "omp" else 1)
     ref, st_ref, d_ref = _teacher_forced(_session(paged_models[kv], False))
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     assert (got.argmax(-1) == ref.argmax(-1)).all()

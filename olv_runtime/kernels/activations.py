@@ -64,17 +64,26 @@ def silu_mul(g: np.ndarray, u: np.ndarray, out=None) -> np.ndarray:
     return out
 
 
-from numba import vectorize  # noqa: E402
+_ERF = []
 
 
-@vectorize(["float32(float32)", "float64(float64)"], cache=True)
-def _erf(x):
-    return math.erf(x)
+def _erf_ufunc():
+    """The numba ufunc of ``math.erf`` (float32, float64), built at the first :func:`erf` call:
+    an eager ``@vectorize`` compiles (or loads) at ``import olv_runtime``, which every model
+    paid for, Erf or not (cold start, issue 14)."""
+    if not _ERF:
+        from numba import vectorize
+
+        def _erf(x):
+            return math.erf(x)
+        _ERF.append(vectorize(["float32(float32)", "float64(float64)"], cache=True)(_erf))
+    return _ERF[0]
 
 
 def erf(x: np.ndarray) -> np.ndarray:
     """The Gauss error function elementwise (ONNX Erf), float32/float64; float16 is computed in
     float32 and rounded back. Returns a new array of ``x``'s dtype and shape."""
+    f = _erf_ufunc()
     if x.dtype == np.float16:
-        return _erf(x.astype(np.float32)).astype(np.float16)
-    return np.asarray(_erf(x), x.dtype)
+        return f(x.astype(np.float32)).astype(np.float16)
+    return np.asarray(f(x), x.dtype)

@@ -34,6 +34,15 @@ vectorised differently): the tests bound the difference and require identical gr
 
 Workspace (:class:`StackWorkspace`) is allocated once per (session, thread); a call allocates
 nothing.
+
+Compile cost (cold start, issue 14). numba re-optimises and re-emits every function linked into
+a top-level function when that one is compiled, so the program is kept to what a session uses:
+the activation mode is chosen by the *type* of the int8 buffers argument (None in exact mode,
+an ``overload``), so only one mode's kernels are compiled; the serial entry is
+:func:`_stack_thread` itself (one specialisation shared with the parallel driver, whose task
+index is cast to int64); the packed weights and KV buffers arrive as int64 address tables turned
+into array views inside the program (:func:`_view`), not as numba typed lists (whose methods
+are compiled again in every process and box on every call).
 """
 from __future__ import annotations
 
@@ -41,7 +50,10 @@ import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.core import cgutils
-from numba.core.extending import intrinsic
+from numba.core.extending import intrinsic, overload
+from numba.np.arrayobj import populate_array
+
+from olv_runtime.errors import InvalidArgument
 
 from . import packed_f32, packed_i8
 from . import paged_attention as pk
@@ -50,10 +62,12 @@ from .paged_attention import _paged_rows
 from .config import JIT, PJIT
 from .norm import _rms_norm_row
 
-__all__ = ["decode_stack", "StackWorkspace", "BARRIER_SLOTS"]
+__all__ = ["decode_stack", "StackWorkspace", "WeightTable", "address", "BARRIER_SLOTS"]
 
 BARRIER_SLOTS = 16  # int64 [16]: counter at 0, generation at 8 (separate cache lines)
 GROUP_ROWS = packed_i8.GROUP_ROWS
+GROUP_BLOCK_BYTES = packed_i8.GROUP_BLOCK_BYTES
+_OV = dict(fastmath=False, error_model="numpy")  # the JIT flags overload implementations take
 
 
 # ------------------------------------------------------------------------------------------------
@@ -125,6 +139,41 @@ def _yield_cpu(typingctx):
     return types.none(), codegen
 
 
+@intrinsic
+def _view(typingctx, like, addr, shape):
+    """An array of ``like``'s exact type (dtype, rank, C layout, read-only flag) over the memory
+    at address ``addr`` with ``shape`` (a tuple of ints; C-contiguous strides), without a
+    meminfo: the caller keeps the memory alive (the Python side holds the arrays whose addresses
+    it put in the tables, :class:`olv_runtime.decoder_stack.DecoderStack`). numba's typed lists
+    of arrays cost seconds of compilation per process (their methods are not cached on disk) and
+    per-call boxing; tables of addresses cost neither."""
+    if not (isinstance(like, types.Array) and like.layout == "C"
+            and isinstance(addr, types.Integer) and isinstance(shape, types.BaseTuple)
+            and len(shape) == like.ndim and all(isinstance(t, types.Integer) for t in shape)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.return_type
+        ary = context.make_array(aryty)(context, builder)
+        dt = context.get_data_type(aryty.dtype)
+        isz = context.get_abi_sizeof(dt)
+        intp = context.get_value_type(types.intp)
+        dims = [context.cast(builder, builder.extract_value(args[2], i), sig.args[2][i],
+                             types.intp) for i in range(aryty.ndim)]
+        strides = []
+        acc = ir.Constant(intp, isz)
+        for dim in reversed(dims):
+            strides.append(acc)
+            acc = builder.mul(acc, dim)
+        strides.reverse()
+        a = context.cast(builder, args[1], sig.args[1], types.intp)
+        data = builder.inttoptr(a, dt.as_pointer())
+        populate_array(ary, data=data, shape=dims, strides=strides,
+                       itemsize=ir.Constant(intp, isz), meminfo=None)
+        return ary._getvalue()
+    return like(like, addr, shape), codegen
+
+
 SPIN_LIMIT = 1 << 14  # pause-spins before a waiting task starts yielding its CPU
 
 
@@ -174,6 +223,7 @@ class StackWorkspace:
         self.facc32 = np.zeros((nt, packed_f32.ROWS_MAX * GROUP_ROWS), np.float32)
         self.bar = np.zeros(BARRIER_SLOTS, np.int64)
         self.vocab = vocab
+        self.i8 = (self.xq, self.xd, self.xs8, self.facc8)  # int8 mode's per-task buffers
         self._att = None
         self._q3 = None
 
@@ -220,28 +270,64 @@ class StackWorkspace:
 # ------------------------------------------------------------------------------------------------
 # the per-thread program
 # ------------------------------------------------------------------------------------------------
-@njit(**JIT)
-def _linear_part(tid, nt, quant, codes, scale, xin, xq, xd, xs8, out, facc8, facc32, vnni):
-    """This task's share (8-row groups ``[g0, g1)``) of ``out[0, :] = xin[0, :] @ W.T``.
-    int8 mode: ``xq/xd/xs8`` hold this task's quantization of ``xin`` (done by the caller)."""
-    ng = codes.shape[0]
-    g0 = tid * ng // nt
-    g1 = (tid + 1) * ng // nt
-    n = out.shape[1]
-    if quant:
-        packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, n, out, facc8, vnni)
+def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
+    """This task's share (8-row groups ``[g0, g1)``) of ``out[0, :] = xin[0, :] @ W.T``; returns
+    the rows ``(r0, r1)`` it wrote. ``i8``: None (exact mode, :mod:`.packed_f32`) or this task's
+    int8 quantization of ``xin`` ``(xq, xd, xs8, facc8)`` (done by :func:`_quantize`).
+
+    The mode is chosen by the *type* of ``i8`` when numba compiles the caller (an ``overload``),
+    so a session compiles the kernels of its own mode only, never both (cold start)."""
+
+
+@overload(_linear_part, jit_options=_OV)
+def _ov_linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
+    if isinstance(i8, types.NoneType):
+        def impl(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
+            ng = codes.shape[0]
+            g0 = tid * ng // nt
+            g1 = (tid + 1) * ng // nt
+            n = out.shape[1]
+            packed_f32._groups_small(codes, scale, g0, g1, xin, np.int64(0), np.int64(1), n,
+                                     out, facc32)
+            return g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, n)
     else:
-        packed_f32._groups_small(codes, scale, g0, g1, xin, np.int64(0), np.int64(1), n, out,
-                                 facc32)
-    r0 = g0 * GROUP_ROWS
-    r1 = min(g1 * GROUP_ROWS, n)
-    return r0, r1
+        def impl(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
+            ng = codes.shape[0]
+            g0 = tid * ng // nt
+            g1 = (tid + 1) * ng // nt
+            n = out.shape[1]
+            xq, xd, xs8, facc8 = i8
+            packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, n, out, facc8, vnni)
+            return g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, n)
+    return impl
 
 
-@njit(**JIT)
-def _quantize(quant, xin, k, kb, xq, xd, xs8):
-    if quant:
-        packed_i8._quantize_rows_i8(xin, 1, k, kb, xq, xd, xs8)
+def _quantize(i8, xin, k, kb):
+    """int8 mode: this task's quantization of ``xin[0, :k]`` into ``i8``; exact mode (``i8`` is
+    None): nothing (see :func:`_linear_part`)."""
+
+
+@overload(_quantize, jit_options=_OV)
+def _ov_quantize(i8, xin, k, kb):
+    if isinstance(i8, types.NoneType):
+        def impl(i8, xin, k, kb):
+            pass
+    else:
+        def impl(i8, xin, k, kb):
+            xq, xd, xs8, facc8 = i8
+            packed_i8._quantize_rows_i8(xin, 1, k, kb, xq, xd, xs8)
+    return impl
+
+
+def _task_i8(i8ws, tid):
+    """Task ``tid``'s int8 buffers ``(xq, xd, xs8, facc8)`` of the workspace tuple, or None."""
+
+
+@overload(_task_i8, jit_options=_OV)
+def _ov_task_i8(i8ws, tid):
+    if isinstance(i8ws, types.NoneType):
+        return lambda i8ws, tid: None
+    return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid], i8ws[3][tid])
 
 
 @njit(**JIT)
@@ -262,15 +348,24 @@ def _rope_head(buf, off, cos, sin, interleaved, rdim):
             buf[0, off + half + i] = sin[i] * x1 + cos[i] * x2
 
 
-@njit(**JIT)
-def _layer_head(tid, nt, quant, x, li, codes, scales, biases, has_bias, norms, eps, h, q8, qd,
-                qs, qkv, f8, f32, bar, vnni):
+@njit(inline="always", **JIT)
+def _weight(wt, w, codes0, scale0):
+    """Packed weight ``w`` (codes, scale) from the address table (see :func:`decode_stack`)."""
+    ng = wt[w, 2]
+    kb = wt[w, 3]
+    return (_view(codes0, wt[w, 0], (ng, kb, GROUP_BLOCK_BYTES)),
+            _view(scale0, wt[w, 1], (ng, kb, GROUP_ROWS)))
+
+
+@njit(inline="always", **JIT)
+def _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h, qkv,
+                f32, bar, vnni):
     """Steps 1-2: input norm (private), q/k/v projection (+ bias); barrier."""
     e = x.shape[1]
-    w = 4 * li
     _rms_norm_row(x[0], norms[2 * li], eps, h[0])
-    _quantize(quant, h, e, codes[w].shape[1], q8, qd, qs)
-    r0, r1 = _linear_part(tid, nt, quant, codes[w], scales[w], h, q8, qd, qs, qkv, f8, f32, vnni)
+    cw, sw = _weight(wt, 4 * li, codes0, scale0)
+    _quantize(i8, h, e, cw.shape[1])
+    r0, r1 = _linear_part(tid, nt, i8, cw, sw, h, qkv, f32, vnni)
     if has_bias[li]:
         b = biases[li]
         for r in range(r0, r1):
@@ -278,7 +373,7 @@ def _layer_head(tid, nt, quant, x, li, codes, scales, biases, has_bias, norms, e
     _barrier(bar, nt)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved):
     """RoPE of this task's query heads and kv heads (in place in ``qkv``); returns the task's
     kv-head range."""
@@ -294,7 +389,7 @@ def _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved):
     return k0, k1
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p):
     """Every task combines the partial softmax states of all heads into its private copy of
     the attention output (no barrier needed before the output projection reads it)."""
@@ -303,18 +398,18 @@ def _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p):
         _merge_partials(pm, pl, po, nt, hh, ap[0, hh * d:(hh + 1) * d])
 
 
-@njit(**JIT)
-def _layer_tail(tid, nt, quant, x, xa, xb, nxt, li, codes, scales, norms, eps, inter, attn, h,
-                q8, qd, qs, gu, act, f8, f32, bar, vnni):
+@njit(inline="always", **JIT)
+def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps, inter, attn, h,
+                gu, act, f32, bar, vnni):
     """Steps 5-8 (output projection + residual, post norm, gate/up, SiLU*up, down + residual);
     returns the new residual buffer and the flip flag."""
     w = 4 * li
     hd = attn.shape[1]
     e = x.shape[1]
     xn = xa if nxt == 0 else xb
-    _quantize(quant, attn, hd, codes[w + 1].shape[1], q8, qd, qs)
-    r0, r1 = _linear_part(tid, nt, quant, codes[w + 1], scales[w + 1], attn, q8, qd, qs,
-                          xn, f8, f32, vnni)
+    cw, sw = _weight(wt, w + 1, codes0, scale0)
+    _quantize(i8, attn, hd, cw.shape[1])
+    r0, r1 = _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni)
     for r in range(r0, r1):
         xn[0, r] = xn[0, r] + x[0, r]
     _barrier(bar, nt)
@@ -323,9 +418,9 @@ def _layer_tail(tid, nt, quant, x, xa, xb, nxt, li, codes, scales, norms, eps, i
     xn = xa if nxt == 0 else xb
     # 6: post-attention norm (private), gate/up projection
     _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
-    _quantize(quant, h, e, codes[w + 2].shape[1], q8, qd, qs)
-    _linear_part(tid, nt, quant, codes[w + 2], scales[w + 2], h, q8, qd, qs, gu, f8, f32,
-                 vnni)
+    cw, sw = _weight(wt, w + 2, codes0, scale0)
+    _quantize(i8, h, e, cw.shape[1])
+    _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni)
     _barrier(bar, nt)
     # 7: SiLU(gate) * up (same operations as fusion.SiluMul)
     j0 = tid * inter // nt
@@ -337,39 +432,36 @@ def _layer_tail(tid, nt, quant, x, xa, xb, nxt, li, codes, scales, norms, eps, i
         act[0, j] = (gv * sg) * gu[0, inter + j]
     _barrier(bar, nt)
     # 8: down projection + residual
-    _quantize(quant, act, inter, codes[w + 3].shape[1], q8, qd, qs)
-    r0, r1 = _linear_part(tid, nt, quant, codes[w + 3], scales[w + 3], act, q8, qd, qs,
-                          xn, f8, f32, vnni)
+    cw, sw = _weight(wt, w + 3, codes0, scale0)
+    _quantize(i8, act, inter, cw.shape[1])
+    r0, r1 = _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni)
     for r in range(r0, r1):
         xn[0, r] = xn[0, r] + x[0, r]
     _barrier(bar, nt)
     return xn, 1 - nxt
 
 
-@njit(**JIT)
-def _lm_head(tid, nt, quant, x, n_layers, codes, scales, norms, eps, h, q8, qd, qs, logits, f8,
-             f32, vnni):
+@njit(inline="always", **JIT)
+def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni):
     e = x.shape[1]
     _rms_norm_row(x[0], norms[2 * n_layers], eps, h[0])
     wl = 4 * n_layers
-    _quantize(quant, h, e, codes[wl].shape[1], q8, qd, qs)
-    _linear_part(tid, nt, quant, codes[wl], scales[wl], h, q8, qd, qs, logits, f8, f32, vnni)
+    cw, sw = _weight(wt, wl, codes0, scale0)
+    _quantize(i8, h, e, cw.shape[1])
+    _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni)
 
 
 @njit(**JIT)
-def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps,
-                  kbufs, vbufs, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-                  inter, xa, xb, qkv, q3, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
+def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
+                  kvt, kv0, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+                  inter, xa, xb, qkv, q3, gu, act, hx, i8ws, facc32, bar,
                   logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
-    n_layers = len(kbufs)
+    n_layers = tpos.shape[0]
     hd = n_heads * d
     kvd = n_kv * d
     group = n_heads // n_kv
     h = hx[tid]
-    q8 = xq[tid]
-    qd = xd[tid]
-    qs = xs8[tid]
-    f8 = facc8[tid]
+    i8 = _task_i8(i8ws, tid)  # None in exact mode
     f32 = facc32[tid]
     sc = asc[tid]
     p = ap[tid]
@@ -379,12 +471,13 @@ def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, ep
     x = x0
     nxt = 0  # 0: the next write goes to xa, 1: to xb
     for li in range(n_layers):
-        _layer_head(tid, nt, quant, x, li, codes, scales, biases, has_bias, norms, eps, h, q8,
-                    qd, qs, qkv, f8, f32, bar, vnni)
+        _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h,
+                    qkv, f32, bar, vnni)
         # 3: RoPE on q and k heads, k and v into slot t of the capacity buffers
         t = tpos[li]
-        kb = kbufs[li]
-        vb = vbufs[li]
+        cap = kvt[li, 2]
+        kb = _view(kv0, kvt[li, 0], (1, n_kv, cap, d))
+        vb = _view(kv0, kvt[li, 1], (1, n_kv, cap, d))
         k0, k1 = _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved)
         for g in range(k0, k1):
             for i in range(d):
@@ -405,33 +498,70 @@ def _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, ep
                          o, sc, p, mx)
         _barrier(bar, nt)
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
-        x, nxt = _layer_tail(tid, nt, quant, x, xa, xb, nxt, li, codes, scales, norms, eps,
-                             inter, attn, h, q8, qd, qs, gu, act, f8, f32, bar, vnni)
-    _lm_head(tid, nt, quant, x, n_layers, codes, scales, norms, eps, h, q8, qd, qs, logits, f8,
-             f32, vnni)
+        x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
+                             inter, attn, h, gu, act, f32, bar, vnni)
+    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni)
 
 
 @njit(**PJIT)
-def _stack_par(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
-               cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, q3,
-               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni, pm, pl, po, attn_p,
-               asc, ap, amx):
+def _stack_par(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
+               n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, q3, gu, act,
+               hx, i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
     for tid in prange(nt):
-        _stack_thread(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs,
-                      vbufs, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-                      inter, xa, xb, qkv, q3, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
-                      logits, vnni, pm, pl, po, attn_p, asc, ap, amx)
+        # int64 like the serial entry's tid (the prange index is unsigned): one specialisation
+        # of _stack_thread serves both
+        _stack_thread(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
+                      kvt, kv0, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+                      inter, xa, xb, qkv, q3, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm,
+                      pl, po, attn_p, asc, ap, amx)
 
 
-@njit(**JIT)
-def _stack_ser(quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
-               cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, q3,
-               gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni, pm, pl, po, attn_p,
-               asc, ap, amx):
-    _stack_thread(0, 1, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs,
-                  tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
-                  qkv, q3, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni, pm, pl,
-                  po, attn_p, asc, ap, amx)
+def address(a: np.ndarray) -> int:
+    """The address of ``a``'s first element (for the tables of :func:`decode_stack`)."""
+    return int(a.__array_interface__["data"][0])
+
+
+class WeightTable:
+    """The packed weights of a stack as an address table (views of the arrays, not copies).
+
+    Parameters
+    ----------
+    packed : list of :class:`~.packed_i8.PackedInt4I8`
+        4 per layer (qkv, o, gate_up, down), then the lm_head; one scale dtype, C-contiguous.
+
+    Attributes
+    ----------
+    wt : int64 [W, 4]
+        Per weight: address of ``codes`` (uint8 [NG, KB, 128]), address of ``scale``
+        ([NG, KB, 8] float32 or uint16), NG, KB.
+    codes0, scale0 : read-only views of the first weight's arrays (their numba types are the
+        types of every view :func:`_weight` makes).
+    """
+
+    def __init__(self, packed):
+        keep = []
+        wt = np.zeros((len(packed), 4), np.int64)
+        sdt = packed[0].scale.dtype
+        for i, p in enumerate(packed):
+            c, sc = p.codes, p.scale
+            ng, kb = c.shape[0], c.shape[1]
+            if (c.dtype != np.uint8 or c.shape != (ng, kb, GROUP_BLOCK_BYTES) or sc.dtype != sdt
+                    or sc.shape != (ng, kb, GROUP_ROWS) or not c.flags.c_contiguous
+                    or not sc.flags.c_contiguous):
+                raise InvalidArgument(f"weight {i}: not the packed layout (codes {c.dtype} "
+                                 f"{c.shape}, scale {sc.dtype} {sc.shape})")
+            keep += [c, sc]
+            wt[i] = (address(c), address(sc), ng, kb)
+        self.wt = wt
+        self.codes0 = _readonly(packed[0].codes)
+        self.scale0 = _readonly(packed[0].scale)
+        self._keep = keep  # the memory the addresses point into lives as long as the table
+
+
+def _readonly(a):
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,20 +587,16 @@ def _write_open_row(tab, nb, g, bs, d, t_in, src, off):
 
 
 @njit(**JIT)
-def _stack_thread_paged(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps,
+def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
                         tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
-                        att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx, xq, xd, xs8,
-                        facc8, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx,
-                        arows, apend):
+                        att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx, i8ws, facc32,
+                        bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, arows, apend):
     n_layers = len(tabs)
     hd = n_heads * d
     kvd = n_kv * d
     group = n_heads // n_kv
     h = hx[tid]
-    q8 = xq[tid]
-    qd = xd[tid]
-    qs = xs8[tid]
-    f8 = facc8[tid]
+    i8 = _task_i8(i8ws, tid)  # None in exact mode
     f32 = facc32[tid]
     sc = asc[tid]
     p = ap[tid]
@@ -482,8 +608,8 @@ def _stack_thread_paged(tid, nt, quant, x0, codes, scales, biases, has_bias, nor
     x = x0
     nxt = 0
     for li in range(n_layers):
-        _layer_head(tid, nt, quant, x, li, codes, scales, biases, has_bias, norms, eps, h, q8,
-                    qd, qs, qkv, f8, f32, bar, vnni)
+        _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h,
+                    qkv, f32, bar, vnni)
         tab = tabs[li]
         nb = nblk[li]
         k0, k1 = _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved)
@@ -505,43 +631,31 @@ def _stack_thread_paged(tid, nt, quant, x0, codes, scales, biases, has_bias, nor
                         o, sc, p, mx, rows, pend)
         _barrier(bar, nt)
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
-        x, nxt = _layer_tail(tid, nt, quant, x, xa, xb, nxt, li, codes, scales, norms, eps,
-                             inter, attn, h, q8, qd, qs, gu, act, f8, f32, bar, vnni)
-    _lm_head(tid, nt, quant, x, n_layers, codes, scales, norms, eps, h, q8, qd, qs, logits, f8,
-             f32, vnni)
+        x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
+                             inter, attn, h, gu, act, f32, bar, vnni)
+    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni)
 
 
 @njit(**PJIT)
-def _stack_par_paged(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk, tin,
+def _stack_par_paged(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, tabs, nblk, tin,
                      bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
-                     qkv, q3, kvnew, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni,
-                     pm, pl, po, attn_p, asc, ap, amx, arows, apend):
+                     qkv, q3, kvnew, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po,
+                     attn_p, asc, ap, amx, arows, apend):
     for tid in prange(nt):
-        _stack_thread_paged(tid, nt, quant, x0, codes, scales, biases, has_bias, norms, eps,
-                            tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
-                            att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx, xq, xd, xs8,
-                            facc8, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx,
+        _stack_thread_paged(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms,
+                            eps, tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim,
+                            interleaved, att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx,
+                            i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx,
                             arows, apend)
 
 
-@njit(**JIT)
-def _stack_ser_paged(quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk, tin,
-                     bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
-                     qkv, q3, kvnew, gu, act, hx, xq, xd, xs8, facc8, facc32, bar, logits, vnni,
-                     pm, pl, po, attn_p, asc, ap, amx, arows, apend):
-    _stack_thread_paged(0, 1, quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk,
-                        tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter,
-                        xa, xb, qkv, q3, kvnew, gu, act, hx, xq, xd, xs8, facc8, facc32, bar,
-                        logits, vnni, pm, pl, po, attn_p, asc, ap, amx, arows, apend)
-
-
-def decode_stack_paged(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk,
+def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tabs, nblk,
                        tin, block_size, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
                        inter, ws, logits):
     """:func:`decode_stack` over paged KV caches (compiled at the first call, for paged models).
 
     Instead of capacity buffers, each layer's cache is a block table
-    (:mod:`.paged_attention`): ``tabs`` a typed list of int64 [>= nblk[l], TABLE_COLS] arrays
+    (:mod:`.paged_attention`) and the weights are a :class:`WeightTable`: ``tabs`` a typed list of int64 [>= nblk[l], TABLE_COLS] arrays
     (one per layer), ``nblk`` int64 [L] rows used, ``tin`` int64 [L] the token index inside the
     last (open, float32/float16) block where the new key and value are written, ``block_size``
     BS. Step 3 writes k, v there (the bookkeeping -- slot claim, allocation, sealing -- is the
@@ -552,19 +666,20 @@ def decode_stack_paged(nt, quant, x0, codes, scales, biases, has_bias, norms, ep
     w = pk.tile_width(block_size)
     att = ws.attention(n_heads, n_kv, d, w)
     rows, pend, kvnew = ws.paged(d, w, n_kv)
-    args = (quant, x0, codes, scales, biases, has_bias, norms, eps, tabs, nblk, tin,
-            int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter,
-            ws.xa, ws.xb, ws.qkv, ws.q3(n_heads, d), kvnew, ws.gu, ws.act, ws.hx, ws.xq, ws.xd,
-            ws.xs8, ws.facc8, ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att, rows, pend)
+    args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, tabs,
+            nblk, tin, int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+            inter, ws.xa, ws.xb, ws.qkv, ws.q3(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
+            ws.i8 if quant else None, ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att,
+            rows, pend)
     if nt > 1:
         _stack_par_paged(nt, *args)
-    else:
-        _stack_ser_paged(*args)
+    else:  # the per-thread program is the serial entry (as in decode_stack)
+        _stack_thread_paged(0, 1, *args)
     return logits
 
 
-def decode_stack(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos,
-                 cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
+def decode_stack(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
+                 n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
     """Run every layer of one decode token and the lm_head (see the module docstring).
 
     Parameters (checked by the caller, :class:`olv_runtime.decoder_stack.DecoderStack`)
@@ -572,26 +687,31 @@ def decode_stack(nt, quant, x0, codes, scales, biases, has_bias, norms, eps, kbu
     nt : int
         Tasks (1: serial; > 1 only with the ``omp`` threading layer, nt <= its threads).
     quant : bool
-        int8 activations (:mod:`.packed_i8`) or float32 (:mod:`.packed_f32`).
+        int8 activations (:mod:`.packed_i8`) or float32 (:mod:`.packed_f32`); only the kernels
+        of the mode in use are compiled.
     x0 : float32 [1, E]
         The embedding of the token.
-    codes, scales : numba typed lists, 4 per layer (qkv, o, gate_up, down) + lm_head
-        :class:`~.packed_i8.PackedInt4I8` ``codes`` / ``scale`` arrays.
-    biases : typed list of float32 [N_qkv] (one per layer); has_bias : bool [L]
-    norms : typed list of float32 [E]: input and post-attention norm weights per layer, final
+    weights : WeightTable
+        4 packed weights per layer (qkv, o, gate_up, down) + lm_head.
+    biases : float32 [L, N_qkv] (zeros where a layer has none); has_bias : bool [L]
+    norms : float32 [2L + 1, E]: input and post-attention norm weights per layer, final
     eps : float32
-    kbufs, vbufs : typed lists of float32 [1, KVH, CAP, D] capacity buffers (slot tpos[l] written)
+    kvt : int64 [L, 3]
+        Per layer: address of the key and of the value capacity buffer (float32
+        [1, KVH, CAP, D], C-contiguous; slot ``tpos[l]`` is written), CAP.
+    kv0 : float32 [1, KVH, 1, D] (any C-contiguous writeable 4-D float32 array: the type of the
+        views)
     tpos : int64 [L]
     cos, sin : float32 [rdim/2] of the token's position
     ws : StackWorkspace
     logits : float32 [1, V] (written)
     """
-    args = (quant, x0, codes, scales, biases, has_bias, norms, eps, kbufs, vbufs, tpos, cos, sin,
-            n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb, ws.qkv,
-            ws.q3(n_heads, d), ws.gu, ws.act, ws.hx, ws.xq, ws.xd, ws.xs8, ws.facc8, ws.facc32,
+    args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, kvt, kv0,
+            tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb,
+            ws.qkv, ws.q3(n_heads, d), ws.gu, ws.act, ws.hx, ws.i8 if quant else None, ws.facc32,
             ws.bar, logits, packed_i8.use_vnni(), *ws.attention(n_heads, n_kv, d))
     if nt > 1:
         _stack_par(nt, *args)
-    else:
-        _stack_ser(*args)
+    else:  # the per-thread program itself is the serial entry (no second top-level driver)
+        _stack_thread(0, 1, *args)
     return logits
