@@ -1,4 +1,4 @@
-"""Native consumers of ggml row types: repack GGUF blocks for the packed INT4 kernels.
+"""Native consumers of ggml row types: GGUF blocks for the fast kernels.
 
 At session creation a linear layer (``olv.Decode -> Transpose -> MatMul``) or an embedding gather
 whose weight is a ggml struct value asks :func:`linear_weight` for a form the fast kernels read.
@@ -7,35 +7,31 @@ before creating a typed view"), the consumer registered for a ggml type first ch
 value's resolved root declaration *is* the canonical row declaration of
 :mod:`olv_runtime.structs.ggml` (same fields, bit packing, metadata and decoder) and that its
 record layout has the canonical signature; any other declaration under such a type_id is left
-to its FunctionProto decoder.
+to its FunctionProto decoder. Never a float copy of a weight:
 
-Repacks (session creation, one pass over the blocks, never a float copy of a weight). Every
-32-element sub-block ``b`` of row ``n`` is rewritten as signed INT4 *planes* plus a per-block
-float offset::
+* Q8_0, Q5_0, Q4_K, Q6_K (:data:`BLOCK_KERNEL_TYPES`): a :class:`GGMLWeight` -- the payload's
+  blocks in place. :class:`~olv_runtime.fusion.LinearStep` repacks them into the group records
+  of :mod:`olv_runtime.kernels.ggml_packed` (the file's bits per weight, int8-activation VNNI /
+  AVX2 and exact kernels); :class:`GGMLGather` dequantizes only looked-up rows.
+* Q4_0: exactly the symmetric INT4 block-32 affine form of the converter (float16 scales kept,
+  4.5 bits per weight as in the file), so it takes every INT4 fast path.
+* Q4_1, Q5_1, Q5_K: signed INT4 *planes* plus a per-block float offset (one pass over the
+  blocks), every 32-element sub-block ``b`` of row ``n``::
 
-    w[n, k] = sum_p scale_p[n, b] * code_p[n, k] + offset[n, b]      code_p in [-8, 7]
+      w[n, k] = sum_p scale_p[n, b] * code_p[n, k] + offset[n, b]      code_p in [-8, 7]
 
-======  ======================================================  ====================
-type    planes (scale x code)                                   offset
-======  ======================================================  ====================
-Q4_0    d x (q - 8)                                             none
-Q4_1    d x (q - 8)                                             8 d + m
-Q4_K    D x (q - 8)           (D = d sc_b, M = dmin m_b)        8 D - M
-Q5_0    d x (lo - 8),  16 d x h                                 -8 d
-Q5_1    d x (lo - 8),  16 d x h                                 8 d + m
-Q5_K    D x (lo - 8),  16 D x h                                 8 D - M
-Q8_0    d x (lo - 8),  16 d x hi   (q = 16 hi + lo, lo in 0..15) 8 d
-Q6_K    per 16-half h of the 32-block (D_h = d scale_h; codes 0  none
-        on the other half): D_h x (lo - 8), 8 D_h x (2 hi - 3)
-======  ======================================================  ====================
+  ======  ================================================  ==========
+  type    planes (scale x code)                             offset
+  ======  ================================================  ==========
+  Q4_1    d x (q - 8)                                       8 d + m
+  Q5_1    d x (lo - 8),  16 d x h                           8 d + m
+  Q5_K    D x (lo - 8),  16 D x h   (D = d sc_b, M = dmin m_b)  8 D - M
+  ======  ================================================  ==========
 
-Q4_0 becomes exactly the symmetric INT4 block-32 affine form of the converter (its float16
-scales kept as float16, 4.5 bits per weight as in the file), so it takes every fast path (sibling merge, prepacked 8-row groups, int8
-activations). The others run one packed INT4 kernel per plane plus ``offset @ blocksum(x)``
-(:class:`PlanesLinear`). Q6_K has one scale per 16 weights, so each 32-block is split into its
-two halves: four planes (16 bits of codes per weight: correct and copy-free, but reading more
-bytes than the 6.56-bit Q6_K blocks; a dedicated kernel is future work). F16 and BF16 have no
-native consumer: they decode through their FunctionProto decoder.
+  run as one packed INT4 kernel per plane plus ``offset @ blocksum(x)``
+  (:class:`~olv_runtime.fusion.PlanesLinear`).
+
+F16 and BF16 have no native consumer: they decode through their FunctionProto decoder.
 """
 from __future__ import annotations
 
@@ -195,17 +191,13 @@ def _repack_rows(b: ggml.GGMLBlock, blocks: np.ndarray):
     [R, K/32] float32, offset [R, K/32] float32 or None)."""
     r, nb = blocks.shape[:2]
     name = b.name
-    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+    if name in ("Q4_0", "Q4_1", "Q5_1"):
         d = _f16(blocks, 0)                                   # [R, nb]
-        if name == "Q8_0":
-            q = blocks[..., 2:34].view(np.int8).astype(np.int16)  # [R, nb, 32]
-            lo, hi = (q & 15) - 8, q >> 4                          # q = 16 hi + lo + 8
-            return ([lo.reshape(r, -1), hi.reshape(r, -1)], [d, 16 * d], 8 * d)
         has_m = name in ("Q4_1", "Q5_1")
         m = _f16(blocks, 2) if has_m else None
         pos = 4 if has_m else 2
         qh = None
-        if name in ("Q5_0", "Q5_1"):
+        if name == "Q5_1":
             qh = np.ascontiguousarray(blocks[..., pos:pos + 4]).view("<u4")[..., 0]  # [R, nb]
             pos += 4
         lo = _nibbles32(blocks[..., pos:pos + 16]).astype(np.int16) - 8
@@ -219,32 +211,11 @@ def _repack_rows(b: ggml.GGMLBlock, blocks: np.ndarray):
         if has_m:
             off = 8 * d + m if off is None else 8 * d + m  # Q4_1: d(q-8)+8d+m; Q5_1 likewise
         return codes, scales, off
-    if name == "Q6_K":  # ql [0:128], qh [128:192], scales int8 [192:208], d [208:210]
-        d = _f16(blocks, 208)
-        ql = blocks[..., 0:128].reshape(r, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(
-            1, 1, 1, 2, 1)
-        lo = (ql & np.uint8(15)).reshape(r, nb * 256).astype(np.int16) - 8
-        qh = blocks[..., 128:192].reshape(r, nb, 2, 1, 32) >> np.array(
-            [0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
-        hi = (qh & np.uint8(3)).reshape(r, nb * 256).astype(np.int16) * 2 - 3
-        dsc = d[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)  # [R, nb, 16]
-        dsc = dsc.reshape(r, nb * 8, 2)                   # [R, 32-blocks, half]
-        half = (np.arange(nb * 256) // 16) % 2            # half of each element's 32-block
-        codes, scales = [], []
-        for c, mult in ((lo, 1), (hi, 8)):
-            for h in (0, 1):
-                codes.append(np.where(half == h, c, 0))
-                scales.append(mult * dsc[..., h])
-        return codes, scales, None
-    # K-quants: 8 sub-blocks of 32 per super-block
+    # Q5_K: 8 sub-blocks of 32 per super-block
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _kscales(blocks[..., 4:16])
     big_d = (d[..., None] * sc).reshape(r, nb * 8)
     big_m = (dmin[..., None] * mn).reshape(r, nb * 8)
-    if name == "Q4_K":
-        lo = _k_nibbles(blocks[..., 16:144]).astype(np.int16) - 8
-        return [lo.reshape(r, -1)], [big_d], 8 * big_d - big_m
-    # Q5_K
     h = _k_high(blocks[..., 16:48])
     lo = _k_nibbles(blocks[..., 48:176]).astype(np.int16) - 8
     return ([lo.reshape(r, -1), h.astype(np.int16).reshape(r, -1)], [big_d, 16 * big_d],
