@@ -278,10 +278,12 @@ def test_workspace_independent_of_context_and_no_dequantized_bytes():
         peaks[ctx] = d["attention_workspace_peak"]
         assert d["bytes_dequantized"] == 0
         assert d["bytes_read_kv_attention"] > 0
-    # per (kv head, query) task: m, l, tile max, accumulators, two tiles of scores, four rows
-    # and the tile's block list (kernels.paged_attention.workspace_bytes)
-    g, w = 7, 64
-    assert peaks[64] == peaks[4096] == 2 * (4 * (3 * g + g * 64 + 2 * g * w + 4 * 64) + 16 * w)
+    # per (kv head, query) task: m, l, tile max, accumulators, two tiles of scores, one decoded
+    # block and head with its row multipliers, the tile's block list
+    # (kernels.paged_attention.workspace_bytes)
+    g, w, bs = 7, 64, 16
+    assert peaks[64] == peaks[4096] == 2 * (4 * (3 * g + g * 64 + 2 * g * w + bs * 64 + bs)
+                                            + 16 * w)
 
 
 # -- ONNX Attention-23 reference (GQA, past lengths 0, 1, 17) -----------------------------------

@@ -249,13 +249,14 @@ class StackWorkspace:
                              np.zeros((nt, g), np.float32))
         return a
 
-    def paged(self, d, width, n_kv):
-        """Paged-step scratch: dequantized rows ``[nt, 4, D]``, a tile's block list ``[nt,
-        width, 2]`` int64, the new key/value rows ``[nt, 2, KVH*D]``."""
+    def paged(self, d, width, n_kv, bs):
+        """Paged-step scratch: one decoded block and head ``[nt, BS, D]`` with its row
+        multipliers ``[nt, BS]``, a tile's block list ``[nt, width, 2]`` int64, the new
+        key/value rows ``[nt, 2, KVH*D]``."""
         a = getattr(self, "_paged", None)
-        if a is None or a[1].shape[1] != width:
+        if a is None or a[2].shape[1] != width or a[0].shape[1] != bs:
             nt = self.nt
-            a = self._paged = (np.zeros((nt, 4, d), np.float32),
+            a = self._paged = (np.zeros((nt, bs, d), np.float32), np.zeros((nt, bs), np.float32),
                                np.zeros((nt, width, 2), np.int64),
                                np.zeros((nt, 2, n_kv * d), np.float32))
         return a
@@ -590,7 +591,7 @@ def _write_open_row(tab, nb, g, bs, d, t_in, src, off):
 def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
                         tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
                         att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx, i8ws, facc32,
-                        bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, arows, apend):
+                        bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, ascr, armul, apend):
     n_layers = len(tabs)
     hd = n_heads * d
     kvd = n_kv * d
@@ -601,7 +602,8 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
     sc = asc[tid]
     p = ap[tid]
     mx = amx[tid]
-    rows = arows[tid]
+    scr = ascr[tid]
+    rmul = armul[tid]
     pend = apend[tid]
     attn = attn_p[tid]
     kv = kvnew[tid]
@@ -628,7 +630,7 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
             o = po[tid, hs:hs + group]
             _state_init(m, l, o, group)
             _paged_rows(q3[hs:hs + group], group, tab, b0, b1, g, bs, 0, False, att_scale, m, l,
-                        o, sc, p, mx, rows, pend)
+                        o, sc, p, mx, scr, rmul, pend)
         _barrier(bar, nt)
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
         x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
@@ -640,13 +642,13 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
 def _stack_par_paged(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, tabs, nblk, tin,
                      bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
                      qkv, q3, kvnew, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po,
-                     attn_p, asc, ap, amx, arows, apend):
+                     attn_p, asc, ap, amx, ascr, armul, apend):
     for tid in prange(nt):
         _stack_thread_paged(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms,
                             eps, tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim,
                             interleaved, att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx,
                             i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx,
-                            arows, apend)
+                            ascr, armul, apend)
 
 
 def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tabs, nblk,
@@ -665,12 +667,12 @@ def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tab
     """
     w = pk.tile_width(block_size)
     att = ws.attention(n_heads, n_kv, d, w)
-    rows, pend, kvnew = ws.paged(d, w, n_kv)
+    scr, rmul, pend, kvnew = ws.paged(d, w, n_kv, int(block_size))
     args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, tabs,
             nblk, tin, int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
             inter, ws.xa, ws.xb, ws.qkv, ws.q3(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
             ws.i8 if quant else None, ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att,
-            rows, pend)
+            scr, rmul, pend)
     if nt > 1:
         _stack_par_paged(nt, *args)
     else:  # the per-thread program is the serial entry (as in decode_stack)

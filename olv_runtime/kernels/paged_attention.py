@@ -51,7 +51,7 @@ from numba.core.extending import intrinsic
 
 from olv_runtime.errors import InvalidArgument
 
-from .attention import TILE, _FM, _accum_rows, _scores_rows, _softmax_tile, _state_finish, \
+from .attention import TILE, _FM, _accum_rows, _dot, _scores_rows, _softmax_tile, _state_finish, \
     _state_init, _tile_max_init
 from .config import JIT, PJIT, lazy_njit
 
@@ -161,89 +161,150 @@ def _block_f32(addr, g, bs, d):
     return carray(_f32p(addr + g * bs * d * 4), (bs, d))
 
 
+_i8p = _ptr_intrinsic(types.int8)
+
+
 @njit(**_FM)
-def _dequant_row(fmt, addr, saddr, pt, g, t, bs, d, row):
-    """Token ``t`` of kv head ``g`` of a float16/int8/int4/codebook2 block slot into ``row[D]``
-    (the decoded values, scale applied)."""
-    r = g * bs + t
+def _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, mult, out, rmul):
+    """The first ``nk`` tokens of kv head ``g`` of a float16/int8/int4/codebook2 block slot into
+    ``out[:nk, :D]`` (a private L1 scratch of one block and head) so that the decoded row ``t``
+    is ``out[t] * rmul[t]``: float16 and codebook2 rows decoded in full (``rmul = mult``),
+    INT8/INT4 as their integer codes (one vector conversion) with the token's (or block's)
+    scale folded into ``rmul[t] = mult * scale``."""
     if fmt == 1:
-        src = carray(_u16p(addr + r * d * 2), (d,))
-        for i in range(d):
-            row[i] = _half_to_f32(src[i])
+        src = carray(_u16p(addr + g * bs * d * 2), (nk * d,))
+        flat = out.reshape(out.shape[0] * d)
+        for i in range(nk * d):
+            flat[i] = _half_to_f32(src[i])
+        for t in range(nk):
+            rmul[t] = mult
     elif fmt == 2 or fmt == 3:
-        sidx = r if pt else g
-        s = carray(_f32p(saddr + sidx * 4), (1,))[0]
-        if fmt == 2:
-            src = carray(_u8p(addr + r * d), (d,))
-            for i in range(d):
-                c = np.int32(src[i])
-                row[i] = np.float32((c ^ 128) - 128) * s
+        if pt:
+            sc = carray(_f32p(saddr + g * bs * 4), (nk,))
+            for t in range(nk):
+                rmul[t] = mult * sc[t]
         else:
-            h = d // 2
-            src = carray(_u8p(addr + r * h), (h,))
+            s = carray(_f32p(saddr + g * 4), (1,))[0] * mult
+            for t in range(nk):
+                rmul[t] = s
+        flat = out.reshape(out.shape[0] * d)
+        if fmt == 2:
+            src8 = carray(_i8p(addr + g * bs * d), (nk * d,))
+            for i in range(nk * d):
+                flat[i] = np.float32(src8[i])
+        else:
+            h = nk * d // 2
+            srcu = carray(_u8p(addr + g * bs * (d // 2)), (h,))
             for i in range(h):
-                b = np.int32(src[i])
-                row[2 * i] = np.float32(((b & 15) ^ 8) - 8) * s
-                row[2 * i + 1] = np.float32(((b >> 4) ^ 8) - 8) * s
+                b = np.int32(srcu[i])
+                flat[2 * i] = np.float32(((b & 15) ^ 8) - 8)
+                flat[2 * i + 1] = np.float32(((b >> 4) ^ 8) - 8)
     else:  # codebook2: records of 8 code bytes (32 x 2-bit indices) + float32 scale
         ng = d // 32
         table = carray(_f32p(saddr), (4,))
-        for grp in range(ng):
-            rec = addr + (r * ng + grp) * 12
-            codes = carray(_u8p(rec), (8,))
-            s = carray(_f32p(rec + 8), (1,))[0]
-            for j in range(32):
-                b = np.int32(codes[j >> 2])
-                row[grp * 32 + j] = table[(b >> ((j & 3) * 2)) & 3] * s
+        for t in range(nk):
+            rmul[t] = mult
+            r = g * bs + t
+            row = out[t]
+            for grp in range(ng):
+                rec = addr + (r * ng + grp) * 12
+                codes = carray(_u8p(rec), (8,))
+                s = carray(_f32p(rec + 8), (1,))[0]
+                for j in range(32):
+                    b = np.int32(codes[j >> 2])
+                    row[grp * 32 + j] = table[(b >> ((j & 3) * 2)) & 3] * s
 
 
 @njit(**JIT)
-def _block_scores(qg, ng, fmt, addr, saddr, pt, g, bs, d, nk, scale, sc, c0, mx, row):
+def _scores_rows_m(qg, ng, k, nt, rmul, sc, c0, mx):
+    """``sc[hh, c0 + j] = (qg[hh] . k[j]) * rmul[j]``; ``mx[hh]`` tracks the max."""
+    d = qg.shape[1]
+    for j in range(nt):
+        kr = k[j]
+        m = rmul[j]
+        for hh in range(ng):
+            v = _dot(qg[hh], kr, d) * m
+            sc[hh, c0 + j] = v
+            if v > mx[hh]:
+                mx[hh] = v
+
+
+@njit(**_FM)
+def _accum_rows_m(p, c0, ng, v, nt, o, rmul):
+    """``o[hh] += sum_j (p[hh, c0 + j] * rmul[j]) * v[j]`` (four keys per pass over ``o``)."""
+    d = o.shape[1]
+    j = 0
+    while j + 4 <= nt:
+        v0 = v[j]
+        v1 = v[j + 1]
+        v2 = v[j + 2]
+        v3 = v[j + 3]
+        m0 = rmul[j]
+        m1 = rmul[j + 1]
+        m2 = rmul[j + 2]
+        m3 = rmul[j + 3]
+        for hh in range(ng):
+            pr = p[hh]
+            p0 = pr[c0 + j] * m0
+            p1 = pr[c0 + j + 1] * m1
+            p2 = pr[c0 + j + 2] * m2
+            p3 = pr[c0 + j + 3] * m3
+            oh = o[hh]
+            for i in range(d):
+                oh[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
+        j += 4
+    while j < nt:
+        vr = v[j]
+        mj = rmul[j]
+        for hh in range(ng):
+            pj = p[hh, c0 + j] * mj
+            oh = o[hh]
+            for i in range(d):
+                oh[i] += pj * vr[i]
+        j += 1
+
+
+@njit(**JIT)
+def _block_scores(qg, ng, fmt, addr, saddr, pt, g, bs, d, nk, scale, sc, c0, mx, scr, rmul):
     """Scores of the first ``nk`` tokens of one block side (any format) into ``sc[:, c0:]``."""
     if fmt == 0:
         _scores_rows(qg, ng, _block_f32(addr, g, bs, d), 0, nk, scale, sc, c0, mx)
     else:
-        r2 = row.reshape(1, d)
-        for t in range(nk):
-            _dequant_row(fmt, addr, saddr, pt, g, t, bs, d, row)
-            _scores_rows(qg, ng, r2, 0, 1, scale, sc, c0 + t, mx)
+        _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, scale, scr, rmul)
+        _scores_rows_m(qg, ng, scr, nk, rmul, sc, c0, mx)
 
 
 @njit(**JIT)
-def _block_accum(p, c0, ng, fmt, addr, saddr, pt, g, bs, d, nk, o, rows):
+def _block_accum(p, c0, ng, fmt, addr, saddr, pt, g, bs, d, nk, o, scr, rmul):
     """``o += p[:, c0:c0+nk] @ V`` for the first ``nk`` tokens of one block side."""
-    one = np.float32(1.0)
     if fmt == 0:
-        _accum_rows(p, c0, ng, _block_f32(addr, g, bs, d), 0, nk, o, one)
+        _accum_rows(p, c0, ng, _block_f32(addr, g, bs, d), 0, nk, o, np.float32(1.0))
     else:
-        nr = rows.shape[0]
-        for t0 in range(0, nk, nr):
-            n = min(nr, nk - t0)
-            for j in range(n):
-                _dequant_row(fmt, addr, saddr, pt, g, t0 + j, bs, d, rows[j])
-            _accum_rows(p, c0 + t0, ng, rows, 0, n, o, one)
+        _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, np.float32(1.0), scr, rmul)
+        _accum_rows_m(p, c0, ng, scr, nk, o, rmul)
 
 
 @njit(**JIT)
-def _flush(table, pend, npend, qg_unused, ng, g, bs, d, c, mx, m, l, o, sc, p, rows):
+def _flush(table, pend, npend, ng, g, bs, d, c, mx, m, l, o, sc, p, scr, rmul):
     _softmax_tile(sc, ng, c, mx, m, l, o, p)
     c0 = 0
     for k in range(npend):
         bi = pend[k, 0]
         nk = pend[k, 1]
         _block_accum(p, c0, ng, table[bi, T_VFMT], table[bi, T_VADDR], table[bi, T_VSADDR],
-                     table[bi, T_VPT], g, bs, d, nk, o, rows)
+                     table[bi, T_VPT], g, bs, d, nk, o, scr, rmul)
         c0 += nk
 
 
 @njit(**JIT)
-def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, p, mx, rows,
-                pend):
+def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, p, mx, scr,
+                rmul, pend):
     """Blocks ``table[b0:b1]`` of kv head ``g`` into the partial softmax state ``m, l, o`` of the
     ``ng`` query heads ``qg[ng, D]`` of the query at position ``qpos`` (keys at positions
     ``> qpos`` skipped when ``causal``). Consecutive blocks share one softmax tile of up to
-    ``sc.shape[1]`` keys. Scratch: ``sc, p`` float32 [ng, W >= BS], ``mx`` [ng], ``rows``
-    float32 [4, D] (dequantized rows), ``pend`` int64 [W, 2]."""
+    ``sc.shape[1]`` keys. Scratch: ``sc, p`` float32 [ng, W >= BS], ``mx`` [ng], ``scr``
+    float32 [BS, D] (one block and head of a non-float32 side, decoded), ``rmul`` float32 [BS],
+    ``pend`` int64 [W, 2] (the tile's blocks)."""
     d = qg.shape[1]
     w = sc.shape[1]
     c = 0
@@ -256,18 +317,18 @@ def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, 
         if nk <= 0:
             continue
         if c + nk > w:
-            _flush(table, pend, npend, qg, ng, g, bs, d, c, mx, m, l, o, sc, p, rows)
+            _flush(table, pend, npend, ng, g, bs, d, c, mx, m, l, o, sc, p, scr, rmul)
             c = 0
             npend = 0
             _tile_max_init(mx, ng)
         _block_scores(qg, ng, table[bi, T_KFMT], table[bi, T_KADDR], table[bi, T_KSADDR],
-                      table[bi, T_KPT], g, bs, d, nk, scale, sc, c, mx, rows[0])
+                      table[bi, T_KPT], g, bs, d, nk, scale, sc, c, mx, scr, rmul)
         pend[npend, 0] = bi
         pend[npend, 1] = nk
         npend += 1
         c += nk
     if c:
-        _flush(table, pend, npend, qg, ng, g, bs, d, c, mx, m, l, o, sc, p, rows)
+        _flush(table, pend, npend, ng, g, bs, d, c, mx, m, l, o, sc, p, scr, rmul)
 
 
 class ChunkSide:
@@ -362,7 +423,8 @@ def workspace_bytes(s: int, h: int, kvh: int, d: int, block_size: int = 16) -> i
     dequantized rows and the tile's block list -- independent of the context length."""
     g = h // kvh
     w = tile_width(block_size)
-    per_task = 4 * (3 * g + g * d + 2 * g * w + 4 * d) + 16 * w
+    bs = int(block_size)
+    per_task = 4 * (3 * g + g * d + 2 * g * w + bs * d + bs) + 16 * w
     return s * kvh * per_task
 
 
@@ -377,12 +439,13 @@ def _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, out):
     mx = np.empty(ng, np.float32)
     sc = np.empty((ng, w), np.float32)
     p = np.empty((ng, w), np.float32)
-    rows = np.empty((4, d), np.float32)
+    scr = np.empty((bs, d), np.float32)
+    rmul = np.empty(bs, np.float32)
     pend = np.empty((w, 2), np.int64)
     o = out[s, g * ng:(g + 1) * ng]
     _state_init(m, l, o, ng)
     _paged_rows(q[s, g * ng:(g + 1) * ng], ng, table, 0, nblocks, g, bs, past_len + s, causal,
-                scale, m, l, o, sc, p, mx, rows, pend)
+                scale, m, l, o, sc, p, mx, scr, rmul, pend)
     _state_finish(l, o, ng, o)
 
 

@@ -591,10 +591,13 @@ class DecodeCall:
     list with the new token's slot claimed, the block table (``ptab.rows[:ptab.n]``, the last
     row's length already counting the new token, which the kernel writes at ``t_in``)."""
 
-    __slots__ = ("blocks", "refs", "ptab", "past", "t_in", "sealed_from")
+    __slots__ = ("blocks", "refs", "ptab", "past", "t_in", "checked")
 
-    def __init__(self, blocks, refs, ptab, past, t_in):
+    def __init__(self, blocks, refs, ptab, past, t_in, checked=None):
         self.blocks, self.refs, self.ptab, self.past, self.t_in = blocks, refs, ptab, past, t_in
+        # the declaration the past value was validated against, when the next value differs
+        # from it only by a derived last block and the length (so it is valid against it too)
+        self.checked = checked
 
 
 class BlockRef:
@@ -667,7 +670,8 @@ class PagedKV:
 
     @staticmethod
     def _block(ref: BlockRef, start: int, length: int, like: RuntimeStruct | None = None):
-        if like is not None and like.meta is ref:
+        derived = like is not None and like.meta is ref
+        if derived:
             fields = {"key": like["key"], "value": like["value"]}
         else:
             fields = {"key": ref.kc.field(ref.ks), "value": ref.vc.field(ref.vs)}
@@ -675,6 +679,8 @@ class PagedKV:
         fields["length"] = _scalar(length)
         b = RuntimeStruct(fields, ref)
         b._readonly = True
+        if derived:  # the same key/value objects and valid INT64 scalars: still valid
+            b._checked = like._checked
         return b
 
     # -- one call --------------------------------------------------------------------------------
@@ -821,6 +827,7 @@ class PagedKV:
                                  g.kv_heads)
         n = len(src_blocks)
         kvh = g.kv_heads
+        checked = None
         if n and int(src_blocks[-1]["length"]) < bs:
             last, ref = src_blocks[-1], refs[-1]
             ln = int(last["length"])
@@ -833,6 +840,8 @@ class PagedKV:
             if inplace:
                 pt.rows[n - 1, pk.T_LEN] = ln + 1
                 blk = self._block(ref, int(last["start"]), ln + 1, last)
+                if blk._checked is not None:
+                    checked = cache._checked
             else:  # branched (or foreign/quantized) open block: copy its valid tokens
                 old = ref
                 ref = self._copy_open(ref, ln)
@@ -864,7 +873,7 @@ class PagedKV:
             refs = refs + (ref,)
             t_in = 0
         pt.read += kvh * (ref.kc.side.row_bytes + ref.vc.side.row_bytes)
-        return DecodeCall(blocks, refs, pt, past, t_in)
+        return DecodeCall(blocks, refs, pt, past, t_in, checked)
 
     def decode_end(self, call: DecodeCall) -> RuntimeStruct:
         """Sealing after the compiled step (as :meth:`run`: a block that just filled and the
@@ -912,6 +921,8 @@ class PagedKV:
                             _BlockIndex(self, blocks, refs, total, None, pt, pt.version))
         new._readonly = True
         new._acct = pt.accounting(id(new), len(blocks))
+        if call.checked is not None and blocks is call.blocks:  # nothing sealed
+            new._checked = call.checked
         if c is not None:
             c.add("bytes_read_kv_attention", read)
             c.add("kv_committed_bytes", pt.committed)
