@@ -324,7 +324,8 @@ def _quick_key(model: Model, parts: list, algorithm: str, expected: bytes,
 
 def _verified(key: str) -> bool:
     d = _cache_dir()
-    return d is not None and (d / key[:2] / key).exists()
+    # os.path on a string: one stat per entry at session creation, without pathlib's objects
+    return d is not None and os.path.exists(os.path.join(str(d), key[:2], key))
 
 
 def _remember(key: str) -> None:

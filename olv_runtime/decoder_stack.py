@@ -479,6 +479,16 @@ class DecoderStack:
             if n not in keep and n not in constants:
                 self._release[idx].append(n)
 
+    @property
+    def codes(self) -> list:
+        """The packed codes arrays of the step (4 per layer, then the lm_head)."""
+        return self.weights.codes
+
+    @property
+    def scales(self) -> list:
+        """The packed scale arrays of the step (float32, or uint16 float16 bits)."""
+        return self.weights.scales
+
     # -- per-thread state ----------------------------------------------------------------------
     def _thread_state(self, nt):
         st = getattr(self._local, "st", None)

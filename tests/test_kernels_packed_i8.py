@@ -298,3 +298,20 @@ def test_vnni_instruction_is_emitted_where_the_cpu_has_it():
     asm = fresh.inspect_asm(fresh.signatures[0])
     assert "vpmaddubsw" in asm  # the AVX2 path is always compiled
     assert ("vpdpbusd" in asm) == packed_i8.HOST_VNNI
+
+
+@pytest.mark.parametrize("n,k", [(13, 33), (200, 256), (70, 80)])
+def test_prepack_serial_and_parallel_drivers_bitwise_equal(n, k, monkeypatch):
+    """Small weights are repacked by the serial driver (no parallel region, and a model of only
+    small weights never compiles the parallel one); forcing the parallel driver gives the same
+    bytes."""
+    from olv_runtime.kernels import packed_i8
+
+    rng = np.random.default_rng(n * 1000 + k)
+    _, payload, scale = _weight(n, k, rng)
+    assert n * k < packed_i8.PREPACK_SERIAL_MAX
+    ser = prepack_int4_i8(payload, scale, None, n, k, 32)
+    monkeypatch.setattr(packed_i8, "PREPACK_SERIAL_MAX", 0)
+    par = prepack_int4_i8(payload, scale, None, n, k, 32)
+    np.testing.assert_array_equal(ser.codes, par.codes)
+    np.testing.assert_array_equal(ser.scale, par.scale)

@@ -51,7 +51,6 @@ from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic, overload
-from numba.np.arrayobj import populate_array
 
 from olv_runtime.errors import InvalidArgument
 
@@ -153,6 +152,8 @@ def _view(typingctx, like, addr, shape):
         return None
 
     def codegen(context, builder, sig, args):
+        from numba.np.arrayobj import populate_array  # compile time only (not at import)
+
         aryty = sig.return_type
         ary = context.make_array(aryty)(context, builder)
         dt = context.get_data_type(aryty.dtype)
@@ -537,10 +538,10 @@ class WeightTable:
         ([NG, KB, 8] float32 or uint16), NG, KB.
     codes0, scale0 : read-only views of the first weight's arrays (their numba types are the
         types of every view :func:`_weight` makes).
+    codes, scales : lists of the arrays themselves (inspection; they keep the memory alive).
     """
 
     def __init__(self, packed):
-        keep = []
         wt = np.zeros((len(packed), 4), np.int64)
         sdt = packed[0].scale.dtype
         for i, p in enumerate(packed):
@@ -551,12 +552,12 @@ class WeightTable:
                     or not sc.flags.c_contiguous):
                 raise InvalidArgument(f"weight {i}: not the packed layout (codes {c.dtype} "
                                  f"{c.shape}, scale {sc.dtype} {sc.shape})")
-            keep += [c, sc]
             wt[i] = (address(c), address(sc), ng, kb)
         self.wt = wt
+        self.codes = [p.codes for p in packed]  # the arrays the addresses point into
+        self.scales = [p.scale for p in packed]
         self.codes0 = _readonly(packed[0].codes)
         self.scale0 = _readonly(packed[0].scale)
-        self._keep = keep  # the memory the addresses point into lives as long as the table
 
 
 def _readonly(a):

@@ -511,24 +511,46 @@ def _code_u(payload, row, kk, n, k):
     return np.uint8(8)
 
 
+@njit(**JIT)
+def _prepack_group(payload, scale, n, k, codes, pscale, g):
+    kb = codes.shape[1]
+    for b in range(kb):
+        for r in range(GROUP_ROWS):
+            row = g * GROUP_ROWS + r
+            if row < n:
+                pscale[g, b, r] = scale[row, b]  # same dtype: float32, or float16 bits
+            else:
+                pscale[g, b, r] = 0
+            for c in range(4):
+                for j in range(4):
+                    kk = b * BLOCK + 4 * c + j
+                    lo = _code_u(payload, row, kk, n, k)
+                    hi = _code_u(payload, row, kk + 16, n, k)
+                    codes[g, b, 32 * c + 4 * r + j] = np.uint8(lo | (hi << 4))
+
+
 @njit(**PJIT)
 def _prepack_par(payload, scale, n, k, codes, pscale):
-    ng = codes.shape[0]
-    kb = codes.shape[1]
-    for g in prange(ng):
-        for b in range(kb):
-            for r in range(GROUP_ROWS):
-                row = g * GROUP_ROWS + r
-                if row < n:
-                    pscale[g, b, r] = scale[row, b]  # same dtype: float32, or float16 bits
-                else:
-                    pscale[g, b, r] = 0
-                for c in range(4):
-                    for j in range(4):
-                        kk = b * BLOCK + 4 * c + j
-                        lo = _code_u(payload, row, kk, n, k)
-                        hi = _code_u(payload, row, kk + 16, n, k)
-                        codes[g, b, 32 * c + 4 * r + j] = np.uint8(lo | (hi << 4))
+    for g in prange(codes.shape[0]):
+        _prepack_group(payload, scale, n, k, codes, pscale, g)
+
+
+@njit(**JIT)
+def _prepack_ser(payload, scale, n, k, codes, pscale):
+    for g in range(codes.shape[0]):
+        _prepack_group(payload, scale, n, k, codes, pscale, g)
+
+
+#: Weights with fewer elements (N * K) are repacked by the serial driver: a parallel region does
+#: not pay for ~1 ms of work, and models whose weights are all small (``olv demo``) never
+#: compile the parallel driver (cold start).
+PREPACK_SERIAL_MAX = 1 << 20
+
+
+def _prepack(payload, scale, n, k, codes, pscale):
+    """Fill ``codes`` / ``pscale`` (the serial driver for small weights, else the parallel)."""
+    driver = _prepack_ser if n * k < PREPACK_SERIAL_MAX else _prepack_par
+    driver(payload, scale, n, k, codes, pscale)
 
 
 def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,
@@ -569,7 +591,7 @@ def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarr
     # float16 scales stay float16 (as uint16 bits): 4.5 bits per weight, like Q4_0
     sdt = np.uint16 if scale.dtype == np.float16 else np.float32
     pscale = _aligned_empty((ng, kb, GROUP_ROWS), sdt)
-    _prepack_par(payload, scale_bits(scale), n, k, codes, pscale)
+    _prepack(payload, scale_bits(scale), n, k, codes, pscale)
     return PackedInt4I8(codes, pscale, n, k)
 
 

@@ -46,7 +46,7 @@ from .packed_f32 import (NB_R1, NB_R2, NB_R4, PF_BYTES as PF_BYTES_F32, PackedF3
 from .packed_i8 import (
     BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, SERIAL_MAX_WORK, V8F32, V8I32, PackedI8Workspace,
     PackedInt4I8, _aligned_empty, _check_array_arg, _dot_r1, _dot_r2, _dot_r4, _elem_ptr,
-    _fzero, _is_scale_array, _load_scales8, _prefetch, _prefetch_block, _prepack_par,
+    _fzero, _is_scale_array, _load_scales8, _prefetch, _prefetch_block, _prepack,
     _quantize_rows_i8, _splat, _store_group, make_workspace_i8, use_vnni,
 )
 from .half import scale_bits
@@ -141,7 +141,7 @@ def prepack_int4_i8_zp(payload: np.ndarray, scale: np.ndarray, zero_point: np.nd
     codes = _aligned_empty((ng, kb, GROUP_BLOCK_BYTES), np.uint8)
     sdt = np.uint16 if scale.dtype == np.float16 else np.float32
     pscale = _aligned_empty((ng, kb, GROUP_ROWS), sdt)
-    _prepack_par(payload, scale_bits(scale), n, k, codes, pscale)
+    _prepack(payload, scale_bits(scale), n, k, codes, pscale)
     rows = np.full((ng * GROUP_ROWS, kb), 8, np.uint8)
     rows[:n] = (zero_point.astype(np.int16) + 8).astype(np.uint8)
     zp = _aligned_empty((ng, kb, GROUP_ROWS), np.uint8)
