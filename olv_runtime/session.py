@@ -659,11 +659,17 @@ class InferenceSession:
         env = self.run_env(self.prepare_feeds(feeds))
         return [env[n] for n in names]
 
-    def prepare_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Validate feeds (names, dtypes, ranks, layouts) and view them as numpy arrays."""
+    def prepare_feeds(self, feeds: Mapping[str, Any],
+                      trusted: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """Validate feeds (names, dtypes, ranks, layouts) and view them as numpy arrays.
+
+        ``trusted``: values of inputs already validated against this session's input specs
+        (a :class:`~olv_runtime.state.State`'s retained values, checked when they were
+        retained); they enter as they are, without a second per-value check. The symbolic
+        dimension check runs over all values."""
         if not isinstance(feeds, Mapping):
             raise InvalidArgument(f"feeds must be a dict of name -> array, got {type(feeds).__name__}")
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, np.ndarray] = dict(trusted) if trusted else {}
         for name, value in feeds.items():
             vi = self._input_infos.get(name)
             if vi is None:

@@ -674,3 +674,26 @@ def test_model_serialization_guard_counts_save_not_state(tmp_path, monkeypatch):
 def _save(model_proto, path):
     olv_runtime.save(Model(model_proto), path)
     return path
+
+
+def test_one_check_per_value_per_call(monkeypatch):
+    """A call checks each feed and each value it retains once: the retained inputs, checked
+    when they were retained, enter the next call without a second per-binding check."""
+    import olv_runtime.session as session_mod
+    import olv_runtime.state.state as state_mod
+
+    state = _state()
+    state.run({"x": X})
+    calls = []
+    real = session_mod.check_tensor
+
+    def counting(name, *a, **k):
+        calls.append(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(session_mod, "check_tensor", counting)
+    monkeypatch.setattr(state_mod, "check_tensor", counting)
+    before = ptr(state.values["acc"])
+    out = state.run({"x": X})
+    assert sorted(calls) == ["acc", "x"]  # x as a feed, acc_next retained as acc
+    assert out["acc_next"] is state.values["acc"] and ptr(out["acc_next"]) != before
+    assert not state.values["acc"].flags.writeable

@@ -37,7 +37,8 @@ def _forget(key: int) -> None:
 
 def _register(buf: np.ndarray, length: int) -> None:
     key = id(buf)
-    _committed[key] = [weakref.ref(buf), length]
+    # [weakref(buffer), committed length, address of the first element]
+    _committed[key] = [weakref.ref(buf), length, buf.__array_interface__["data"][0]]
     weakref.finalize(buf, _forget, key)
 
 
@@ -61,8 +62,7 @@ def _prefix_owner(past: np.ndarray):
     entry = _committed.get(id(owner))
     if entry is None or entry[0]() is not owner:
         return None, None
-    if (past.__array_interface__["data"][0] != owner.__array_interface__["data"][0]
-            or past.strides != owner.strides or past.shape[:2] != owner.shape[:2]
+    if (past.__array_interface__["data"][0] != entry[2] or past.strides != owner.strides or past.shape[:2] != owner.shape[:2]
             or past.shape[3] != owner.shape[3]):
         return None, None
     return owner, entry

@@ -275,11 +275,12 @@ def _data_ptr(value) -> int | None:
 class _Binding:
     """One resolved binding: input/output names, the input's ValueInfo, stride permission."""
 
-    __slots__ = ("input", "output", "info", "strided", "spec")
+    __slots__ = ("input", "output", "info", "strided", "spec", "kind")
 
     def __init__(self, inp: str, out: str, info, strided: bool):
         self.input, self.output, self.info, self.strided = inp, out, info, strided
         self.spec = tensor_spec(info)  # parsed once; check_tensor runs per call
+        self.kind = info.type.WhichOneof("value")
 
 
 def _release_level(counters: Counters, level: list) -> None:
@@ -359,7 +360,7 @@ class State:
 
     def _retain(self, b: _Binding, value: Any, what: str) -> np.ndarray:
         """Validate ``value`` for bound input ``b`` and return the read-only view to retain."""
-        if b.info.type.WhichOneof("value") == "struct_type":
+        if b.kind == "struct_type":
             # A whole struct value: retained as it is, field by field (tensor, encoded and
             # sequence fields keep their own buffers); arrays are exposed as read-only views.
             try:
@@ -367,18 +368,19 @@ class State:
             except InvalidArgument as exc:
                 raise InvalidArgument(f"{what} for persistent input {b.input!r}: {exc}") from None
             return value.readonly()
-        if b.info.type.WhichOneof("value") != "tensor_type":
+        if b.kind != "tensor_type":
             raise InvalidArgument(
-                f"{what} for {b.input!r}: the input is a "
-                f"{b.info.type.WhichOneof('value')}; only tensor state values are supported"
+                f"{what} for {b.input!r}: the input is a {b.kind}; only tensor state values "
+                "are supported"
             )
         try:
             arr = check_tensor(b.input, value, b.spec, b.strided)
         except InvalidArgument as exc:
             raise InvalidArgument(f"{what} for persistent input {b.input!r}: {exc}") from None
+        if arr is value:  # the array itself: same first element by construction
+            # already read-only (e.g. a KV present view): retained as it is, no second view
+            return arr if not arr.flags.writeable else _readonly(arr)
         view = _readonly(arr)
-        if arr is value:  # a view of the array itself: same first element by construction
-            return view
         src = _data_ptr(value)
         if src is not None and view.nbytes and src != view.__array_interface__["data"][0]:
             self._session.counters.add("bytes_copied_state", view.nbytes)  # never expected
@@ -520,14 +522,11 @@ class State:
                                 f"last_only: expected names of graph outputs not bound to the "
                                 f"state ({free}), got {name!r}")
                 retained = self._values
-                all_feeds = dict(feeds)
-                all_feeds.update(retained)
                 sess = self._session
-                prepared = sess.prepare_feeds(all_feeds)
-                for name, v in retained.items():
-                    p = prepared[name]
-                    if p is not v and p.nbytes and _data_ptr(p) != _data_ptr(v):
-                        sess.counters.add("bytes_copied_state", p.nbytes)  # never expected
+                # the retained values were checked against their inputs' specs when they were
+                # retained (_retain): they enter as they are (no per-binding check per call;
+                # feeds naming them were refused above)
+                prepared = sess.prepare_feeds(feeds, trusted=retained)
                 outputs = sess.run_env(prepared, last)
                 new_values = {}
                 for b in self._resolved:
