@@ -282,8 +282,8 @@ def test_workspace_independent_of_context_and_no_dequantized_bytes():
     # block and head with its row multipliers, the tile's block list
     # (kernels.paged_attention.workspace_bytes)
     g, w, bs = 7, 64, 16
-    assert peaks[64] == peaks[4096] == 2 * (4 * (3 * g + g * 64 + 2 * g * w + bs * 64 + bs)
-                                            + 16 * w)
+    assert peaks[64] == peaks[4096] == 2 * (4 * (3 * g + g * 64 + 2 * g * (w + 16) + bs * 64
+                                                 + bs) + 16 * w)
 
 
 # -- ONNX Attention-23 reference (GQA, past lengths 0, 1, 17) -----------------------------------

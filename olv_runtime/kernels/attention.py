@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from olv_runtime.errors import InvalidArgument
@@ -55,6 +56,9 @@ def _dot(a, b, n):
 #: and the tile's exponentials are one vector loop (64 = the 4 x 16 lanes LLVM's vectoriser takes
 #: per iteration of a runtime-length float32 loop on AVX-512).
 TILE = 64
+
+#: Extra score slots after a tile (:func:`_qk16` writes 16 scores at a time).
+SLACK = 16
 
 _FM = dict(JIT, fastmath={"reassoc", "nsz", "contract"})
 
@@ -132,11 +136,83 @@ def _softmax_tile(sc, ng, nt, mx, m, l, o, p):
         l[hh] = l[hh] + _exp_row(sc[hh], p[hh], nt, mo)
 
 
+@intrinsic
+def _qk16(typingctx, q, k, row0, nrows, out, off, mult):
+    """``out[off + j] = mult * (q . k[row0 + j])`` for ``j < 16``: the scores of up to 16 keys
+    at once without a horizontal sum per key. Per key a 16-lane partial vector (one vector FMA
+    per 16 features), then a shuffle tree adds the 16 vectors into one vector of 16 sums (15
+    pairwise steps instead of 16 horizontal reductions). Rows ``>= nrows`` repeat the last row
+    (never read out of bounds); their 16 - nrows results are written too, so ``out`` needs 16
+    writable slots from ``off``. ``q`` float32 [D], ``k`` float32 [T, D] C-contiguous,
+    ``D % 16 == 0``."""
+    sig = types.void(q, k, row0, nrows, out, off, mult)
+    def codegen(context, builder, sig, args):
+        qa = context.make_array(sig.args[0])(context, builder, args[0])
+        ka = context.make_array(sig.args[1])(context, builder, args[1])
+        oa = context.make_array(sig.args[4])(context, builder, args[4])
+        i64 = ir.IntType(64); i32 = ir.IntType(32)
+        f32 = ir.FloatType(); v16 = ir.VectorType(f32, 16)
+        d = builder.extract_value(qa.shape, 0)
+        nch = builder.udiv(d, ir.Constant(i64, 16))
+        row0 = context.cast(builder, args[2], sig.args[2], types.int64)
+        nrows = context.cast(builder, args[3], sig.args[3], types.int64)
+        last = builder.sub(nrows, ir.Constant(i64, 1))
+        kbase = builder.bitcast(ka.data, f32.as_pointer())
+        qbase = builder.bitcast(qa.data, f32.as_pointer())
+        rowptrs = []
+        for j in range(16):
+            jj = ir.Constant(i64, j)
+            r = builder.select(builder.icmp_signed("<", jj, nrows), jj, last)
+            rowptrs.append(builder.gep(kbase, [builder.mul(builder.add(row0, r), d)]))
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(16)]
+        with cgutils.for_range(builder, nch) as loop:
+            off16 = builder.mul(loop.index, ir.Constant(i64, 16))
+            qv = builder.load(builder.bitcast(builder.gep(qbase, [off16]), v16.as_pointer()), align=4)
+            for j in range(16):
+                kv = builder.load(builder.bitcast(builder.gep(rowptrs[j], [off16]), v16.as_pointer()), align=4)
+                a = builder.load(accs[j])
+                prod = builder.fmul(qv, kv, flags=("fast",))
+                builder.store(builder.fadd(a, prod, flags=("fast",)), accs[j])
+        vecs = [builder.load(a) for a in accs]
+        w = 16
+        while len(vecs) > 1:
+            half = w // 2; m = 16 // w
+            lo_idx = [g * w + i for g in range(m) for i in range(half)]
+            hi_idx = [g * w + half + i for g in range(m) for i in range(half)]
+            lo_m = ir.Constant(ir.VectorType(i32, 16), lo_idx + [16 + x for x in lo_idx])
+            hi_m = ir.Constant(ir.VectorType(i32, 16), hi_idx + [16 + x for x in hi_idx])
+            vecs = [builder.fadd(builder.shuffle_vector(a, b, lo_m), builder.shuffle_vector(a, b, hi_m))
+                    for a, b in zip(vecs[0::2], vecs[1::2])]
+            w = half
+        mv = builder.insert_element(ir.Constant(v16, ir.Undefined), args[6], ir.Constant(i32, 0))
+        mv = builder.shuffle_vector(mv, ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+        r = builder.fmul(vecs[0], mv)
+        o = context.cast(builder, args[5], sig.args[5], types.int64)
+        optr = builder.gep(builder.bitcast(oa.data, f32.as_pointer()), [o])
+        builder.store(r, builder.bitcast(optr, v16.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
 @njit(**JIT)
 def _scores_rows(qg, ng, k, j0, nt, mult, sc, c0, mx):
     """``sc[hh, c0 + j] = (qg[hh] . k[j0 + j]) * mult`` for ``ng`` heads and ``nt`` float32 key
-    rows; ``mx[hh]`` becomes the max of itself and these scores."""
+    rows (``k`` C-contiguous); ``mx[hh]`` becomes the max of itself and these scores. With
+    ``D % 16 == 0`` 16 keys at a time (:func:`_qk16`; ``sc`` needs 16 slots of slack after the
+    tile), else one dot product per key."""
     d = qg.shape[1]
+    if d % 16 == 0:
+        for jj in range(0, nt, 16):
+            n = min(16, nt - jj)
+            for hh in range(ng):
+                sr = sc[hh]
+                _qk16(qg[hh], k, j0 + jj, n, sr, c0 + jj, mult)
+                m = mx[hh]
+                for j in range(n):
+                    v = sr[c0 + jj + j]
+                    if v > m:
+                        m = v
+                mx[hh] = m
+        return
     for j in range(nt):
         kr = k[j0 + j]
         for hh in range(ng):
@@ -187,7 +263,7 @@ def _tile_max_init(mx, ng):
 def _attend_rows(qg, ng, k, v, j0, j1, scale, m, l, o, sc, p, mx):
     """Keys/values ``k[j0:j1]``, ``v[j0:j1]`` (float32 [T, D] rows of one kv head) into the
     partial softmax state ``m[ng], l[ng], o[ng, D]`` of the ``ng`` query heads ``qg[ng, D]``.
-    Scratch: ``sc, p`` float32 [>= ng, TILE], ``mx`` float32 [>= ng]."""
+    Scratch: ``sc, p`` float32 [>= ng, TILE + SLACK], ``mx`` float32 [>= ng]."""
     one = np.float32(1.0)
     for t0 in range(j0, j1, TILE):
         nt = min(TILE, j1 - t0)
@@ -254,8 +330,8 @@ def _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out):
     nkeys = past_len + s + 1 if is_causal else past_len + s_n
     m = np.empty(group, np.float32)
     l = np.empty(group, np.float32)
-    sc = np.empty((group, TILE), np.float32)
-    p = np.empty((group, TILE), np.float32)
+    sc = np.empty((group, TILE + SLACK), np.float32)
+    p = np.empty((group, TILE + SLACK), np.float32)
     mx = np.empty(group, np.float32)
     o = out[b, s, g * group:(g + 1) * group]  # the accumulator lives in the output rows
     _state_init(m, l, o, group)

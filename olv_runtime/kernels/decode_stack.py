@@ -56,7 +56,7 @@ from olv_runtime.errors import InvalidArgument
 
 from . import packed_f32, packed_i8
 from . import paged_attention as pk
-from .attention import TILE, _attend_rows, _merge_partials, _state_init
+from .attention import SLACK, TILE, _attend_rows, _merge_partials, _state_init
 from .paged_attention import _paged_rows
 from .config import JIT, PJIT
 from .norm import _rms_norm_row
@@ -239,14 +239,14 @@ class StackWorkspace:
         D]``, the private merged output ``attn_p [nt, 1, H*D]``, scores/probabilities
         ``[nt, H/KVH, width]`` and the tile max ``[nt, H/KVH]``."""
         a = self._att
-        if a is None or a[4].shape[2] != width:
+        if a is None or a[4].shape[2] != width + SLACK:
             nt, g = self.nt, n_heads // n_kv
             a = self._att = (np.zeros((nt, n_heads), np.float32),
                              np.zeros((nt, n_heads), np.float32),
                              np.zeros((nt, n_heads, d), np.float32),
                              np.zeros((nt, 1, n_heads * d), np.float32),
-                             np.zeros((nt, g, width), np.float32),
-                             np.zeros((nt, g, width), np.float32),
+                             np.zeros((nt, g, width + SLACK), np.float32),
+                             np.zeros((nt, g, width + SLACK), np.float32),
                              np.zeros((nt, g), np.float32))
         return a
 

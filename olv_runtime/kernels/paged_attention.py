@@ -51,7 +51,7 @@ from numba.core.extending import intrinsic
 
 from olv_runtime.errors import InvalidArgument
 
-from .attention import TILE, _FM, _accum_rows, _dot, _scores_rows, _softmax_tile, _state_finish, \
+from .attention import SLACK, TILE, _FM, _accum_rows, _dot, _scores_rows, _softmax_tile, _state_finish, \
     _state_init, _tile_max_init
 from .config import JIT, PJIT, lazy_njit
 
@@ -215,6 +215,16 @@ def _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, mult, out, rmul):
                     row[grp * 32 + j] = table[(b >> ((j & 3) * 2)) & 3] * s
 
 
+@njit(**_FM)
+def _scale_rows(rows, n, rmul):
+    d = rows.shape[1]
+    for t in range(n):
+        r = rows[t]
+        m = rmul[t]
+        for i in range(d):
+            r[i] = r[i] * m
+
+
 @njit(**JIT)
 def _scores_rows_m(qg, ng, k, nt, rmul, sc, c0, mx):
     """``sc[hh, c0 + j] = (qg[hh] . k[j]) * rmul[j]``; ``mx[hh]`` tracks the max."""
@@ -270,8 +280,10 @@ def _block_scores(qg, ng, fmt, addr, saddr, pt, g, bs, d, nk, scale, sc, c0, mx,
     if fmt == 0:
         _scores_rows(qg, ng, _block_f32(addr, g, bs, d), 0, nk, scale, sc, c0, mx)
     else:
-        _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, scale, scr, rmul)
-        _scores_rows_m(qg, ng, scr, nk, rmul, sc, c0, mx)
+        _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, np.float32(1.0), scr, rmul)
+        if fmt == 2 or fmt == 3:  # the scales into the rows: decoded values
+            _scale_rows(scr, nk, rmul)
+        _scores_rows(qg, ng, scr, 0, nk, scale, sc, c0, mx)
 
 
 @njit(**JIT)
@@ -302,11 +314,11 @@ def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, 
     """Blocks ``table[b0:b1]`` of kv head ``g`` into the partial softmax state ``m, l, o`` of the
     ``ng`` query heads ``qg[ng, D]`` of the query at position ``qpos`` (keys at positions
     ``> qpos`` skipped when ``causal``). Consecutive blocks share one softmax tile of up to
-    ``sc.shape[1]`` keys. Scratch: ``sc, p`` float32 [ng, W >= BS], ``mx`` [ng], ``scr``
+    ``sc.shape[1] - SLACK`` keys. Scratch: ``sc, p`` float32 [ng, W + SLACK], W >= BS, ``mx`` [ng], ``scr``
     float32 [BS, D] (one block and head of a non-float32 side, decoded), ``rmul`` float32 [BS],
     ``pend`` int64 [W, 2] (the tile's blocks)."""
     d = qg.shape[1]
-    w = sc.shape[1]
+    w = sc.shape[1] - SLACK
     c = 0
     npend = 0
     _tile_max_init(mx, ng)
@@ -424,7 +436,7 @@ def workspace_bytes(s: int, h: int, kvh: int, d: int, block_size: int = 16) -> i
     g = h // kvh
     w = tile_width(block_size)
     bs = int(block_size)
-    per_task = 4 * (3 * g + g * d + 2 * g * w + bs * d + bs) + 16 * w
+    per_task = 4 * (3 * g + g * d + 2 * g * (w + SLACK) + bs * d + bs) + 16 * w
     return s * kvh * per_task
 
 
@@ -437,8 +449,8 @@ def _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, out):
     m = np.empty(ng, np.float32)
     l = np.empty(ng, np.float32)
     mx = np.empty(ng, np.float32)
-    sc = np.empty((ng, w), np.float32)
-    p = np.empty((ng, w), np.float32)
+    sc = np.empty((ng, w + SLACK), np.float32)
+    p = np.empty((ng, w + SLACK), np.float32)
     scr = np.empty((bs, d), np.float32)
     rmul = np.empty(bs, np.float32)
     pend = np.empty((w, 2), np.int64)
