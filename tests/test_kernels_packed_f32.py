@@ -219,3 +219,24 @@ def test_invalid_arguments():
     with pytest.raises(InvalidArgument, match="workspace"):
         linear_packed_i8_exact(x, pk, workspace=object())
     assert linear_packed_i8_exact(np.empty((0, k), np.float32), pk).shape == (0, n)
+
+
+@pytest.mark.parametrize("n,k", [(8, 32), (100, 96), (13, 160), (64, 416)])
+def test_one_row_group_kernel_bitwise_equals_groups_small(n, k):
+    """The compiled decode step's one-row kernel (_groups_m1: only the 1-row block kernels)
+    gives the bytes of _groups_small with m = 1, over any range of groups."""
+    from olv_runtime.kernels import packed_f32
+
+    rng = np.random.default_rng(n + k)
+    _, payload, scale = _weight(n, k, rng)
+    p = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    ng = p.codes.shape[0]
+    for g0, g1 in ((0, ng), (ng // 2, ng)):
+        a = np.zeros((1, n), np.float32)
+        b = np.zeros((1, n), np.float32)
+        facc = np.zeros(64, np.float32)
+        packed_f32._groups_small(p.codes, p.scale, g0, g1, x, 0, 1, n, a, facc)
+        packed_f32._groups_m1(p.codes, p.scale, g0, g1, x, n, b, facc)
+        np.testing.assert_array_equal(a, b)
+        assert np.abs(a[0, 8 * g0:]).sum() > 0

@@ -289,8 +289,7 @@ def _ov_linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
             g0 = tid * ng // nt
             g1 = (tid + 1) * ng // nt
             n = out.shape[1]
-            packed_f32._groups_small(codes, scale, g0, g1, xin, np.int64(0), np.int64(1), n,
-                                     out, facc32)
+            packed_f32._groups_m1(codes, scale, g0, g1, xin, n, out, facc32)
             return g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, n)
     else:
         def impl(tid, nt, i8, codes, scale, xin, out, facc32, vnni):

@@ -262,6 +262,44 @@ def _group_rows8(codes, scale, g, x, i0, facc):
 
 
 @njit(**JIT)
+def _group_row1(codes, scale, g, x, facc):
+    """facc[:8] = y[0, 8g:8g+8] of a one-row ``x``: the ``nr == 1`` path of
+    :func:`_group_rows` (same operations, so bitwise the same), apart so that the compiled decode
+    step (M = 1 only) does not compile the 2- and 4-row block kernels."""
+    kb = codes.shape[1]
+    for t in range(GROUP_ROWS):
+        facc[t] = np.float32(0.0)
+    base = g * kb
+    nb = NB_R1
+    b = 0
+    while b + nb <= kb:
+        cb = (base + b) * GROUP_BLOCK_BYTES
+        if PF_BYTES > 0:
+            for q in range(nb):
+                _prefetch(codes, cb + PF_BYTES + 128 * q)
+                _prefetch(codes, cb + PF_BYTES + 128 * q + 64)
+                _prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES // 16)
+        so = (base + b) * GROUP_ROWS
+        _blk_r1_n(codes, cb, scale, so, x, b * BLOCK, x.shape[1], facc)
+        b += nb
+    while b < kb:
+        cb = (base + b) * GROUP_BLOCK_BYTES
+        so = (base + b) * GROUP_ROWS
+        _blk_r1_1(codes, cb, scale, so, x, b * BLOCK, x.shape[1], facc)
+        b += 1
+
+
+@njit(**JIT)
+def _groups_m1(codes, scale, g0, g1, x, n, out, facc):
+    """Groups g0..g1-1 of ``out[0]`` for a one-row ``x`` (:func:`_groups_small` with m = 1)."""
+    one = np.int64(1)
+    zero = np.int64(0)
+    for g in range(g0, g1):
+        _group_row1(codes, scale, g, x, facc)
+        _store_rows(facc, g, zero, one, n, out)
+
+
+@njit(**JIT)
 def _store_rows(facc, g, i0, nr, n, out):
     r0 = g * GROUP_ROWS
     nc = min(GROUP_ROWS, n - r0)

@@ -511,7 +511,7 @@ def _code_u(payload, row, kk, n, k):
     return np.uint8(8)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)  # one library per driver, not two levels
 def _prepack_group(payload, scale, n, k, codes, pscale, g):
     kb = codes.shape[1]
     for b in range(kb):
