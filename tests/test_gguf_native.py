@@ -132,3 +132,16 @@ def test_block_kernels_int8_mode(tmp_path, ttype):
     got = outs[0]
     assert float(np.max(np.abs(got - ref))) <= 0.05 * float(np.max(np.abs(ref)))
     assert np.array_equal(got[0, -1].argmax(), ref[0, -1].argmax())
+
+
+def test_block_gather_rejects_out_of_range_ids(tmp_path):
+    from olv_runtime.errors import OlvError
+
+    model = _model(tmp_path, "Q8_0")
+    sess = olv_runtime.InferenceSession(model)
+    assert any(s.kind == "EncodedGather" for s in sess.all_steps())
+    with pytest.raises(OlvError, match="out of range"):
+        _logits(sess, np.array([[3, 320]], np.int64))  # vocab 320
+    got = _logits(sess, np.array([[3, -1]], np.int64))  # negative ids count from the end
+    ref = _logits(sess, np.array([[3, 319]], np.int64))
+    assert np.array_equal(got, ref)

@@ -109,8 +109,11 @@ class GGMLGather:
             bad = flat[(flat < -n) | (flat >= n)][0]
             raise InvalidArgument(f"node {self.name!r} (Gather): index {int(bad)} out of range "
                                   f"[-{n}, {n - 1}] for {self.w.name!r} ({n} rows)")
-        rows = dequantize_rows(self.w.kind, self.w.blocks[flat % n])
-        return (rows.reshape(ids.shape + (k,)),)
+        from olv_runtime.pool import empty
+
+        out = empty(ids.shape + (k,), np.float32)  # the session's pooled output buffer
+        out.reshape(-1, k)[...] = dequantize_rows(self.w.kind, self.w.blocks[flat % n])
+        return (out,)
 
 
 def _verified(value) -> ggml.GGMLBlock | None:
