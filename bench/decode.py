@@ -1144,6 +1144,16 @@ def main(argv=None):
         for o in ort_rows:
             print(f"  olv best ({best['label']}) / {o['label']}: decode "
                   f"{best['decode_tps'] / o['decode_tps']:.2f}x (target >= 1.5)")
+    genai_row = next((r for r in ort_rows if "onnxruntime-genai" in r["label"]), None)
+    same_file = [r for r in rows if r["label"].startswith("olv_runtime") and "error" not in r
+                 and "onnxruntime-genai" in r["label"]]
+    if genai_row and same_file:
+        print("acceptance ratios (issue 12, the onnxruntime-genai builder's own file, same "
+              "threads):")
+        for r in same_file:
+            print(f"  {r['label']} / {genai_row['label']}: decode "
+                  f"{r['decode_tps'] / genai_row['decode_tps']:.2f}x (target >= 1.3 for the "
+                  "best mode)")
     for r in olv_rows:
         al = r["decode_allocations"]
         print(f"{r['label']}: counters after warm-up: the {al['decode_steps']} decode steps of a "
