@@ -14,7 +14,8 @@ the median:
   activations) and ``linear_packed_i8`` (quantized mode, int8 activation blocks) on
   ``prepack_int4_i8`` weights (float16 block scales, the converter default) -- for q 896x896,
   k/v 128x896, o 896x896, the merged q/k/v 1152x896, gate/up 4864x896 and merged 9728x896, down
-  896x4864, lm_head 151936x896 at M = 1, 4, 32, 128:
+  896x4864, lm_head 151936x896 at M = 1, 4, 32, 128, and the layer shapes at M = 512 (prefill;
+  M >= 8 runs the register-blocked VNNI tile GEMM in quantized mode where the CPU has VNNI):
   ``weight_GBps`` = packed weight bytes / time (and ``pct_of_stream``), ``GFLOPs`` = 2*M*N*K /
   time. For M <= 4 the call cycles through enough copies of the packed weight (>= the stream
   size, above the L3 cache the CPU reports) that every call reads its weight from DRAM, as in
@@ -197,7 +198,9 @@ def _weights(n, k, cycled):
     return [PackedInt4I8(codes[i], scales[i], n, k) for i in range(ncopy)]
 
 
-LINEAR_CASES = [(name, n, k, m) for name, n, k in SHAPES for m in MS]
+# prefill shapes: M = 512 as well (not the lm_head: a prefill computes its last row only)
+LINEAR_CASES = ([(name, n, k, m) for name, n, k in SHAPES for m in MS]
+                + [(name, n, k, 512) for name, n, k in SHAPES if name != "lm_head"])
 
 
 @pytest.mark.parametrize("mode", ["exact", "quant"])

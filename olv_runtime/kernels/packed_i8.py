@@ -66,6 +66,9 @@ Bytes read per call: ``packed.nbytes`` = ``16 * NG * Kp`` codes + ``32 * NG * KB
 bumped whenever this layout changes, so a persisted prepacked copy (seed 004) of an older layout
 is never read as this one.
 
+Prefill (M >= 8) on the VNNI path: :mod:`.packed_i8_gemm` (16 output rows x 8 activation rows
+per zmm register tile, the same bits).
+
 Zero points are not supported (:func:`prepack_int4_i8` raises
 :class:`~olv_runtime.errors.InvalidArgument`, so callers fall back to :mod:`.packed`).
 """
@@ -885,7 +888,8 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
 
     Parameters
     ----------
-    x : ndarray of float32, shape [M, K], C-contiguous (any M; tuned for M <= 8)
+    x : ndarray of float32, shape [M, K], C-contiguous (any M). From M = 8 on the VNNI path
+        (prefill) runs the register-blocked tile GEMM of :mod:`.packed_i8_gemm` (same bits).
     packed : PackedInt4I8
     out : ndarray of float32, shape [M, N], C-contiguous, optional
     workspace : PackedI8Workspace, optional
