@@ -16,8 +16,10 @@ Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 
    (:func:`~.packed_i8._groups` int8 / :func:`~.packed_f32._groups_small` exact); barrier;
 3. RoPE of q and k (non-interleaved or interleaved halves, ``rotary_dim``), k and v written into
    slot ``t`` of the layer's capacity buffers (KV heads split across threads); barrier;
-4. attention of each query head over ``t + 1`` keys (:func:`~.attention._attend_one`, online
-   softmax; heads split); barrier;
+4. attention over ``t + 1`` keys (:func:`~.attention._attend_rows`: one pass per kv head for all
+   its query heads, 64-key tiles, online softmax): each task takes its share of the keys of every
+   kv head (flash-decoding split); barrier; each task merges the partial softmax states into its
+   private copy of the attention output (:func:`~.attention._merge_partials`);
 5. ``x1 = attn @ Wo.T + x`` (groups split, residual added per row); barrier;
 6. ``h2 = RMSNorm(x1) * w_post`` (private), ``gu = h2 @ Wgu.T`` (gate rows then up rows);
    barrier;

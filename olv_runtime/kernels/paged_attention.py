@@ -32,12 +32,16 @@ per-token-scale flag; then the block's first position and its valid tokens; :fun
 The table is plain data, so a compiled decode step takes it as an argument
 (:mod:`olv_runtime.kernels.decode_stack`). Each (kv head, query) task makes one pass over the
 blocks for every query head of its group (GQA): consecutive blocks fill one softmax tile of up to
-:func:`tile_width` keys (scores of float32 rows straight from the block, of other formats from a
-row dequantized into a private ``[D]`` scratch row -- INT8 codes times the token's scale, INT4
-nibbles, float16 by ``fpext``, codebook indices), then one online-softmax update per head and tile
-with vectorised exponentials (:func:`~.attention._softmax_tile`), then ``o += p @ V`` from the
-same rows. No block is ever dequantized into a buffer; the workspace of a call
-(:func:`workspace_bytes`) depends on the query and head counts only.
+:func:`tile_width` keys. Scores of float32 rows are read straight from the block; a side of
+another format is decoded one block and kv head at a time (``BS x D`` floats, 4 KiB for 16 x 64)
+into a private scratch that stays in L1 -- INT8/INT4 codes converted by one vector loop and
+multiplied by the token's (or block's) scale, float16 by ``fpext``, codebook indices by table
+lookup -- and used at once by every query head of the group, then overwritten by the next block.
+Then one online-softmax update per head and tile with vectorised exponentials
+(:func:`~.attention._softmax_tile`), then ``o += p @ V`` (the value side decoded the same way,
+its scales folded into the probabilities). The cache is never dequantized into a buffer
+(``bytes_dequantized`` stays 0): the workspace of a call (:func:`workspace_bytes`) depends on the
+query and head counts and the block size only.
 
 A query with no attendable key gets zeros (fully masked rows are defined). Sealing (conversion of
 a full block into a quantized format) is :func:`convert_block`.
@@ -432,7 +436,8 @@ def tile_width(block_size: int) -> int:
 def workspace_bytes(s: int, h: int, kvh: int, d: int, block_size: int = 16) -> int:
     """Bytes of the attention workspace of one call for ``S`` queries: per (kv head, query) task
     the running max/sum and output accumulator of the group's heads, two tiles of scores, four
-    dequantized rows and the tile's block list -- independent of the context length."""
+    decoded block and head with its row multipliers and the tile's block list -- independent of
+    the context length."""
     g = h // kvh
     w = tile_width(block_size)
     bs = int(block_size)

@@ -34,7 +34,11 @@ Bookkeeping here is plain Python (vLLM's block-pool idea); the kernels see array
   rest INT4. Conversion writes a new slot (``bytes_kv_converted``); the older cache value keeps
   its own block.
 * **Attention** (:func:`olv_runtime.kernels.paged_attention.paged_attention`) streams over the
-  blocks grouped by chunk pair, dequantizing one row at a time inside the kernel.
+  value's block table (raw slot addresses per block), decoding one block and kv head at a
+  time into an L1 scratch inside the kernel. The compiled decode step
+  (:class:`olv_runtime.paged_stack.PagedDecoderStack`) uses :meth:`PagedKV.decode_begin` /
+  :meth:`PagedKV.decode_end` around its driver instead of :meth:`PagedKV.run`; its block
+  table is updated in place while the cache value it belongs to is the newest of its lineage.
 
 Blocks that were not made here (a cache built by the caller) are *adopted*: their fields are
 viewed as single-slot chunks (no copy); they are read, never written.
