@@ -230,6 +230,10 @@ class LinearStep:
             self.packed = gp.GGMLPacked(parts[0].kind, data, self.n, self.k)
         if self.counters is not None:
             self.counters.add("bytes_repacked", self.packed.nbytes)
+        from olv_runtime.structs.ggml_native import release_pages
+
+        for w in ws:  # the records are what runs: the mapped pages need not stay resident
+            release_pages(w.blocks)
         fn = gp.linear_ggml_i8 if self.quantize else gp.linear_ggml_exact
         self._linear_packed = (lambda x, p, out, quantize_activations, workspace:
                                fn(x, p, out, workspace=workspace))

@@ -87,6 +87,33 @@ class GGMLWeight:
         return int(self.blocks.nbytes)
 
 
+def release_pages(blocks: np.ndarray) -> int:
+    """Tell the kernel this process no longer needs the resident pages of a file-mapped weight
+    (``madvise(MADV_DONTNEED)`` on the whole pages inside ``blocks``) once its records exist: the
+    .gguf's bytes are unchanged (read-only mapping; the pages stay in the page cache and a later
+    read, e.g. an embedding row, faults them back in), only the process's RSS no longer counts
+    them. Returns the bytes advised (0 where unsupported or when ``blocks`` owns its memory)."""
+    import mmap as _mmap
+    import sys
+
+    if not sys.platform.startswith("linux") or blocks.base is None or blocks.flags.writeable:
+        return 0
+    page = _mmap.PAGESIZE
+    start = blocks.ctypes.data
+    a = -(-start // page) * page
+    b = ((start + blocks.nbytes) // page) * page
+    if b <= a:
+        return 0
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), ctypes.c_int(4))  # DONTNEED
+    except (OSError, AttributeError):
+        return 0
+    return b - a if rc == 0 else 0
+
+
 class GGMLGather:
     """``Gather(Decode(W), ids, axis=0)`` for a :class:`GGMLWeight`: dequantizes only the rows
     ``ids`` (negative ids count from the end, as ONNX Gather), with gguf-py's float32 operations
