@@ -6,9 +6,10 @@ token is timed (median of ``--reps``):
 
 * ``contiguous fp32``: :func:`olv_runtime.kernels.attention` over a capacity buffer
   (the kernel alone; the KV append is a separate ``kv_write``);
-* ``paged int8`` / ``paged int4``: :meth:`olv_runtime.state.paged.PagedKV.run` for one token —
-  append, attention over the blocks (dequantized inside the kernel), sealing — and the kernel
-  alone (:func:`olv_runtime.kernels.paged_attention.paged_attention`).
+* ``paged fp32`` / ``paged int8`` / ``paged int4``: :meth:`olv_runtime.state.paged.PagedKV.run`
+  for one token — append, attention over the blocks (decoded inside the kernel), sealing — and
+  the kernel alone (:func:`olv_runtime.kernels.paged_attention.paged_attention` over the cache
+  value's block table: the ``ctx`` cached tokens).
 
 Bytes read per token are the KV payload the attention reads (codes and scales), from the
 ``bytes_read_kv_attention`` counter for paged caches and ``2 * KVH * T * D * 4`` for contiguous.
@@ -25,6 +26,7 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.counters import recording
+from olv_runtime.kernels.paged_attention import paged_attention
 from olv_runtime.state.paged import Geometry, PagedKV, SealPolicy, empty_paged_cache
 
 H, KVH, D, BS = 14, 2, 64, 16
@@ -67,11 +69,10 @@ def paged(fmt, ctx, reps, rng):
         mgr.counters = rec
         mgr.run(cache, q1, k1, v1, 0.125, True)
         mgr.counters = None
-    blocks = list(cache["blocks"])
-    refs = [mgr._ref(b, i) for i, b in enumerate(blocks)]
+    rows, _ = cache.meta.table.rows(KVH)  # the value's block table (raw slot addresses)
     out = np.empty((1, H, D), np.float32)
-    ws = mgr._workspace(1, H)
-    kern = _median(lambda: mgr._attend(q1, blocks, refs, ctx, 0.125, True, out, ws), reps)
+    kern = _median(lambda: paged_attention(q1, rows, rows.shape[0], ctx - 1, 0.125, True, KVH,
+                                           BS, out), reps)
     return step, kern, rec["bytes_read_kv_attention"]
 
 
@@ -89,6 +90,7 @@ def main(argv=None):
           f"{'GB/s (kernel)':>15}")
     for ctx in (128, 1024, 4096):
         rows = [("contiguous fp32",) + contiguous(ctx, args.reps, rng),
+                ("paged fp32",) + paged("float32", ctx, args.reps, rng),
                 ("paged int8",) + paged("int8", ctx, args.reps, rng),
                 ("paged int4",) + paged("int4", ctx, args.reps, rng)]
         for name, step, kern, nbytes in rows:

@@ -199,10 +199,10 @@ def _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, mult, out, rmul):
         else:
             h = nk * d // 2
             srcu = carray(_u8p(addr + g * bs * (d // 2)), (h,))
-            for i in range(h):
+            for i in range(h):  # 4-bit two's complement: sign-extend by shifts
                 b = np.int32(srcu[i])
-                flat[2 * i] = np.float32(((b & 15) ^ 8) - 8)
-                flat[2 * i + 1] = np.float32(((b >> 4) ^ 8) - 8)
+                flat[2 * i] = np.float32(np.int32(b << 28) >> 28)
+                flat[2 * i + 1] = np.float32(np.int32(b << 24) >> 28)
     else:  # codebook2: records of 8 code bytes (32 x 2-bit indices) + float32 scale
         ng = d // 32
         table = carray(_f32p(saddr), (4,))
