@@ -627,12 +627,18 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
         b1 = (tid + 1) * nb // nt
         for g in range(n_kv):
             hs = g * group
-            m = pm[tid, hs:hs + group]
-            l = pl[tid, hs:hs + group]
-            o = po[tid, hs:hs + group]
-            _state_init(m, l, o, group)
-            _paged_rows(q3[hs:hs + group], group, tab, b0, b1, g, bs, 0, False, att_scale, m, l,
-                        o, sc, p, mx, scr, rmul, pend)
+            _state_init(pm[tid, hs:hs + group], pl[tid, hs:hs + group], po[tid, hs:hs + group],
+                        group)
+        # one softmax tile of blocks at a time for every kv head: a block slot ([KVH, BS, D])
+        # is read whole, in address order, before the next one
+        tb = max((sc.shape[1] - SLACK) // bs, 1)
+        for c0 in range(b0, b1, tb):
+            c1 = min(c0 + tb, b1)
+            for g in range(n_kv):
+                hs = g * group
+                _paged_rows(q3[hs:hs + group], group, tab, c0, c1, g, bs, 0, False, att_scale,
+                            pm[tid, hs:hs + group], pl[tid, hs:hs + group],
+                            po[tid, hs:hs + group], sc, p, mx, scr, rmul, pend)
         _barrier(bar, nt)
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
         x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
