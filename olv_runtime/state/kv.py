@@ -26,7 +26,9 @@ import numpy as np
 from olv_runtime import kernels
 from olv_runtime.counters import Counters
 
-_lock = threading.Lock()
+# re-entrant: a garbage collection while the lock is held (e.g. inside weakref.finalize in
+# _register) may run _forget for a dead buffer on the same thread; a plain Lock deadlocked
+_lock = threading.RLock()
 _committed: dict[int, list] = {}  # id(buffer) -> [weakref(buffer), committed length]
 
 
