@@ -197,14 +197,7 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
             boundary_out += [L["present_k"], L["present_v"]]
         if len(set(boundary_in)) != len(boundary_in):
             continue
-        # every value made inside the run is read only inside it and is not a graph output
-        made = {o for st in run for o in st.outputs if o} - set(boundary_out)
-        inside = {id(st) for st in run}
-        leaks = made & set(graph_outputs)
-        for st in steps:
-            if id(st) not in inside:
-                leaks |= made & set(st.inputs)
-        if leaks:
+        if run_leaks(run, steps, boundary_out, graph_outputs):
             continue
         _narrow_scales(layers, lm, counters)
         stack = DecoderStack("DecoderStack(" + run[0].name + " .. " + run[-1].name + ")",
@@ -637,3 +630,16 @@ class DecoderStack:
         # the outputs keep this reference until the run ends (BufferPool.end_run); the executor
         # adds and drops its own
         return tuple(env[n] for n in self.outputs)
+
+
+def run_leaks(run, steps, boundary_out, graph_outputs) -> set:
+    """Values made inside ``run`` (a span of plan steps about to become one fused step) that
+    leave it other than through ``boundary_out``: read by a step outside the run or a graph
+    output. A run can be fused only when this is empty."""
+    made = {o for st in run for o in st.outputs if o} - set(boundary_out)
+    inside = {id(st) for st in run}
+    leaks = made & set(graph_outputs)
+    for st in steps:
+        if id(st) not in inside:
+            leaks |= made & set(st.inputs)
+    return leaks

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from olv_runtime.decoder_stack import DecoderStack, _consistent, _linear, _norm
+from olv_runtime.decoder_stack import DecoderStack, _consistent, _linear, _norm, run_leaks
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.fusion import Step
 from olv_runtime.pool import empty
@@ -147,13 +147,7 @@ def fuse_paged_decoder_stack(steps: list, constants: dict, graph_outputs: set,
             continue
         if len(set(boundary_in)) != len(boundary_in):
             continue
-        made = {o for st in run for o in st.outputs if o} - set(boundary_out)
-        inside = {id(st) for st in run}
-        leaks = made & set(graph_outputs)
-        for st in steps:
-            if id(st) not in inside:
-                leaks |= made & set(st.inputs)
-        if leaks:
+        if run_leaks(run, steps, boundary_out, graph_outputs):
             continue
         stack = PagedDecoderStack("PagedDecoderStack(" + run[0].name + " .. " + run[-1].name
                                   + ")", layers, nf[0], lm, run, boundary_in, boundary_out,
