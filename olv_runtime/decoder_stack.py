@@ -514,7 +514,9 @@ class DecoderStack:
         self.tasks = nt
         return nt
 
-    def _fast_ok(self, x0, cos, sin, pasts) -> bool:
+    def _token_ok(self, x0, cos, sin) -> bool:
+        """One token's hidden state [1, 1, E] and RoPE cos/sin [1, 1, rotary_dim/2]: contiguous
+        float32 arrays (what the compiled driver reads)."""
         e, r2 = self.e, self.rotary_dim // 2
         if not (type(x0) is np.ndarray and x0.dtype == _F32 and x0.shape == (1, 1, e)
                 and x0.flags.c_contiguous):
@@ -523,6 +525,11 @@ class DecoderStack:
             if not (type(c) is np.ndarray and c.dtype == _F32 and c.shape == (1, 1, r2)
                     and c.flags.c_contiguous):
                 return False
+        return True
+
+    def _fast_ok(self, x0, cos, sin, pasts) -> bool:
+        if not self._token_ok(x0, cos, sin):
+            return False
         shp = (1, self.kv_heads)
         for p in pasts:
             if not (type(p) is np.ndarray and p.dtype == _F32 and p.ndim == 4

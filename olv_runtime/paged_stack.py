@@ -30,7 +30,6 @@ from olv_runtime.structs.runtime import RuntimeStruct
 
 __all__ = ["PagedDecoderStack", "fuse_paged_decoder_stack"]
 
-_F32 = np.dtype(np.float32)
 
 
 def _match_layer(steps, i, x, constants):
@@ -191,14 +190,8 @@ class PagedDecoderStack(DecoderStack):
         return st
 
     def _fast_ok(self, x0, cos, sin, caches) -> bool:
-        e, r2 = self.e, self.rotary_dim // 2
-        if not (type(x0) is np.ndarray and x0.dtype == _F32 and x0.shape == (1, 1, e)
-                and x0.flags.c_contiguous):
+        if not self._token_ok(x0, cos, sin):
             return False
-        for c in (cos, sin):
-            if not (type(c) is np.ndarray and c.dtype == _F32 and c.shape == (1, 1, r2)
-                    and c.flags.c_contiguous):
-                return False
         return all(type(c) is RuntimeStruct for c in caches)
 
     def __call__(self, x0, cos, sin, *caches):
