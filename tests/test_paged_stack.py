@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import olv_runtime
-import tests.naive as naive
+import naive
 from olv_runtime.kernels import attention, get_num_threads, set_num_threads, threading_layer
 from olv_runtime.state.paged import block_counts, block_format
 
