@@ -42,6 +42,13 @@ dimensions and its content but not its name, external-data location or storage m
   a dense tensor, then the packed code bytes;
 * struct ``EncodedValueProto``: ``u32 2``, the logical type (rank ``u32 0xFFFFFFFF`` when absent),
   the resolved declaration serialized deterministically, then the payload bytes.
+* a dense integer initializer that the graph makes a quantized weight of (the ``x`` of a
+  ``DequantizeLinear``, the ``B`` of a ``com.microsoft::MatMulNBits``; olv_runtime.recognize):
+  ``u32 3``, then the affine form above of the value the linear kernels receive (logical type and
+  dims, storage type, axis, block_size, scale and zero point with their element types, codes).
+  The digest thus covers the scales and zero points held in the node's other initializers too:
+  the packed form depends on them, so changing any of them is a digest mismatch (a miss), never
+  a stale hit. ``source_name`` is the codes initializer.
 
 Deferring the digest comparison (seed 004 "Digest comparison ... may be deferred until load
 time"): hashing every source byte at each session creation would read (and make resident) the
@@ -125,6 +132,39 @@ def _dense_parts(t_type: int, dims, data) -> list:
     return [head + struct.pack("<Q", arr.nbytes), arr.reshape(-1).view(np.uint8)]
 
 
+_NP_TENSOR_TYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+                   np.dtype(np.float64): TensorProto.DOUBLE, np.dtype(np.int8): TensorProto.INT8,
+                   np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int16): TensorProto.INT16}
+
+
+def source_name_of(value) -> str:
+    """The initializer a compiled entry of ``value`` (a linear weight) names as ``source_name``:
+    the codes initializer of a recognized DequantizeLinear / MatMulNBits weight, else the
+    value's own name (an encoded initializer)."""
+    from olv_runtime.recognize import SOURCE_ATTR
+
+    return getattr(value, SOURCE_ATTR, None) or value.name
+
+
+def _affine_parts(value, scale_type: int, zp_type: int) -> list:
+    head = struct.pack("<IiI", 1, int(value.elem_type), len(value.shape))
+    head += struct.pack(f"<{len(value.shape)}q", *value.shape)
+    head += struct.pack("<iqQ", int(value.storage_type),
+                        -1 if value.axis is None else int(value.axis),
+                        0 if value.block_size is None else int(value.block_size))
+    parts = [head]
+    scale = value.scale
+    parts += _dense_parts(scale_type, scale.shape, scale)
+    if value.zero_point is None:
+        parts.append(b"\0")
+    else:
+        zp = np.ascontiguousarray(value.zero_point)
+        parts.append(b"\1")
+        parts += _dense_parts(zp_type, zp.shape, zp)
+    parts += [struct.pack("<Q", value.codes.size), value.codes]
+    return parts
+
+
 def canonical_parts(model: Model, name: str, value=None) -> list:
     """The canonical form of initializer ``name`` (see the module docstring) as a list of parts:
     ``bytes`` (small headers, built here) and ``uint8`` arrays (views of the model's payloads:
@@ -143,6 +183,7 @@ def canonical_parts(model: Model, name: str, value=None) -> list:
     CompiledTensorError
         ``name`` is not exactly one dense or encoded initializer.
     """
+    from olv_runtime.recognize import SOURCE_ATTR
     from olv_runtime.values import AffineValue, tensor_from_proto
 
     index = getattr(model, "_initializer_index", None)
@@ -161,6 +202,17 @@ def canonical_parts(model: Model, name: str, value=None) -> list:
             "exactly one dense or encoded initializer of the root graph"
         )
     msg = found[0]
+    if (isinstance(msg, TensorProto) and isinstance(value, AffineValue)
+            and getattr(value, SOURCE_ATTR, None) == name):
+        # a weight the graph makes of this initializer and its scale / zero-point initializers
+        def code(a):
+            t = _NP_TENSOR_TYPE.get(np.asarray(a).dtype)
+            if t is None:
+                raise CompiledTensorError(f"compiled tensor source {name!r}: no canonical form "
+                                          f"for {np.asarray(a).dtype} parameters")
+            return t
+        zp_t = 0 if value.zero_point is None else code(value.zero_point)
+        return [_CANON, struct.pack("<I", 3)] + _affine_parts(value, code(value.scale), zp_t)
     if isinstance(msg, TensorProto):
         payload = None
         if msg.data_location == TensorProto.EXTERNAL or msg.HasField("raw_data"):
@@ -178,22 +230,8 @@ def canonical_parts(model: Model, name: str, value=None) -> list:
 
         value = resolve(model).values[name]
     if isinstance(value, AffineValue):
-        head = struct.pack("<IiI", 1, int(value.elem_type), len(value.shape))
-        head += struct.pack(f"<{len(value.shape)}q", *value.shape)
-        head += struct.pack("<iqQ", int(value.storage_type),
-                            -1 if value.axis is None else int(value.axis),
-                            0 if value.block_size is None else int(value.block_size))
-        parts = [_CANON, head]
-        scale = value.scale
-        parts += _dense_parts(int(msg.affine.scale.data_type), scale.shape, scale)
-        if value.zero_point is None:
-            parts.append(b"\0")
-        else:
-            zp = np.ascontiguousarray(value.zero_point)
-            parts.append(b"\1")
-            parts += _dense_parts(int(msg.affine.zero_point.data_type), zp.shape, zp)
-        parts += [struct.pack("<Q", value.codes.size), value.codes]
-        return parts
+        return [_CANON] + _affine_parts(value, int(msg.affine.scale.data_type),
+                                        int(msg.affine.zero_point.data_type))
     # struct-typed
     decl = value.root.declaration
     if value.logical is not None:
@@ -708,7 +746,8 @@ class CompiledEntries:
         """
         from olv_runtime.kernels.layouts import layout_named
 
-        cands = self.by_source.get(source.name, [])
+        sname = source_name_of(source)
+        cands = self.by_source.get(sname, [])
         for i in cands:
             e = self.entries[i]
             d = self.devices[e.device]
@@ -751,7 +790,7 @@ class CompiledEntries:
                 self._miss(i, "the digest of the compiled bytes does not match "
                               f"{PAYLOAD_DIGEST_KEY} (corrupted payload)")
                 continue
-            sparts = canonical_parts(self.model, source.name, source)
+            sparts = canonical_parts(self.model, sname, source)
             if not verify_digest(self.model, sparts, e.digest_algorithm, e.source_digest,
                                  self.counters, self._stat):
                 self._miss(i, "source_digest does not match the initializer (stale entry: the "
@@ -927,6 +966,7 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
     written = 0
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".compiled")
     pending = []
+    used_sources: set = set()
     try:
         with os.fdopen(fd, "wb") as fh:
             offset = 0
@@ -957,6 +997,15 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
                     skipped.append((step.name, f"merged rows not multiples of "
                                                f"{lay.rows_per_group}"))
                     continue
+                snames = [source_name_of(w) for w in ws]
+                bad = [n for n in snames if n in used_sources
+                       or len(_find_initializer(m.proto, n)) != 1]
+                if bad:
+                    skipped.append((step.name, f"source {bad[0]!r} is not exactly one "
+                                               "initializer of the root graph, or is the source "
+                                               "of another compiled weight"))
+                    continue
+                used_sources.update(snames)
                 arrays, _ints = lay.parts(lin.packed)
                 if (arrays.get("scale") is not None and arrays["scale"].dtype == np.uint16
                         and all(np.asarray(w.scale).dtype == np.float32 for w in ws)):
@@ -991,21 +1040,21 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
                         pos = o + part.nbytes
                     length = pos - first
                     st = _entry_type(lay, fields, gaps, {"n": w.shape[0], "k": w.shape[1]})
-                    e = CompiledTensorProto(source_name=w.name, device=dev_index,
+                    e = CompiledTensorProto(source_name=snames[j], device=dev_index,
                                             digest_algorithm=DEFAULT_DIGEST_ALGORITHM)
-                    e.source_digest = _hash_parts(canonical_parts(m, w.name, w),
+                    e.source_digest = _hash_parts(canonical_parts(m, snames[j], w),
                                                   DEFAULT_DIGEST_ALGORITHM)[0]
                     pdig = _hash_parts(hashed, DEFAULT_DIGEST_ALGORITHM)[0]
                     e.metadata_props.add(key=PAYLOAD_DIGEST_KEY, value=pdig.hex())
                     v = e.value
-                    v.name = f"{w.name}/compiled"
+                    v.name = f"{snames[j]}/compiled"
                     v.struct_type.CopyFrom(st)
                     v.data_location = TensorProto.EXTERNAL
                     v.external_data.add(key="location", value=cname)
                     v.external_data.add(key="offset", value=str(first))
                     v.external_data.add(key="length", value=str(length))
                     proto.compiled_tensors.append(e)
-                    pending.append(w.name)
+                    pending.append(snames[j])
                     written += 1
                 if progress is not None:
                     progress(f"compiled {step.name}: {lay.name}, {len(ws)} entr"

@@ -40,6 +40,17 @@ __all__ = ["from_dequantize_linear", "from_matmul_nbits", "from_gather_block_qua
 _INT_STORAGE = {TensorProto.INT8: (8, True), TensorProto.UINT8: (8, False), **SUBBYTE}
 
 
+#: Attribute naming the graph initializer a recognized value was built from (its codes: the
+#: ``x`` of DequantizeLinear, the ``B`` of MatMulNBits). Seed 004 compiled entries of such a
+#: weight use it as ``source_name`` (olv_runtime.compiled.source_name_of).
+SOURCE_ATTR = "_olv_source"
+
+
+def _mark_source(av: AffineValue, source: str) -> AffineValue:
+    object.__setattr__(av, SOURCE_ATTR, source)
+    return av
+
+
 def _float32(name: str, scale: np.ndarray) -> np.ndarray:
     if scale.dtype == np.float32:
         return scale
@@ -114,7 +125,8 @@ def from_dequantize_linear(name: str, codes_proto: TensorProto, codes: np.ndarra
                           np.dtype(np.float64): TensorProto.DOUBLE}[scale.dtype]
     if et not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
         return None
-    return AffineValue(name, st, bits, signed, shape, et, ax, bs, scale, zero_point, codes)
+    return _mark_source(AffineValue(name, st, bits, signed, shape, et, ax, bs, scale, zero_point,
+                                    codes), codes_proto.name)
 
 
 def _unpack_nibbles_u4(packed: np.ndarray, count: int) -> np.ndarray:
@@ -126,7 +138,7 @@ def _unpack_nibbles_u4(packed: np.ndarray, count: int) -> np.ndarray:
 
 def from_matmul_nbits(name: str, b: np.ndarray, scales: np.ndarray,
                       zero_points: np.ndarray | None, n: int, k: int, bits: int,
-                      block_size: int) -> AffineValue:
+                      block_size: int, source: str | None = None) -> AffineValue:
     """The ``[N, K]`` weight a ``com.microsoft::MatMulNBits`` node multiplies by.
 
     ``B`` is ``[N, ceil(K / block_size), block_size * bits / 8]`` uint8 (unsigned codes, low
@@ -135,6 +147,7 @@ def from_matmul_nbits(name: str, b: np.ndarray, scales: np.ndarray,
     The result is a UINT4/UINT8 affine value blocked along K whose codes view ``B`` itself when
     each row holds exactly K codes (K a multiple of block_size), else a copy without the row
     padding (counted by the caller).
+    ``source`` is the name of the ``B`` initializer (recorded for seed 004 compiled entries).
 
     Raises
     ------
@@ -201,7 +214,7 @@ def from_matmul_nbits(name: str, b: np.ndarray, scales: np.ndarray,
     et = TensorProto.FLOAT16 if scale.dtype == np.float16 else TensorProto.FLOAT
     av = AffineValue(name, st, bits, False, (n, k), et, 1, block_size, scale, zp, codes)
     object.__setattr__(av, "_copied", copied)
-    return av
+    return av if source is None else _mark_source(av, source)
 
 
 def from_gather_block_quantized(name: str, data_proto: TensorProto, data: np.ndarray,
@@ -348,8 +361,10 @@ def linear_weight(av: AffineValue, k_first: bool, counters=None) -> AffineValue 
         codes = _pack_int4(np.ascontiguousarray(q.T))
     if counters is not None and codes is not av.codes:
         counters.add("bytes_repacked", codes.nbytes)
-    return AffineValue(av.name, TensorProto.INT4, 4, True, (n, k), TensorProto.FLOAT, 1, bs,
-                       scale, zp, codes)
+    out = AffineValue(av.name, TensorProto.INT4, 4, True, (n, k), TensorProto.FLOAT, 1, bs,
+                      scale, zp, codes)
+    src = getattr(av, SOURCE_ATTR, None)
+    return out if src is None else _mark_source(out, src)
 
 
 def gather_table(av: AffineValue, counters=None) -> AffineValue | None:

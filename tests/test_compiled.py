@@ -587,3 +587,134 @@ def test_compile_gguf_import_keeps_the_gguf_in_place(tmp_path, ttype):
     want = olv_runtime.generate(olv_runtime.load(tmp_path / "m.onnx"), ids, 6)
     got = olv_runtime.generate(olv_runtime.load(tmp_path / "c.onnx"), ids, 6)
     assert got.tolist() == want.tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# recognized sources: weights the graph makes of plain integer initializers (DequantizeLinear
+# over INT4 codes, MatMulNBits B): source_name is the codes initializer and the digest covers the
+# scale / zero-point initializers too, so changing any of them is a miss, never a stale hit
+# ------------------------------------------------------------------------------------------------
+def _scale_initializer_of(proto, source):
+    """Name of the scale initializer the DequantizeLinear / MatMulNBits node over ``source``
+    reads."""
+    for n in proto.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] == source:
+            return n.input[1]
+        if n.op_type == "MatMulNBits" and n.input[1] == source:
+            return n.input[2]
+    raise AssertionError(f"no quantized-weight node over {source!r}")
+
+
+def _double_scale(path, name):
+    """Rewrite ``path`` with the scale initializer ``name`` doubled (inline in the proto)."""
+    from onnx import numpy_helper
+
+    m = olv_runtime.load(path)
+    p = pb.ModelProto()
+    p.CopyFrom(m.proto)
+    t = next(t for t in p.graph.initializer if t.name == name)
+    arr = np.array(olv_runtime.values.tensor_from_proto(t, m.payload(t)
+                   if t.data_location == pb.TensorProto.EXTERNAL or t.HasField("raw_data")
+                   else None))
+    new = numpy_helper.from_array(arr * 2, name)
+    t.Clear()
+    t.MergeFromString(new.SerializeToString())
+    return save_proto(p, path)
+
+
+def _run_standard(path):
+    """Logits of a standard export (KV as graph inputs: an empty past), and the session."""
+    import json
+
+    from olv_runtime.builder.export import FEEDBACK_METADATA_KEY
+
+    sess = olv_runtime.InferenceSession(path)
+    pairs = json.loads(sess.get_modelmeta()[FEEDBACK_METADATA_KEY])
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    feeds = {"input_ids": IDS}
+    for p in pairs:
+        kvh, d = shapes[p["input"]][1], shapes[p["input"]][3]
+        feeds[p["input"]] = np.zeros((1, kvh, 0, d), np.float32)
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    return outs["logits"], sess
+
+
+def test_standard_export_compiles_hits_and_misses_on_changed_scales(plain, tmp_path, caplog):
+    """olv export-standard output (INT4 initializers under DequantizeLinear): compiled entries
+    name the INT4 initializers; a changed scale initializer is a source_digest miss whose results
+    equal the uncompiled changed model."""
+    from olv_runtime.builder.export import export_standard
+
+    std = tmp_path / "std" / "model.onnx"
+    std.parent.mkdir()
+    olv_runtime.save(export_standard(plain, feedback=True), std)
+    out = tmp_path / "stdc" / "model.onnx"
+    rep = olv_runtime.compile_model(std, out)
+    assert rep.entries > 0 and not rep.skipped
+    proto = olv_runtime.load(out).proto
+    inits = {t.name: t for t in proto.graph.initializer}
+    for e in proto.compiled_tensors:
+        assert inits[e.source_name].data_type in (pb.TensorProto.INT4, pb.TensorProto.UINT4)
+    ref, _ = _run_standard(std)
+    got, sess = _run_standard(out)
+    assert sess.counters["compiled_hits"] == rep.entries
+    assert sess.counters["compiled_misses"] == 0
+    assert_bitwise([got], [ref])
+    # double one weight's scales: its entry misses, nothing else does; the results are those of
+    # the same changed model without compiled entries
+    target = proto.compiled_tensors[1].source_name
+    _double_scale(out, _scale_initializer_of(proto, target))
+    with caplog.at_level(logging.DEBUG, logger="olv_runtime.compiled"):
+        changed, sess = _run_standard(out)
+    missed = [s for s in sess.compiled_report() if s.status == "miss"]
+    assert [s.source_name for s in missed] == [target]
+    assert "source_digest does not match" in missed[0].reason
+    assert sess.counters["compiled_misses"] == 1
+    assert any("cache miss" in r.message and target in r.message for r in caplog.records)
+    reference, _ = _run_standard(_plain_equivalent(out, tmp_path))
+    assert_bitwise([changed], [reference])
+    assert not np.array_equal(changed, got)
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_matmul_nbits_model_compiles_hits_and_misses_on_changed_scales(tmp_path, zero_points):
+    """A MatMulNBits weight (onnxruntime's MatMulNBitsQuantizer): the entry names B, hits with
+    bitwise-equal results, and misses when the scales initializer changes."""
+    import onnx
+    from onnx import helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(7 + zero_points)
+    n, k = 64, 128
+    w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", pb.TensorProto.FLOAT, [None, k])],
+                          [helper.make_tensor_value_info("y", pb.TensorProto.FLOAT, [None, n])],
+                          [onnx.numpy_helper.from_array(w, "w")])
+    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)],
+                                               ir_version=10),
+                             bits=4, block_size=32, is_symmetric=not zero_points)
+    q.process()
+    src = tmp_path / "mnb.onnx"
+    onnx.save(q.model.model, src)
+    out = tmp_path / "c" / "mnb.onnx"
+    rep = olv_runtime.compile_model(src, out)
+    assert rep.entries == 1 and not rep.skipped
+    proto = olv_runtime.load(out).proto
+    node = next(nd for nd in proto.graph.node if nd.op_type == "MatMulNBits")
+    assert proto.compiled_tensors[0].source_name == node.input[1]
+    x = rng.standard_normal((3, k)).astype(np.float32)
+
+    def run(path):
+        sess = olv_runtime.InferenceSession(path)
+        return sess.run(None, {"x": x})[0], sess
+
+    ref, _ = run(src)
+    got, sess = run(out)
+    assert (sess.counters["compiled_hits"], sess.counters["compiled_misses"]) == (1, 0)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    _double_scale(out, node.input[2])
+    got2, sess = run(out)
+    assert (sess.counters["compiled_hits"], sess.counters["compiled_misses"]) == (0, 1)
+    assert "source_digest does not match" in sess.compiled_report()[0].reason
+    assert np.array_equal(got2.view(np.uint32), (2 * ref).view(np.uint32))

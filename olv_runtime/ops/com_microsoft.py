@@ -75,7 +75,7 @@ class MatMulNBits(Op):
         self.bias = _const(info, self, 5, "bias", required=False)
         self.weight = from_matmul_nbits(self.name, np.asarray(b), np.asarray(scales),
                                         None if zp is None else np.asarray(zp), a["N"], a["K"],
-                                        a["bits"], a["block_size"])
+                                        a["bits"], a["block_size"], source=self.node.input[1])
         if self.bias is not None and self.bias.shape != (a["N"],):
             raise ValidationError(
                 f"node {self.name!r} (MatMulNBits): bias must be [{a['N']}], got "
