@@ -730,6 +730,10 @@ class CompiledEntries:
                 arr = np.zeros(shape, dt)
             else:
                 arr = np.ndarray(shape, dtype=dt, buffer=buf, offset=off)
+            # read-only, as the session's own repacks are (fusion.LinearStep._repack): the
+            # kernels are then compiled and cached for one array type (numba types a read-only
+            # array apart from a writeable one), shared by plain and compiled models
+            arr.flags.writeable = False
             arrays[name] = arr
             where[name] = (buf, off)
             parts.append(arr)
@@ -866,6 +870,7 @@ def packed_from_entries(entries: CompiledEntries | None, weights: list, layout_n
             arrays[name] = np.concatenate(arrs, axis=0)
             if counters is not None:
                 counters.add("bytes_copied_other", arrays[name].nbytes)
+        arrays[name].flags.writeable = False  # one kernel specialisation (see _fields)
     return lay.concat_rows(parts, arrays)
 
 

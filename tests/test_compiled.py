@@ -214,6 +214,33 @@ def test_compiled_model_hits_every_entry_bitwise_equal(plain, compiled_dir):
     assert s2.counters["bytes_repacked"] > 0 and s2.counters["compiled_hits"] == 0
 
 
+def _packed_types(sess) -> list:
+    import numba
+
+    from olv_runtime.fusion import LinearStep
+    from olv_runtime.kernels.layouts import layout_of
+
+    out = []
+    for step in sess.all_steps():
+        lin = step.impl
+        if isinstance(lin, LinearStep) and lin.packed is not None:
+            arrays, _ = layout_of(lin.packed).parts(lin.packed)
+            out.append((step.name, {k: str(numba.typeof(a)) for k, a in arrays.items()}))
+    return out
+
+
+def test_compiled_arrays_have_the_repacked_arrays_numba_types(plain, compiled_dir):
+    # numba types a read-only array apart from a writeable one: the packed arrays of a compiled
+    # session (views of the memory-mapped file) must have the types of a repacking session's,
+    # or the first run of a compiled model compiles (and caches) a second kernel specialisation
+    _, s_plain = run_logits(plain, steps=0)
+    _, s_comp = run_logits(compiled_dir / "model.onnx", steps=0)
+    assert s_comp.counters["compiled_hits"] > 0
+    got, want = _packed_types(s_comp), _packed_types(s_plain)
+    assert got and got == want
+    assert all("readonly" in t for _, ts in got for t in ts.values())
+
+
 def test_use_compiled_false_repacks(compiled_dir):
     _, sess = run_logits(compiled_dir / "model.onnx", use_compiled=False, steps=0)
     assert sess.counters["compiled_hits"] == 0 and sess.counters["bytes_repacked"] > 0
