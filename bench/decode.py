@@ -15,6 +15,10 @@ Phases (each a fresh ``python bench/decode.py --phase ...`` subprocess, run one 
 * ``bandwidth``: 2-thread (``--threads``) streaming read over 1 GiB: the fastest of the read kernels of bench/_bandwidth.py (vectorised float32 / uint32 sums, numpy.sum), best
   of 7;
 * ``olv`` exact (float activations) and ``olv`` quantize_activations (int8 activation blocks);
+* ``olv-c`` / ``olv-qc``: the same two on the model's seed 004 compiled copy (persisted prepacked
+  weights, issue 14): ``olv compile`` runs once into ``<cache>/compiled/<tag>/model.onnx`` and is
+  reused while newer than the model and written for this CPU's device descriptor; the rows print
+  the compiled hits / misses, session creation time and peak RSS (the issue-14 RSS column);
 * ``ort`` on the MatMulNBits graph at accuracy_level 4 (int8 activations, like llama.cpp) and
   at the default level 0 (float activations); the prompt logits of each are compared with
   olv exact (max abs difference; the same check is printed for olv quantized);
@@ -211,6 +215,7 @@ def phase_olv(spec):
         "decode_allocations": alloc,
         "bytes_dequantized": after["bytes_dequantized"] - before["bytes_dequantized"],
         "plan_steps": len(sess._steps),
+        "compiled_hits": after["compiled_hits"], "compiled_misses": after["compiled_misses"],
     }
 
 
@@ -739,6 +744,27 @@ def prepare_genai(args, ckpt):
     return out, nbytes
 
 
+def prepare_compiled(args, model: pathlib.Path) -> pathlib.Path:
+    """The seed 004 compiled copy of ``model`` in the bench cache (``olv compile``, run once;
+    again when the model is newer or the copy has no entries for this CPU's device descriptor)."""
+    import hashlib
+
+    import olv_runtime
+    from olv_runtime.compiled import this_device
+
+    tag = hashlib.sha1(str(model.resolve()).encode()).hexdigest()[:10]
+    out = pathlib.Path(args.cache_dir).expanduser() / "compiled" / tag / "model.onnx"
+    here = this_device()
+    want = (here.type, here.architecture, here.runtime, here.runtime_version)
+    if not (_fresh(out, model) and any(
+            (d.type, d.architecture, d.runtime, d.runtime_version) == want
+            for d in olv_runtime.load(out).proto.devices)):
+        log(f"olv compile {model} -> {out}")
+        rep = olv_runtime.compile_model(model, out)
+        log(f"  {rep.entries} compiled entries, {rep.bytes / 1e6:.1f} MB")
+    return out
+
+
 def genai_olv_rows(args, base, gdir, tmp, add_row):
     """olv_runtime on the onnxruntime-genai builder's own files (``gdir/model.onnx``, adapted
     from genai_config.json at load): exact and int8-activation rows, the same file and threads
@@ -836,8 +862,9 @@ def main(argv=None):
     ap.add_argument("--prefill-lens", default="128,512",
                     help="separate prefill measurements (prompt lengths, comma-separated)")
     ap.add_argument("--cache-dir", default=os.environ.get("OLV_BENCH_CACHE", "~/.cache/olv_bench"))
-    ap.add_argument("--backends", default="olv,olv-q,ort,genai,torch,llama",
-                    help="comma-separated subset of olv,olv-q,ort,torch,llama")
+    ap.add_argument("--backends", default="olv,olv-q,olv-c,ort,genai,torch,llama",
+                    help="comma-separated subset of olv,olv-q,olv-c,olv-qc,ort,genai,torch,llama "
+                         "(olv-c / olv-qc: olv on the seed 004 compiled copy)")
     ap.add_argument("--ort-levels", default="4,0", help="MatMulNBits accuracy levels to run")
     ap.add_argument("--no-ttft", action="store_true", help="skip the cold/warm start measurement")
     ap.add_argument("--no-overhead", action="store_true", help="skip the executor-overhead phase")
@@ -918,6 +945,25 @@ def main(argv=None):
             r["max_abs_diff"] = float(np.abs(a - b).max())
             r["top1_agree"] = float((a.argmax(-1) == b.argmax(-1)).mean())
         add_row("olv_runtime quantize_activations (int8 act.)", r)
+    compiled = prepare_compiled(args, model) if {"olv-c", "olv-qc"} & args.backends else None
+    for quant, name in ((False, "olv-c"), (True, "olv-qc")):
+        if name not in args.backends:
+            continue
+        mode = "quantize_activations (int8 act.)" if quant else "exact (fp32 activations)"
+        log(f"[olv_runtime {mode}, seed 004 compiled entries]")
+        c_logits = tmp / f"olv_compiled_{int(quant)}_logits.npy"
+        if not quant and not ref_logits.is_file():
+            c_logits = ref_logits  # the reference of the other backends' logits checks
+        r = run_phase("olv", dict(base, model=str(compiled), quantize=quant,
+                                  logits_out=str(c_logits)))
+        if "error" not in r and ref_logits.is_file() and c_logits != ref_logits:
+            a, b = np.load(c_logits), np.load(ref_logits)
+            r["max_abs_diff"] = float(np.abs(a - b).max())
+            r["top1_agree"] = float((a.argmax(-1) == b.argmax(-1)).mean())
+        add_row(f"olv_runtime {mode}, compiled entries", r,
+                f"olv compile {model} {compiled}: {r.get('compiled_hits')} hits, "
+                f"{r.get('compiled_misses')} misses, load + session creation "
+                f"{r.get('session_seconds', float('nan')):.3f} s")
     if "ort" in args.backends:
         import onnxruntime
 
@@ -1144,6 +1190,19 @@ def main(argv=None):
         for o in ort_rows:
             print(f"  olv best ({best['label']}) / {o['label']}: decode "
                   f"{best['decode_tps'] / o['decode_tps']:.2f}x (target >= 1.5)")
+    comp_rows = [r for r in olv_rows if r["label"].endswith("compiled entries")]
+    if comp_rows:
+        print("acceptance (issue 14, seed 004 compiled entries, same threads):")
+        for r in comp_rows:
+            plain = next((p for p in olv_rows if p["label"] == r["label"].replace(
+                ", compiled entries", "")), None)
+            print(f"  {r['label']}: peak RSS {r['rss'] / 1e6:.0f} MB"
+                  + (f" = {r['rss'] / llama['rss']:.2f}x llama.cpp's {llama['rss'] / 1e6:.0f} MB"
+                     " (target <= 1.0x)" if llama else "")
+                  + (f"; decode {r['decode_tps'] / plain['decode_tps']:.2f}x the plain model's "
+                     "(target: unchanged within noise)" if plain else "")
+                  + f"; load + session creation {r['session_seconds']:.3f} s (bar: session creation <= 0.1 s); "
+                  f"{r['compiled_hits']} hits, {r['compiled_misses']} misses")
     genai_row = next((r for r in ort_rows if "onnxruntime-genai" in r["label"]), None)
     same_file = [r for r in rows if r["label"].startswith("olv_runtime") and "error" not in r
                  and "onnxruntime-genai" in r["label"]]
