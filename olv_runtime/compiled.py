@@ -44,11 +44,14 @@ dimensions and its content but not its name, external-data location or storage m
   the resolved declaration serialized deterministically, then the payload bytes.
 * a dense integer initializer that the graph makes a quantized weight of (the ``x`` of a
   ``DequantizeLinear``, the ``B`` of a ``com.microsoft::MatMulNBits``; olv_runtime.recognize):
-  ``u32 3``, then the affine form above of the value the linear kernels receive (logical type and
-  dims, storage type, axis, block_size, scale and zero point with their element types, codes).
-  The digest thus covers the scales and zero points held in the node's other initializers too:
-  the packed form depends on them, so changing any of them is a digest mismatch (a miss), never
-  a stale hit. ``source_name`` is the codes initializer.
+  ``u32 3``, ``u64 length`` and the operator form as text (op and the attributes that give the
+  codes their meaning, e.g. ``DequantizeLinear axis=1 block_size=32 output_dtype=0``), then for
+  each input of the weight (codes, scale, zero point) ``u8 0`` when absent, else ``u8 1`` and its
+  dense form as above (sub-byte codes as their packed bytes, LSB first). The digest thus covers
+  the scale and zero-point initializers too: the packed form depends on them, so changing any of
+  them is a digest mismatch (a miss), never a stale hit. ``source_name`` is the codes
+  initializer. All parts are views of the model's payloads, so the verified-digest cache below
+  applies to them as to any other source.
 
 Deferring the digest comparison (seed 004 "Digest comparison ... may be deferred until load
 time"): hashing every source byte at each session creation would read (and make resident) the
@@ -132,11 +135,6 @@ def _dense_parts(t_type: int, dims, data) -> list:
     return [head + struct.pack("<Q", arr.nbytes), arr.reshape(-1).view(np.uint8)]
 
 
-_NP_TENSOR_TYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
-                   np.dtype(np.float64): TensorProto.DOUBLE, np.dtype(np.int8): TensorProto.INT8,
-                   np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int16): TensorProto.INT16}
-
-
 def source_name_of(value) -> str:
     """The initializer a compiled entry of ``value`` (a linear weight) names as ``source_name``:
     the codes initializer of a recognized DequantizeLinear / MatMulNBits weight, else the
@@ -183,8 +181,8 @@ def canonical_parts(model: Model, name: str, value=None) -> list:
     CompiledTensorError
         ``name`` is not exactly one dense or encoded initializer.
     """
-    from olv_runtime.recognize import SOURCE_ATTR
-    from olv_runtime.values import AffineValue, tensor_from_proto
+    from olv_runtime.recognize import FORM_ATTR, INPUTS_ATTR, SOURCE_ATTR
+    from olv_runtime.values import SUBBYTE, AffineValue, tensor_from_proto
 
     index = getattr(model, "_initializer_index", None)
     if index is None:  # name -> messages, built once per model (sources are looked up by name)
@@ -205,14 +203,30 @@ def canonical_parts(model: Model, name: str, value=None) -> list:
     if (isinstance(msg, TensorProto) and isinstance(value, AffineValue)
             and getattr(value, SOURCE_ATTR, None) == name):
         # a weight the graph makes of this initializer and its scale / zero-point initializers
-        def code(a):
-            t = _NP_TENSOR_TYPE.get(np.asarray(a).dtype)
-            if t is None:
-                raise CompiledTensorError(f"compiled tensor source {name!r}: no canonical form "
-                                          f"for {np.asarray(a).dtype} parameters")
-            return t
-        zp_t = 0 if value.zero_point is None else code(value.zero_point)
-        return [_CANON, struct.pack("<I", 3)] + _affine_parts(value, code(value.scale), zp_t)
+        form = getattr(value, FORM_ATTR)
+        parts = [_CANON, struct.pack("<IQ", 3, len(form)), form]
+        for iname in getattr(value, INPUTS_ATTR):
+            got = index.get(iname, []) if iname else None
+            if got is None:
+                parts.append(b"\0")
+                continue
+            if len(got) != 1 or not isinstance(got[0], TensorProto):
+                raise CompiledTensorError(
+                    f"compiled tensor source {name!r}: input {iname!r} of its quantized weight is "
+                    "not exactly one dense initializer of the root graph")
+            t = got[0]
+            stored = t.data_location == TensorProto.EXTERNAL or t.HasField("raw_data")
+            if t.data_type in SUBBYTE:
+                if not stored:
+                    raise CompiledTensorError(
+                        f"compiled tensor source {name!r}: sub-byte initializer {iname!r} is not "
+                        "stored as raw bytes (no canonical form)")
+                arr = model.payload(t)  # packed codes, LSB first: the canonical content
+            else:
+                arr = tensor_from_proto(t, model.payload(t) if stored else None)
+            parts.append(b"\1")
+            parts += _dense_parts(t.data_type, t.dims, arr)
+        return parts
     if isinstance(msg, TensorProto):
         payload = None
         if msg.data_location == TensorProto.EXTERNAL or msg.HasField("raw_data"):
@@ -794,7 +808,11 @@ class CompiledEntries:
                 self._miss(i, "the digest of the compiled bytes does not match "
                               f"{PAYLOAD_DIGEST_KEY} (corrupted payload)")
                 continue
-            sparts = canonical_parts(self.model, sname, source)
+            try:
+                sparts = canonical_parts(self.model, sname, source)
+            except CompiledTensorError as exc:
+                self._miss(i, str(exc))
+                continue
             if not verify_digest(self.model, sparts, e.digest_algorithm, e.source_digest,
                                  self.counters, self._stat):
                 self._miss(i, "source_digest does not match the initializer (stale entry: the "
@@ -1010,6 +1028,12 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
                                                "initializer of the root graph, or is the source "
                                                "of another compiled weight"))
                     continue
+                try:
+                    sdigests = [_hash_parts(canonical_parts(m, sn, w), DEFAULT_DIGEST_ALGORITHM)[0]
+                                for sn, w in zip(snames, ws)]
+                except CompiledTensorError as exc:
+                    skipped.append((step.name, str(exc)))
+                    continue
                 used_sources.update(snames)
                 arrays, _ints = lay.parts(lin.packed)
                 if (arrays.get("scale") is not None and arrays["scale"].dtype == np.uint16
@@ -1047,8 +1071,7 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
                     st = _entry_type(lay, fields, gaps, {"n": w.shape[0], "k": w.shape[1]})
                     e = CompiledTensorProto(source_name=snames[j], device=dev_index,
                                             digest_algorithm=DEFAULT_DIGEST_ALGORITHM)
-                    e.source_digest = _hash_parts(canonical_parts(m, snames[j], w),
-                                                  DEFAULT_DIGEST_ALGORITHM)[0]
+                    e.source_digest = sdigests[j]
                     pdig = _hash_parts(hashed, DEFAULT_DIGEST_ALGORITHM)[0]
                     e.metadata_props.add(key=PAYLOAD_DIGEST_KEY, value=pdig.hex())
                     v = e.value

@@ -40,15 +40,30 @@ __all__ = ["from_dequantize_linear", "from_matmul_nbits", "from_gather_block_qua
 _INT_STORAGE = {TensorProto.INT8: (8, True), TensorProto.UINT8: (8, False), **SUBBYTE}
 
 
-#: Attribute naming the graph initializer a recognized value was built from (its codes: the
-#: ``x`` of DequantizeLinear, the ``B`` of MatMulNBits). Seed 004 compiled entries of such a
-#: weight use it as ``source_name`` (olv_runtime.compiled.source_name_of).
+#: Attributes a recognized weight carries for seed 004 compiled entries
+#: (olv_runtime.compiled.source_name_of / canonical_parts): the codes initializer it was built
+#: from (the ``x`` of DequantizeLinear, the ``B`` of MatMulNBits), the names of every input the
+#: recognition read (codes, scale, zero point; "" when absent) and the operator form (op and
+#: attributes) as bytes.
 SOURCE_ATTR = "_olv_source"
+INPUTS_ATTR = "_olv_source_inputs"
+FORM_ATTR = "_olv_source_form"
 
 
-def _mark_source(av: AffineValue, source: str) -> AffineValue:
-    object.__setattr__(av, SOURCE_ATTR, source)
+def mark_source(av: AffineValue, inputs: tuple, form: str) -> AffineValue:
+    """Record on ``av`` the graph inputs it was recognized from (``inputs[0]``: the codes
+    initializer) and the operator form ``form`` (e.g. ``"DequantizeLinear axis=1 ..."``)."""
+    object.__setattr__(av, SOURCE_ATTR, inputs[0])
+    object.__setattr__(av, INPUTS_ATTR, tuple(inputs))
+    object.__setattr__(av, FORM_ATTR, form.encode())
     return av
+
+
+def _carry_source(src: AffineValue, out: AffineValue) -> AffineValue:
+    for a in (SOURCE_ATTR, INPUTS_ATTR, FORM_ATTR):
+        if hasattr(src, a):
+            object.__setattr__(out, a, getattr(src, a))
+    return out
 
 
 def _float32(name: str, scale: np.ndarray) -> np.ndarray:
@@ -125,8 +140,7 @@ def from_dequantize_linear(name: str, codes_proto: TensorProto, codes: np.ndarra
                           np.dtype(np.float64): TensorProto.DOUBLE}[scale.dtype]
     if et not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
         return None
-    return _mark_source(AffineValue(name, st, bits, signed, shape, et, ax, bs, scale, zero_point,
-                                    codes), codes_proto.name)
+    return AffineValue(name, st, bits, signed, shape, et, ax, bs, scale, zero_point, codes)
 
 
 def _unpack_nibbles_u4(packed: np.ndarray, count: int) -> np.ndarray:
@@ -138,7 +152,7 @@ def _unpack_nibbles_u4(packed: np.ndarray, count: int) -> np.ndarray:
 
 def from_matmul_nbits(name: str, b: np.ndarray, scales: np.ndarray,
                       zero_points: np.ndarray | None, n: int, k: int, bits: int,
-                      block_size: int, source: str | None = None) -> AffineValue:
+                      block_size: int) -> AffineValue:
     """The ``[N, K]`` weight a ``com.microsoft::MatMulNBits`` node multiplies by.
 
     ``B`` is ``[N, ceil(K / block_size), block_size * bits / 8]`` uint8 (unsigned codes, low
@@ -147,7 +161,6 @@ def from_matmul_nbits(name: str, b: np.ndarray, scales: np.ndarray,
     The result is a UINT4/UINT8 affine value blocked along K whose codes view ``B`` itself when
     each row holds exactly K codes (K a multiple of block_size), else a copy without the row
     padding (counted by the caller).
-    ``source`` is the name of the ``B`` initializer (recorded for seed 004 compiled entries).
 
     Raises
     ------
@@ -214,7 +227,7 @@ def from_matmul_nbits(name: str, b: np.ndarray, scales: np.ndarray,
     et = TensorProto.FLOAT16 if scale.dtype == np.float16 else TensorProto.FLOAT
     av = AffineValue(name, st, bits, False, (n, k), et, 1, block_size, scale, zp, codes)
     object.__setattr__(av, "_copied", copied)
-    return av if source is None else _mark_source(av, source)
+    return av
 
 
 def from_gather_block_quantized(name: str, data_proto: TensorProto, data: np.ndarray,
@@ -363,8 +376,7 @@ def linear_weight(av: AffineValue, k_first: bool, counters=None) -> AffineValue 
         counters.add("bytes_repacked", codes.nbytes)
     out = AffineValue(av.name, TensorProto.INT4, 4, True, (n, k), TensorProto.FLOAT, 1, bs,
                       scale, zp, codes)
-    src = getattr(av, SOURCE_ATTR, None)
-    return out if src is None else _mark_source(out, src)
+    return _carry_source(av, out)
 
 
 def gather_table(av: AffineValue, counters=None) -> AffineValue | None:

@@ -301,7 +301,7 @@ class InferenceSession:
         """An INT4/UINT4/INT2/UINT2 initializer: the zero-copy affine value its DequantizeLinear
         consumers denote when every consumer is one DequantizeLinear form over initializer
         parameters (olv_runtime.recognize), else its values unpacked to int8/uint8."""
-        from olv_runtime.recognize import from_dequantize_linear
+        from olv_runtime.recognize import from_dequantize_linear, mark_source
 
         uses = [(n, j) for n in graph.node for j, name in enumerate(n.input) if name == t.name]
         forms = set()
@@ -323,6 +323,9 @@ class InferenceSession:
                 av = from_dequantize_linear(t.name, t, payload, scale, zp, axis, block,
                                             out_dtype)
                 if av is not None:
+                    mark_source(av, (t.name, scale_name, zp_name or ""),
+                                f"DequantizeLinear axis={axis} block_size={block} "
+                                f"output_dtype={out_dtype}")
                     self._recognized.add(t.name)
                     return av
         return param_tensor(t, payload)

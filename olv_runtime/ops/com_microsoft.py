@@ -59,7 +59,7 @@ class MatMulNBits(Op):
                   "accuracy_level": 0}
 
     def setup(self, info):
-        from olv_runtime.recognize import from_matmul_nbits
+        from olv_runtime.recognize import from_matmul_nbits, mark_source
 
         if len(self.node.input) > 4 and self.node.input[4]:
             raise ValidationError(
@@ -73,9 +73,14 @@ class MatMulNBits(Op):
         scales = _const(info, self, 2, "scales")
         zp = _const(info, self, 3, "zero_points", required=False)
         self.bias = _const(info, self, 5, "bias", required=False)
-        self.weight = from_matmul_nbits(self.name, np.asarray(b), np.asarray(scales),
-                                        None if zp is None else np.asarray(zp), a["N"], a["K"],
-                                        a["bits"], a["block_size"], source=self.node.input[1])
+        self.weight = mark_source(
+            from_matmul_nbits(self.name, np.asarray(b), np.asarray(scales),
+                              None if zp is None else np.asarray(zp), a["N"], a["K"], a["bits"],
+                              a["block_size"]),
+            (self.node.input[1], self.node.input[2],
+             self.node.input[3] if len(self.node.input) > 3 else ""),
+            f"com.microsoft.MatMulNBits K={a['K']} N={a['N']} bits={a['bits']} "
+            f"block_size={a['block_size']}")
         if self.bias is not None and self.bias.shape != (a["N"],):
             raise ValidationError(
                 f"node {self.name!r} (MatMulNBits): bias must be [{a['N']}], got "
