@@ -112,3 +112,70 @@ def append_kv(past, new):
     s = new.shape[1]
     return np.concatenate([past, new.reshape(b, s, kvh, d).transpose(0, 2, 1, 3)], axis=2)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# ggml block repacking (olv_runtime.kernels.ggml_packed records), as array reshapes
+# ------------------------------------------------------------------------------------------------
+def _f16bits(blocks, off):
+    return np.ascontiguousarray(blocks[..., off:off + 2]).view(np.uint16)[..., 0]
+
+
+def _nib_chunks(u):
+    """u uint8 [ng, 8, nb, 32] codes (< 16) -> nibble bytes [ng, nb, 128]."""
+    ng, _, nb, _ = u.shape
+    lo = u[..., 0:16].reshape(ng, 8, nb, 4, 4)
+    hi = u[..., 16:32].reshape(ng, 8, nb, 4, 4)
+    b = (lo & 15) | ((hi & 15) << 4)
+    return b.transpose(0, 2, 3, 1, 4).reshape(ng, nb, 128)
+
+
+def _high_bits(h, bits):
+    """h uint8 [ng, 8, nb, 32] high parts (< 2**bits) -> [ng, nb, 32 * bits] bytes."""
+    ng, _, nb, _ = h.shape
+    per = 8 // bits
+    hv = h.reshape(ng, 8, nb, bits, per, 4).astype(np.uint8)   # t = per * v + p
+    sh = (np.arange(per, dtype=np.uint8) * bits).reshape(1, 1, 1, 1, per, 1)
+    byte = np.bitwise_or.reduce(hv << sh, axis=4)               # [ng, 8, nb, v, 4]
+    return byte.transpose(0, 2, 3, 1, 4).reshape(ng, nb, 32 * bits)
+
+
+def _per_row(a):
+    """[ng, 8, nb, ...] per-row values -> [ng, nb, ..., 8] (row innermost)."""
+    return np.ascontiguousarray(np.moveaxis(a, 1, a.ndim - 1))
+
+
+def ggml_records(kind, blocks):
+    """olv_runtime.kernels.ggml_packed group records, plain numpy (the layout definition):
+    blocks uint8 [ng, 8, nb, type_size] -> records [ng, nb, RECORD_BYTES]."""
+    ng, _, nb, _ = blocks.shape
+    d = _per_row(_f16bits(blocks, 0 if kind != 14 else 208)).view(np.uint8).reshape(ng, nb, 16)
+    if kind == 8:
+        q = blocks[..., 2:34].reshape(ng, 8, nb, 8, 4) ^ np.uint8(0x80)   # u = q + 128
+        codes = q.transpose(0, 2, 3, 1, 4).reshape(ng, nb, 256)
+        return np.concatenate([d, codes], axis=-1)
+    if kind == 6:
+        qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+        h = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        qs = blocks[..., 6:22]
+        lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        return np.concatenate([d, _high_bits(h, 1), _nib_chunks(lo)], axis=-1)
+    if kind == 12:
+        dmin = _per_row(_f16bits(blocks, 2)).view(np.uint8).reshape(ng, nb, 16)
+        sc = _per_row(blocks[..., 4:16]).reshape(ng, nb, 96)       # byte 8j + r
+        qs = blocks[..., 16:144].reshape(ng, 8, nb, 4, 1, 32) >> np.array(
+            [0, 4], np.uint8).reshape(1, 1, 1, 1, 2, 1)
+        q = (qs & 15).reshape(ng, 8, nb * 8, 32)
+        nib = _nib_chunks(q).reshape(ng, nb, 8 * 128)
+        return np.concatenate([d, dmin, sc, nib], axis=-1)
+    # Q6_K
+    ql = blocks[..., 0:128].reshape(ng, 8, nb, 2, 1, 64) >> np.array(
+        [0, 4], np.uint8).reshape(1, 1, 1, 1, 2, 1)
+    lo = (ql & 15).reshape(ng, 8, nb * 8, 32)
+    qh = blocks[..., 128:192].reshape(ng, 8, nb, 2, 1, 32) >> np.array(
+        [0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 1, 4, 1)
+    hi = (qh & 3).reshape(ng, 8, nb * 8, 32)
+    sc = _per_row(blocks[..., 192:208]).reshape(ng, nb, 128)
+    subs = np.concatenate([_nib_chunks(lo).reshape(ng, nb, 8, 128),
+                           _high_bits(hi, 2).reshape(ng, nb, 8, 64)], axis=-1)
+    return np.concatenate([d, sc, subs.reshape(ng, nb, 1536)], axis=-1)

@@ -57,6 +57,27 @@ def int8_model(name, blocks, x, n, k):
 
 
 @pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("n", [8, 21])
+def test_repack_equals_the_numpy_layout_definition(name, n):
+    """The compiled one-pass repack writes exactly the records of the numpy formulation (random
+    bytes in every field, rows padded to a group of 8 with zero blocks)."""
+    import naive
+
+    kind = gp.KINDS[name]
+    bs, ts = gp.BLOCKS[kind]
+    nb = 3
+    rng = np.random.default_rng(n + kind)
+    blocks = rng.integers(0, 256, (n, nb, ts), dtype=np.uint8)
+    packed = gp.prepack_ggml(name, blocks.reshape(-1), n, nb * bs)
+    ng = -(-n // 8)
+    full = np.zeros((ng * 8, nb, ts), np.uint8)
+    full[:n] = blocks
+    want = naive.ggml_records(kind, full.reshape(ng, 8, nb, ts))
+    assert packed.data.shape == want.shape
+    assert np.array_equal(packed.data, want)
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
 @pytest.mark.parametrize("n,m", [(24, 1), (13, 3)])
 def test_exact_and_int8(name, n, m):
     bs = gp.BLOCKS[gp.KINDS[name]][0]
