@@ -796,6 +796,11 @@ class InferenceSession:
 
 @functools.lru_cache(maxsize=None)
 def _schema_outputs(op_type: str, version: int, domain: str) -> tuple[int, int] | None:
+    if domain == "":
+        from olv_runtime.ops.schema_outputs import OUTPUTS, output_range
+
+        if op_type in OUTPUTS:  # onnx.defs' figures without importing it (warm start)
+            return output_range(op_type, int(version))
     import onnx.defs
 
     try:
@@ -808,7 +813,8 @@ def _schema_outputs(op_type: str, version: int, domain: str) -> tuple[int, int] 
 def _check_output_count(node, domain: str, version: int) -> None:
     """A standard node declares no more outputs than its ONNX schema allows (ValidationError).
 
-    Source: the operator schemas of ``onnx.defs`` (min_output / max_output)."""
+    Source: the operator schemas of ``onnx.defs`` (min_output / max_output), tabulated in
+    :mod:`olv_runtime.ops.schema_outputs`."""
     if domain != "" or not 0 < int(version) < 1 << 31:
         return
     got = _schema_outputs(node.op_type, int(version), "")

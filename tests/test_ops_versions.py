@@ -99,3 +99,23 @@ def test_operator_docs_are_generated_from_the_registry():
                          capture_output=True, text=True)
     assert res.returncode == 0, (
         f"docs/operators.md is stale: run python scripts/gen_operator_docs.py ({res.stderr[-500:]})")
+
+
+def test_output_count_table_matches_onnx_defs_for_every_op_and_opset():
+    # the session checks node output counts from this table instead of importing onnx.defs
+    import onnx.defs
+
+    from olv_runtime.ops.schema_outputs import OUTPUTS, output_range, table_from_onnx
+
+    assert OUTPUTS == table_from_onnx()
+    names = {s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain == ""}
+    assert names == set(OUTPUTS)
+    for name in sorted(names):
+        for version in range(1, MAX_OPSET + 1):
+            try:
+                schema = onnx.defs.get_schema(name, version, "")
+                want = (schema.min_output, schema.max_output)
+            except onnx.defs.SchemaError:
+                want = None
+            assert output_range(name, version) == want, (name, version)
+

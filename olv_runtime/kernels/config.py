@@ -26,6 +26,10 @@ import os
 
 import numba
 
+from .numba_startup import defer_blas_probe
+
+defer_blas_probe()  # numba's first cache load would import scipy.linalg (see numba_startup)
+
 __all__ = ["JIT", "PJIT", "set_num_threads", "get_num_threads", "threading_layer", "lazy_njit"]
 
 JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")

@@ -1,0 +1,92 @@
+"""Warm start (issue 14): what a plain load -> session -> generate imports, and numba's deferred
+BLAS probe (olv_runtime.kernels.numba_startup).
+
+The import graph is checked in a fresh interpreter (this test process has imported everything):
+modules whose import costs tens to hundreds of milliseconds and that decoding a compiled model
+does not need must not be imported by it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import olv_runtime
+
+#: never imported by import olv_runtime -> load -> InferenceSession -> generate
+NOT_IMPORTED = ("onnx", "onnx.defs", "scipy.linalg", "numpy.f2py", "olv_runtime.builder",
+                "olv_runtime.models.qwen", "transformers", "jinja2", "tokenizers", "torch")
+
+_CHILD = r"""
+import json, sys
+import olv_runtime
+model = olv_runtime.load(sys.argv[1])
+sess = olv_runtime.InferenceSession(model)
+ids = olv_runtime.generate(sess, [5, 17, 200, 3], 2)
+import numba.np.arraymath as am
+print(json.dumps({"modules": sorted(sys.modules), "hits": sess.counters["compiled_hits"],
+                  "probe": type(am._HAVE_BLAS).__name__, "ids": [int(i) for i in ids]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_model(tmp_path_factory):
+    from olv_runtime.models.random_checkpoint import write_random_qwen2
+
+    root = tmp_path_factory.mktemp("startup")
+    ckpt = write_random_qwen2(root / "ckpt", hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=96, vocab_size=256, with_tokenizer=False, seed=3)
+    plain = root / "plain" / "model.onnx"
+    olv_runtime.convert(ckpt, plain, weights="int4-block32", external_data=True)
+    out = root / "compiled" / "model.onnx"
+    olv_runtime.compile_model(plain, out)
+    return out
+
+
+def test_decoding_a_compiled_model_imports_no_heavy_module(compiled_model):
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(compiled_model)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["hits"] > 0 and len(got["ids"]) == 2
+    mods = set(got["modules"])
+    assert not [m for m in NOT_IMPORTED if m in mods]
+    assert "numba.np.arraymath" in mods and got["probe"] == "LazyProbe"
+
+
+def test_deferred_blas_probe_gives_numbas_answer():
+    import numba.np.arraymath as am
+
+    from olv_runtime.kernels.numba_startup import LazyProbe
+
+    assert isinstance(am._HAVE_BLAS, LazyProbe)
+    try:
+        import scipy.linalg.cython_blas  # noqa: F401
+        have = True
+    except ImportError:
+        have = False
+    assert bool(am._HAVE_BLAS) is have      # numba's own probe, run on first use
+    assert am.ensure_blas is __import__("numba.np.linalg", fromlist=["x"]).ensure_blas
+
+
+def test_lazy_probe_runs_once():
+    from olv_runtime.kernels.numba_startup import LazyProbe
+
+    calls = []
+    p = LazyProbe(lambda: calls.append(1) or True)
+    assert "not probed" in repr(p)
+    assert p and p and not calls[1:]
+    assert repr(p) == "LazyProbe(True)"
+
+
+def test_models_package_is_lazy():
+    code = ("import sys, olv_runtime.models.genai, olv_runtime.models as m;"
+            "a = 'olv_runtime.models.qwen' in sys.modules;"
+            "print(a, m.convert.__module__, m.qwen.__name__, 'onnx' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "olv_runtime.models.qwen", "olv_runtime.models.qwen",
+                                "True"]
