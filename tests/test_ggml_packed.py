@@ -143,3 +143,23 @@ def test_bad_arguments():
         gp.prepack_ggml("Q4_K", np.zeros(144, np.uint8), 1, 100)
     with pytest.raises(InvalidArgument, match="expected 144 bytes"):
         gp.prepack_ggml("Q4_K", np.zeros(143, np.uint8), 1, 256)
+
+
+def test_q4_0_to_int4_is_the_same_weight():
+    """Q4_0 -> signed INT4 block-32 codes + float16 d: d * q equals gguf's dequantize bitwise."""
+    import naive
+
+    rng = np.random.default_rng(5)
+    n, nb = 5, 3
+    blocks = rng.integers(0, 256, (n, nb, 18), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.02, (n, nb)).astype(np.float16)
+    blocks[..., 0:2] = d.view(np.uint8).reshape(n, nb, 2)
+    codes, scales = gp.q4_0_to_int4(blocks)
+    assert codes.shape == (n * nb * 16,) and scales.dtype == np.float16
+    assert np.array_equal(scales.view(np.uint16), d.view(np.uint16))
+    q = naive.unpack_codes(codes, 4, True, n * nb * 32).reshape(n, nb, 32)
+    w = (scales.astype(np.float32)[..., None] * q.astype(np.float32)).reshape(n, -1)
+    ref = np.asarray(gguf.quants.dequantize(blocks.reshape(n, -1), QT.Q4_0), np.float32)
+    assert np.array_equal(w.view(np.uint32), ref.view(np.uint32))
+    with pytest.raises(InvalidArgument, match="18 bytes"):
+        gp.q4_0_to_int4(np.zeros((1, 1, 20), np.uint8))

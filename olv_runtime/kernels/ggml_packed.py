@@ -71,7 +71,8 @@ from .packed_i8 import (
 )
 
 __all__ = ["GGMLPacked", "GGMLWorkspace", "KINDS", "RECORD_BYTES", "prepack_ggml",
-           "linear_ggml_i8", "linear_ggml_exact", "make_workspace_ggml", "dequantize_rows"]
+           "q4_0_to_int4", "linear_ggml_i8", "linear_ggml_exact", "make_workspace_ggml",
+           "dequantize_rows"]
 
 #: ggml type ids of the supported block types (the ``kind`` of a :class:`GGMLPacked`).
 KINDS = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
@@ -729,6 +730,52 @@ def _repack(kind, blocks, out):
                                     x |= ((np.uint32(src[128 + 32 * c + t])
                                            >> (2 * s4)) & 3) << (2 * p)
                                 rec[base + v * 32 + r * 4 + e] = x
+
+
+@njit(**JIT)
+def _q4_0_rows(blocks, codes, scales):
+    """Q4_0 blocks uint8 [R, nb, 18] -> row-major signed INT4 codes uint8 [R, nb, 16] (element
+    2j in the low nibble of byte j, code u - 8 as u ^ 8) and the blocks' float16 d bits uint16
+    [R, nb]."""
+    r_, nb, _ = blocks.shape
+    for r in range(r_):
+        for b in range(nb):
+            src = blocks[r, b]
+            scales[r, b] = np.uint16(src[0]) | (np.uint16(src[1]) << 8)
+            dst = codes[r, b]
+            for j in range(8):
+                lo = np.uint32(src[2 + 2 * j])
+                hi = np.uint32(src[3 + 2 * j])
+                dst[j] = ((lo & 15) | ((hi & 15) << 4)) ^ 0x88
+                dst[8 + j] = ((lo >> 4) | (hi & 0xF0)) ^ 0x88
+
+
+def q4_0_to_int4(blocks: np.ndarray):
+    """Q4_0 blocks -> the signed-INT4 block-32 affine form (``w = d * q``, the same values).
+
+    Parameters
+    ----------
+    blocks : ndarray of uint8, shape [R, K / 32, 18]
+        The tensor's Q4_0 blocks (``d`` float16, 16 bytes of nibbles; GGUF spec / ggml-common.h).
+
+    Returns
+    -------
+    codes : ndarray of uint8, shape [R * K / 2]
+        Row-major INT4 codes (two's complement, LSB first) of ``q = u - 8``.
+    scales : ndarray of float16, shape [R, K / 32]
+        ``d`` of each block (its bits unchanged).
+    """
+    check_array(blocks, "blocks", dtype=np.uint8, ndim=3, contiguous=False)
+    if blocks.shape[2] != 18:
+        raise InvalidArgument(f"blocks: expected Q4_0 blocks of 18 bytes, got {blocks.shape[2]}")
+    r, nb, _ = blocks.shape
+    if blocks.flags.writeable:  # one numba specialisation: the file's blocks are read-only views
+        blocks = blocks.view()
+        blocks.flags.writeable = False
+    codes = np.empty((r, nb, 16), np.uint8)
+    scales = np.empty((r, nb), np.uint16)
+    _q4_0_rows(blocks, codes, scales)
+    return codes.reshape(-1), scales.view(np.float16)
 
 
 def prepack_ggml(kind, blocks: np.ndarray, n: int, k: int) -> GGMLPacked:

@@ -221,26 +221,21 @@ def _repack_rows(b: ggml.GGMLBlock, blocks: np.ndarray):
     [R, K/32] float32, offset [R, K/32] float32 or None)."""
     r, nb = blocks.shape[:2]
     name = b.name
-    if name in ("Q4_0", "Q4_1", "Q5_1"):
+    if name in ("Q4_1", "Q5_1"):
         d = _f16(blocks, 0)                                   # [R, nb]
-        has_m = name in ("Q4_1", "Q5_1")
-        m = _f16(blocks, 2) if has_m else None
-        pos = 4 if has_m else 2
+        m = _f16(blocks, 2)
+        pos = 4
         qh = None
         if name == "Q5_1":
             qh = np.ascontiguousarray(blocks[..., pos:pos + 4]).view("<u4")[..., 0]  # [R, nb]
             pos += 4
         lo = _nibbles32(blocks[..., pos:pos + 16]).astype(np.int16) - 8
         codes, scales = [lo.reshape(r, -1)], [d]
-        off = None
-        if qh is not None:
+        if qh is not None:  # Q5_1: w = d (lo + 16 h) + m
             h = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
             codes.append(h.astype(np.int16).reshape(r, -1))
             scales.append(16 * d)
-            off = -8 * d
-        if has_m:
-            off = 8 * d + m if off is None else 8 * d + m  # Q4_1: d(q-8)+8d+m; Q5_1 likewise
-        return codes, scales, off
+        return codes, scales, 8 * d + m  # d (lo - 8) [+ 16 d h] + (8 d + m)
     # Q5_K: 8 sub-blocks of 32 per super-block
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _kscales(blocks[..., 4:16])
@@ -287,6 +282,14 @@ def linear_weight(value, counters=None):
         n, k = value.logical[1]
         blocks = value.payload.reshape(n, k // b.block_size, b.type_size)
         out = GGMLWeight(value.name, b.name, blocks, n, k)
+    elif b is not None and b.name == "Q4_0":  # one compiled pass: codes u ^ 8, d bits as is
+        from olv_runtime.kernels.ggml_packed import q4_0_to_int4
+
+        n, k = value.logical[1]
+        codes, scales = q4_0_to_int4(value.payload.reshape(n, k // 32, 18))
+        out = _affine(value.name, codes, scales, n, k)
+        if counters is not None:
+            counters.add("bytes_repacked", codes.nbytes + scales.nbytes)
     elif b is not None:
         n, k = value.logical[1]
         nb = k // b.block_size
@@ -296,10 +299,8 @@ def linear_weight(value, counters=None):
             c, s, o = _repack_rows(b, blocks[r0:r0 + _ROWS])
             if codes is None:
                 codes = [np.empty(n * k // 2, np.uint8) for _ in c]
-                # Q4_0's d is float16 in the block and stays float16 (the kernels widen it
-                # exactly); the planes of the other types hold products, kept as float32.
-                sdt = np.float16 if b.name == "Q4_0" else np.float32
-                scales = [np.empty((n, k // 32), sdt) for _ in s]
+                # the planes hold products of the block's scales: float32
+                scales = [np.empty((n, k // 32), np.float32) for _ in s]
                 offset = np.empty((n, k // 32), np.float32) if o is not None else None
             for p in range(len(c)):
                 codes[p][r0 * k // 2:(r0 + c[p].shape[0]) * k // 2] = _pack(c[p])
