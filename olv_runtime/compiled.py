@@ -237,7 +237,8 @@ def canonical_parts(model: Model, name: str, value=None) -> list:
         raise CompiledTensorError(f"compiled tensor source {name!r}: sparse initializers are not "
                                   "supported sources")
     want_affine = msg.WhichOneof("layout") == "affine"
-    if value is None or isinstance(value, AffineValue) != want_affine:
+    if (value is None or isinstance(value, AffineValue) != want_affine
+            or not want_affine and not hasattr(value, "root")):
         # the validated view of the initializer itself (a GGUF Q4_0 struct source reaches the
         # linear as an AffineValue repacked from it: the digest stays that of the source)
         from olv_runtime.structs import resolve

@@ -286,8 +286,11 @@ def linear_weight(value, counters=None):
         from olv_runtime.kernels.ggml_packed import q4_0_to_int4
 
         n, k = value.logical[1]
-        codes, scales = q4_0_to_int4(value.payload.reshape(n, k // 32, 18))
+        blocks = value.payload.reshape(n, k // 32, 18)
+        codes, scales = q4_0_to_int4(blocks)
+        release_pages(blocks)  # the INT4 form is what the kernels read from now on
         out = _affine(value.name, codes, scales, n, k)
+        object.__setattr__(out, "_ggml_q4_0", True)  # release_repacks may drop its codes
         if counters is not None:
             counters.add("bytes_repacked", codes.nbytes + scales.nbytes)
     elif b is not None:
@@ -329,18 +332,35 @@ class _Released:
         self.name, self.shape, self.nbytes = w.name, w.shape, 0
 
 
+class _ReleasedInt4(_Released):
+    """Stands in for the row-major INT4 form of a Q4_0 weight once its prepacked copy exists:
+    name, shape and scales (``olv compile`` reads the scales' dtype), no codes."""
+
+    def __init__(self, w):
+        super().__init__(w)
+        self.scale = w.scale
+
+
 def release_repacks(values, steps) -> None:
-    """After planning: drop the row-major INT4 planes of :class:`PlanesLinear` steps (their
-    prepacked copies are what runs), keeping the planes a gather still reads, and clear the
-    per-value repack cache. (Q4_0 weights in ordinary linear steps keep theirs: the step's
-    weights are also read by ``olv compile``.)"""
-    from olv_runtime.fusion import PlanesLinear
+    """After planning: drop the row-major INT4 planes of :class:`PlanesLinear` steps and the
+    row-major INT4 codes of Q4_0 weights in linear steps (their prepacked copies are what runs;
+    the steps inside a DecoderStack included), and clear the per-value repack cache. A form a
+    gather still reads stays alive through the gather's own reference."""
+    from olv_runtime.fusion import LinearStep, PlanesLinear
 
     for v in values:
         if hasattr(v, "__dict__"):
             v.__dict__.pop("_ggml_repack", None)
+    every = []
     for st in steps:
+        every.append(st)
+        every.extend(getattr(st.impl, "sub_steps", ()))
+    for st in every:
         impl = st.impl
+        if isinstance(impl, LinearStep) and impl.packed is not None and impl.weights and all(
+                getattr(w, "_ggml_q4_0", False) for w in impl.weights):
+            impl.weights = [_ReleasedInt4(w) for w in impl.weights]
+            continue
         if isinstance(impl, PlanesLinear) and all(lin.packed is not None for lin in impl.lins):
             for lin in impl.lins:
                 lin.weights = [_Released(w) for w in lin.weights]
