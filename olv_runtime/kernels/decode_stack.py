@@ -252,16 +252,23 @@ class StackWorkspace:
                              np.zeros((nt, g), np.float32))
         return a
 
-    def paged(self, d, width, n_kv, bs):
+    def paged(self, d, width, n_kv, bs, n_heads):
         """Paged-step scratch: one decoded block and head ``[nt, BS, D]`` with its row
-        multipliers ``[nt, BS]``, a tile's block list ``[nt, width, 2]`` int64, the new
-        key/value rows ``[nt, 2, KVH*D]``."""
+        multipliers ``[nt, BS + 16]``, a tile's block list ``[nt, width, 2]`` int64, the new
+        key/value rows ``[nt, 2, KVH*D]``; the int8 queries of int8-activation mode
+        (:func:`~.paged_attention._quantize_heads`): codes and INT4-order codes ``[nt, H, D]``
+        int8, ``qmul [nt, H]`` float32, ``qsum [nt, H]`` int32."""
         a = getattr(self, "_paged", None)
-        if a is None or a[2].shape[1] != width or a[0].shape[1] != bs:
+        if a is None or a[2].shape[1] != width or a[0].shape[1] != bs or a[4].shape[1] != n_heads:
             nt = self.nt
-            a = self._paged = (np.zeros((nt, bs, d), np.float32), np.zeros((nt, bs), np.float32),
+            a = self._paged = (np.zeros((nt, bs, d), np.float32),
+                               np.zeros((nt, bs + SLACK), np.float32),
                                np.zeros((nt, width, 2), np.int64),
-                               np.zeros((nt, 2, n_kv * d), np.float32))
+                               np.zeros((nt, 2, n_kv * d), np.float32),
+                               np.zeros((nt, n_heads, d), np.int8),
+                               np.zeros((nt, n_heads, d), np.int8),
+                               np.zeros((nt, n_heads), np.float32),
+                               np.zeros((nt, n_heads), np.int32))
         return a
 
     @property
@@ -593,7 +600,8 @@ def _write_open_row(tab, nb, g, bs, d, t_in, src, off):
 def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
                         tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
                         att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx, i8ws, facc32,
-                        bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, ascr, armul, apend):
+                        bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, ascr, armul, apend,
+                        iq, aqi, aqip, aqmul, aqsum):
     n_layers = len(tabs)
     hd = n_heads * d
     kvd = n_kv * d
@@ -609,6 +617,10 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
     pend = apend[tid]
     attn = attn_p[tid]
     kv = kvnew[tid]
+    qi = aqi[tid]
+    qip = aqip[tid]
+    qmul = aqmul[tid]
+    qsum = aqsum[tid]
     x = x0
     nxt = 0
     for li in range(n_layers):
@@ -623,6 +635,8 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
                 kv[1, g * d + i] = qkv[0, hd + kvd + g * d + i]
             _write_open_row(tab, nb, g, bs, d, tin[li], kv, g * d)
         _barrier(bar, nt)
+        if iq:  # int8 queries for INT8/INT4 key blocks (every task quantizes all heads)
+            pk._quantize_heads(q3, 0, n_heads, att_scale, qi, qip, qmul, qsum)
         b0 = tid * nb // nt
         b1 = (tid + 1) * nb // nt
         for g in range(n_kv):
@@ -638,7 +652,9 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
                 hs = g * group
                 _paged_rows(q3[hs:hs + group], group, tab, c0, c1, g, bs, 0, False, att_scale,
                             pm[tid, hs:hs + group], pl[tid, hs:hs + group],
-                            po[tid, hs:hs + group], sc, p, mx, scr, rmul, pend)
+                            po[tid, hs:hs + group], sc, p, mx, scr, rmul, pend, iq,
+                            qi[hs:hs + group], qip[hs:hs + group], qmul[hs:hs + group],
+                            qsum[hs:hs + group], vnni)
         _barrier(bar, nt)
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
         x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
@@ -650,13 +666,13 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
 def _stack_par_paged(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, tabs, nblk, tin,
                      bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
                      qkv, q3, kvnew, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po,
-                     attn_p, asc, ap, amx, ascr, armul, apend):
+                     attn_p, asc, ap, amx, ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum):
     for tid in prange(nt):
         _stack_thread_paged(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms,
                             eps, tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim,
                             interleaved, att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx,
                             i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx,
-                            ascr, armul, apend)
+                            ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum)
 
 
 def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tabs, nblk,
@@ -671,16 +687,19 @@ def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tab
     BS. Step 3 writes k, v there (the bookkeeping -- slot claim, allocation, sealing -- is the
     caller's, :meth:`olv_runtime.state.paged.PagedKV.decode_begin` / ``decode_end``); step 4 runs
     :func:`~.paged_attention._paged_rows` over this task's share of the blocks for every kv head
-    and merges the partial states as the contiguous step does.
+    and merges the partial states as the contiguous step does. In int8-activation mode
+    (``quant``) the scores of INT8/INT4 key blocks are integer dot products against the query
+    heads quantized to int8 (``paged_attention(..., int8_query=True)``: one scale per head,
+    the block's key codes and scales as they are).
     """
     w = pk.tile_width(block_size)
     att = ws.attention(n_heads, n_kv, d, w)
-    scr, rmul, pend, kvnew = ws.paged(d, w, n_kv, int(block_size))
+    scr, rmul, pend, kvnew, qi, qip, qmul, qsum = ws.paged(d, w, n_kv, int(block_size), n_heads)
     args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, tabs,
             nblk, tin, int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
             inter, ws.xa, ws.xb, ws.qkv, ws.q3(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
             ws.i8 if quant else None, ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att,
-            scr, rmul, pend)
+            scr, rmul, pend, bool(quant), qi, qip, qmul, qsum)
     if nt > 1:
         _stack_par_paged(nt, *args)
     else:  # the per-thread program is the serial entry (as in decode_stack)

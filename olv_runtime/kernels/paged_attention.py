@@ -39,7 +39,15 @@ multiplied by the token's (or block's) scale, float16 by ``fpext``, codebook ind
 lookup -- and used at once by every query head of the group, then overwritten by the next block.
 Then one online-softmax update per head and tile with vectorised exponentials
 (:func:`~.attention._softmax_tile`), then ``o += p @ V`` (the value side decoded the same way,
-its scales folded into the probabilities). The cache is never dequantized into a buffer
+its scales folded into the probabilities; with ``D % 16 == 0`` the output rows of four query
+heads stay in registers over a block's keys, :func:`_make_pv`).
+
+With ``int8_query`` (the compiled decode step in int8-activation mode) the scores of INT8/INT4
+key blocks are integer dot products: each query head is quantized to int8 once per call (one
+scale per head), 16 keys at a time are scored by ``vpdpbusd`` (AVX-512 VNNI) or ``vpmaddwd``
+(AVX2; chosen at run time by :func:`~.packed_i8.isa`, bitwise equal) on the block's own codes,
+and the exact integer sum times ``(query scale * attention scale) * key scale`` is the score
+(:func:`_qk16_i8`). The block format -- codes and scales -- is read as it is. The cache is never dequantized into a buffer
 (``bytes_dequantized`` stays 0): the workspace of a call (:func:`workspace_bytes`) depends on the
 query and head counts and the block size only.
 
@@ -51,6 +59,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
+from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from olv_runtime.errors import InvalidArgument
@@ -58,6 +67,7 @@ from olv_runtime.errors import InvalidArgument
 from .attention import SLACK, TILE, _FM, _accum_rows, _dot, _scores_rows, _softmax_tile, _state_finish, \
     _state_init, _tile_max_init
 from .config import JIT, PJIT, lazy_njit
+from .packed_i8 import HOST_VNNI, use_vnni
 
 __all__ = ["FORMAT_CODES", "ChunkSide", "paged_attention", "convert_block", "F16_TABLE",
            "dummy_side"]
@@ -278,6 +288,344 @@ def _accum_rows_m(p, c0, ng, v, nt, o, rmul):
         j += 1
 
 
+# -- integer scores of INT8 / INT4 key blocks against an int8 query (int8-activation mode) ------
+_I8T, _I16T, _I32T = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V64I8 = ir.VectorType(_I8T, 64)
+_V32I8 = ir.VectorType(_I8T, 32)
+_V16I8 = ir.VectorType(_I8T, 16)
+_V16I16 = ir.VectorType(_I16T, 16)
+_V8I32 = ir.VectorType(_I32T, 8)
+_V16I32 = ir.VectorType(_I32T, 16)
+
+
+def _vsplat(builder, val, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), val, ir.Constant(_I32T, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32T, vty.count), [0] * vty.count))
+
+
+def _concat32(builder, a, b):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32T, 64), list(range(64))))
+
+
+@intrinsic
+def _qk16_i8(typingctx, q, kaddr, row0, nrows, rowbytes, int4, qsum, qmul, rmul, out, off,
+             vnni):
+    """Scores of 16 keys against an int8 query: ``out[off + j] = float32(S_j) * (qmul *
+    rmul[row0 + j])`` for ``j < 16``, ``S_j = sum_i k[row0 + j, i] * q[i]`` (exact int32) of an INT8
+    (``int4`` False: ``D`` signed bytes per row) or INT4 block side (``int4`` True: ``D/2``
+    bytes per row, two's complement nibbles, low nibble first) whose first row is at address
+    ``kaddr``, rows ``rowbytes`` apart; ``q`` int8 [D] (for INT4 in the nibble order of
+    :func:`_quantize_heads`: per 64 features the even ones, then the odd ones), ``D % 64 == 0``,
+    ``qsum = sum(q)``. Rows ``>= nrows`` repeat the last row (never read out of bounds); all 16
+    results are written (``out`` needs 16 slots from ``off``, ``rmul`` 16 from ``row0``);
+    returns the max of the first ``nrows`` scores. ``vnni`` (where the host has AVX-512 VNNI): one ``vpdpbusd`` per key
+    and 64 features on the unsigned form ``k + 128`` (INT8) / ``k + 8`` (INT4), minus
+    ``128 * qsum`` / ``8 * qsum``; else ``vpmaddwd`` on the sign-extended values. Both give the
+    exact sums (bitwise equal)."""
+    if not (isinstance(q, types.Array) and q.dtype == types.int8 and isinstance(out, types.Array)
+            and out.dtype == types.float32 and isinstance(rmul, types.Array)
+            and rmul.dtype == types.float32 and qmul == types.float32):
+        return None
+    sig = types.float32(q, kaddr, row0, nrows, rowbytes, int4, qsum, qmul, rmul, out, off, vnni)
+
+    def codegen(context, builder, sig, args):
+        qa = context.make_array(sig.args[0])(context, builder, args[0])
+        ra = context.make_array(sig.args[8])(context, builder, args[8])
+        oa = context.make_array(sig.args[9])(context, builder, args[9])
+        i64 = ir.IntType(64)
+        d = builder.extract_value(qa.shape, 0)
+        nch = builder.udiv(d, ir.Constant(i64, 64))
+        kaddr_v = context.cast(builder, args[1], sig.args[1], types.int64)
+        row0_v = context.cast(builder, args[2], sig.args[2], types.int64)
+        nrows_v = context.cast(builder, args[3], sig.args[3], types.int64)
+        rb = context.cast(builder, args[4], sig.args[4], types.int64)
+        is4 = context.cast(builder, args[5], sig.args[5], types.boolean)
+        qs = context.cast(builder, args[6], sig.args[6], types.int32)
+        qm = args[7]
+        off_v = context.cast(builder, args[10], sig.args[10], types.int64)
+        isvnni = context.cast(builder, args[11], sig.args[11], types.boolean)
+        last = builder.sub(nrows_v, ir.Constant(i64, 1))
+        qbase = builder.bitcast(qa.data, _I8T.as_pointer())
+        kbase = builder.inttoptr(kaddr_v, _I8T.as_pointer())
+        rowptrs = []
+        for j in range(16):
+            jj = ir.Constant(i64, j)
+            r = builder.select(builder.icmp_signed("<", jj, nrows_v), jj, last)
+            rowptrs.append(builder.gep(kbase, [builder.mul(builder.add(row0_v, r), rb)]))
+        optr = cgutils.alloca_once(builder, _V16I32)  # the exact sums (either path)
+
+        def key_bytes(j, c, fmt4, unsigned):
+            """The 64 bytes of key j, chunk c (64 features) in q's order."""
+            if not fmt4:
+                off = builder.mul(c, ir.Constant(i64, 64))
+                kv = builder.load(builder.bitcast(builder.gep(rowptrs[j], [off]),
+                                                  _V64I8.as_pointer()), align=1)
+                return builder.xor(kv, ir.Constant(_V64I8, [-128] * 64)) if unsigned else kv
+            off = builder.mul(c, ir.Constant(i64, 32))
+            b = builder.load(builder.bitcast(builder.gep(rowptrs[j], [off]), _V32I8.as_pointer()),
+                             align=1)
+            four = ir.Constant(_V32I8, [4] * 32)
+            if unsigned:
+                eight = ir.Constant(_V32I8, [8] * 32)
+                lo = builder.xor(builder.and_(b, ir.Constant(_V32I8, [15] * 32)), eight)
+                hi = builder.xor(builder.lshr(b, four), eight)
+            else:
+                lo = builder.ashr(builder.shl(b, four), four)
+                hi = builder.ashr(b, four)
+            return _concat32(builder, lo, hi)
+
+        def tree(vecs):
+            w = 16
+            while len(vecs) > 1:
+                half = w // 2
+                m = 16 // w
+                lo_idx = [g * w + i for g in range(m) for i in range(half)]
+                hi_idx = [g * w + half + i for g in range(m) for i in range(half)]
+                lo_m = ir.Constant(ir.VectorType(_I32T, 16), lo_idx + [16 + x for x in lo_idx])
+                hi_m = ir.Constant(ir.VectorType(_I32T, 16), hi_idx + [16 + x for x in hi_idx])
+                vecs = [builder.add(builder.shuffle_vector(a, b, lo_m),
+                                    builder.shuffle_vector(a, b, hi_m))
+                        for a, b in zip(vecs[0::2], vecs[1::2])]
+                w = half
+            return vecs[0]
+
+        def vnni_body(fmt4):
+            dp = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16I32, [_V16I32, _V64I8, _V64I8]),
+                "llvm.x86.avx512.vpdpbusd.512")
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, [0] * 16))
+                    for _ in range(16)]
+            with cgutils.for_range(builder, nch) as loop:
+                c = loop.index
+                qv = builder.load(builder.bitcast(builder.gep(qbase, [builder.mul(
+                    c, ir.Constant(i64, 64))]), _V64I8.as_pointer()), align=1)
+                for j in range(16):
+                    u = key_bytes(j, c, fmt4, True)
+                    builder.store(builder.call(dp, [builder.load(accs[j]), u, qv]), accs[j])
+            tot = tree([builder.load(a) for a in accs])
+            corr = builder.mul(qs, ir.Constant(_I32T, 8 if fmt4 else 128))
+            builder.store(builder.sub(tot, _vsplat(builder, corr, _V16I32)), optr)
+
+        def avx2_body(fmt4):
+            mwd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V8I32, [_V16I16, _V16I16]),
+                "llvm.x86.avx2.pmadd.wd")
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8I32, [0] * 8))
+                    for _ in range(16)]
+            with cgutils.for_range(builder, nch) as loop:
+                c = loop.index
+                qv = builder.load(builder.bitcast(builder.gep(qbase, [builder.mul(
+                    c, ir.Constant(i64, 64))]), _V64I8.as_pointer()), align=1)
+                q16 = [builder.sext(builder.shuffle_vector(
+                    qv, ir.Constant(_V64I8, ir.Undefined),
+                    ir.Constant(ir.VectorType(_I32T, 16), list(range(16 * p, 16 * p + 16)))),
+                    _V16I16) for p in range(4)]
+                for j in range(16):
+                    kv = key_bytes(j, c, fmt4, False)
+                    a = builder.load(accs[j])
+                    for p in range(4):
+                        k16 = builder.sext(builder.shuffle_vector(
+                            kv, ir.Constant(_V64I8, ir.Undefined),
+                            ir.Constant(ir.VectorType(_I32T, 16),
+                                        list(range(16 * p, 16 * p + 16)))), _V16I16)
+                        a = builder.add(a, builder.call(mwd, [k16, q16[p]]))
+                    builder.store(a, accs[j])
+            res = ir.Constant(_V16I32, [0] * 16)
+            for j in range(16):
+                a = builder.load(accs[j])
+                t = builder.extract_element(a, ir.Constant(_I32T, 0))
+                for e in range(1, 8):
+                    t = builder.add(t, builder.extract_element(a, ir.Constant(_I32T, e)))
+                res = builder.insert_element(res, t, ir.Constant(_I32T, j))
+            builder.store(res, optr)
+
+        def by_format(body):
+            with builder.if_else(is4) as (then, otherwise):
+                with then:
+                    body(True)
+                with otherwise:
+                    body(False)
+
+        if HOST_VNNI:
+            with builder.if_else(isvnni) as (then, otherwise):
+                with then:
+                    by_format(vnni_body)
+                with otherwise:
+                    by_format(avx2_body)
+        else:  # the VNNI instruction cannot even be compiled here
+            by_format(avx2_body)
+        # float32(S) * (qmul * rmul[row0 + j]) in 16 lanes (the same two multiplies per key as
+        # the scalar form), stored; the max over the first nrows lanes
+        f32 = ir.FloatType()
+        v16f = ir.VectorType(f32, 16)
+        sf = builder.sitofp(builder.load(optr), v16f)
+        rp = builder.gep(builder.bitcast(ra.data, f32.as_pointer()), [row0_v])
+        rm = builder.load(builder.bitcast(rp, v16f.as_pointer()), align=4)
+        val = builder.fmul(sf, builder.fmul(_vsplat(builder, qm, v16f), rm))
+        op = builder.gep(builder.bitcast(oa.data, f32.as_pointer()), [off_v])
+        builder.store(val, builder.bitcast(op, v16f.as_pointer()), align=4)
+        lanes = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
+        live = builder.icmp_signed("<", lanes, _vsplat(builder, nrows_v, ir.VectorType(i64, 16)))
+        cur = builder.select(live, val, ir.Constant(v16f, [float("-inf")] * 16))
+        w = 16
+        while w > 1:
+            half = w // 2
+            hi = builder.shuffle_vector(cur, ir.Constant(v16f, ir.Undefined), ir.Constant(
+                ir.VectorType(_I32T, 16), [half + i if i < half else 0 for i in range(16)]))
+            cur = builder.select(builder.fcmp_ordered(">", hi, cur), hi, cur)
+            w = half
+        return builder.extract_element(cur, ir.Constant(_I32T, 0))
+    return sig, codegen
+
+
+@njit(**JIT)
+def _quantize_heads(q, h0, h1, scale, qi, qip, qmul, qsum):
+    """Query heads ``q[h0:h1]`` (float32 [., D]) to int8, one scale per head (as the int8
+    activations of the linears, :func:`~.packed._quantize_block`, over the head's ``D``
+    features): ``d = max|q| / 127``, ``qi = rint(q / d)`` (half to even) clipped to
+    [-127, 127], zeros when ``max|q| == 0``; ``qip`` the same codes in the nibble order of INT4
+    rows (per 64 features: the even ones, then the odd ones); ``qmul = d * scale``,
+    ``qsum = sum(qi)``."""
+    d = q.shape[1]
+    for hh in range(h0, h1):
+        amax = np.float32(0.0)
+        for i in range(d):
+            a = abs(q[hh, i])
+            if a > amax:
+                amax = a
+        dq = amax / np.float32(127.0)
+        tot = 0
+        if amax > np.float32(0.0):
+            for i in range(d):
+                v = np.rint(q[hh, i] / dq)
+                if v > np.float32(127.0):
+                    v = np.float32(127.0)
+                elif v < np.float32(-127.0):
+                    v = np.float32(-127.0)
+                c = np.int32(v)
+                qi[hh, i] = c
+                tot += c
+        else:
+            for i in range(d):
+                qi[hh, i] = 0
+        for c0 in range(0, d - 63, 64):
+            for j in range(32):
+                qip[hh, c0 + j] = qi[hh, c0 + 2 * j]
+                qip[hh, c0 + 32 + j] = qi[hh, c0 + 2 * j + 1]
+        qmul[hh] = dq * scale
+        qsum[hh] = tot
+
+
+@njit(**JIT)
+def _block_scores_i8(qi, qip, qmul, qsum, ng, fmt, addr, saddr, pt, g, bs, d, nk, sc, c0, mx,
+                     rmul, vnni):
+    """Scores of the first ``nk`` tokens of an INT8/INT4 key block side against the int8
+    queries ``qi``/``qip [ng, D]`` into ``sc[:, c0:]``: ``float32(S) * (qmul[hh] * k_scale[t])``
+    with ``S`` the exact integer dot product (:func:`_qk16_i8`; ``rmul`` needs 16 slots past
+    the block's last multiple of 16)."""
+    if pt:
+        kst = carray(_f32p(saddr + g * bs * 4), (nk,))
+        for t in range(nk):
+            rmul[t] = kst[t]
+    else:
+        s = carray(_f32p(saddr + g * 4), (1,))[0]
+        for t in range(nk):
+            rmul[t] = s
+    rb = d if fmt == 2 else d // 2
+    base = addr + g * bs * rb
+    is4 = fmt == 3
+    for hh in range(ng):
+        qv = qip[hh] if is4 else qi[hh]
+        qm = qmul[hh]
+        qs = qsum[hh]
+        sr = sc[hh]
+        m = mx[hh]
+        for jj in range(0, nk, 16):
+            bm = _qk16_i8(qv, base, jj, min(16, nk - jj), rb, is4, qs, qm, rmul, sr, c0 + jj,
+                          vnni)
+            if bm > m:
+                m = bm
+        mx[hh] = m
+
+
+def _make_pv(nh):
+    """Intrinsic ``_pv{nh}(p, prow, pcol, v, nrows, o, orow)``: ``o[orow + h] += sum_{j < nrows}
+    p[prow + h, pcol + j] * v[j]`` for ``h < nh`` query heads (float32, ``D % 16 == 0``), the
+    accumulators of ``nh`` heads x 16 features held in registers over the keys (one load of
+    each value vector serves the ``nh`` heads), keys in order, one fused multiply-add per key."""
+
+    @intrinsic
+    def pv(typingctx, p, prow, pcol, v, nrows, o, orow):
+        if not all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2
+                   for a in (p, v, o)):
+            return None
+        sig = types.void(p, prow, pcol, v, nrows, o, orow)
+
+        def codegen(context, builder, sig, args):
+            i64 = ir.IntType(64)
+            f32 = ir.FloatType()
+            v16 = ir.VectorType(f32, 16)
+            pa = context.make_array(sig.args[0])(context, builder, args[0])
+            va = context.make_array(sig.args[3])(context, builder, args[3])
+            oa = context.make_array(sig.args[5])(context, builder, args[5])
+            ps = builder.extract_value(pa.shape, 1)
+            d = builder.extract_value(oa.shape, 1)
+            vs = builder.extract_value(va.shape, 1)
+            prow_v = context.cast(builder, args[1], sig.args[1], types.int64)
+            pcol_v = context.cast(builder, args[2], sig.args[2], types.int64)
+            nr = context.cast(builder, args[4], sig.args[4], types.int64)
+            orow_v = context.cast(builder, args[6], sig.args[6], types.int64)
+            pbase = builder.bitcast(pa.data, f32.as_pointer())
+            vbase = builder.bitcast(va.data, f32.as_pointer())
+            obase = builder.bitcast(oa.data, f32.as_pointer())
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                v16, [v16, v16, v16]), "llvm.fma.v16f32")
+            prows = [builder.gep(pbase, [builder.add(builder.mul(builder.add(
+                prow_v, ir.Constant(i64, h)), ps), pcol_v)]) for h in range(nh)]
+            nch = builder.udiv(d, ir.Constant(i64, 16))
+            with cgutils.for_range(builder, nch) as cl:
+                c16 = builder.mul(cl.index, ir.Constant(i64, 16))
+                optrs = [builder.bitcast(builder.gep(obase, [builder.add(builder.mul(
+                    builder.add(orow_v, ir.Constant(i64, h)), d), c16)]), v16.as_pointer())
+                    for h in range(nh)]
+                accs = [cgutils.alloca_once_value(builder, builder.load(op, align=4))
+                        for op in optrs]
+                with cgutils.for_range(builder, nr) as kl:
+                    j = kl.index
+                    vp = builder.gep(vbase, [builder.add(builder.mul(j, vs), c16)])
+                    vv = builder.load(builder.bitcast(vp, v16.as_pointer()), align=4)
+                    for h in range(nh):
+                        pj = builder.load(builder.gep(prows[h], [j]))
+                        builder.store(builder.call(fma, [_vsplat(builder, pj, v16), vv,
+                                                         builder.load(accs[h])]), accs[h])
+                for h in range(nh):
+                    builder.store(builder.load(accs[h]), optrs[h], align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return pv
+
+
+_pv1, _pv2, _pv3, _pv4 = (_make_pv(n) for n in (1, 2, 3, 4))
+
+
+@njit(**JIT)
+def _accum_pv(p, c0, ng, v, nt, o):
+    """``o[hh] += sum_{j < nt} p[hh, c0 + j] * v[j]`` (float32 rows ``v [>= nt, D]``,
+    ``D % 16 == 0``): four query heads at a time (:func:`_make_pv`)."""
+    hh = 0
+    while hh + 4 <= ng:
+        _pv4(p, hh, c0, v, nt, o, hh)
+        hh += 4
+    r = ng - hh
+    if r == 3:
+        _pv3(p, hh, c0, v, nt, o, hh)
+    elif r == 2:
+        _pv2(p, hh, c0, v, nt, o, hh)
+    elif r == 1:
+        _pv1(p, hh, c0, v, nt, o, hh)
+
+
 @njit(**JIT)
 def _block_scores(qg, ng, fmt, addr, saddr, pt, g, bs, d, nk, scale, sc, c0, mx, scr, rmul):
     """Scores of the first ``nk`` tokens of one block side (any format) into ``sc[:, c0:]``."""
@@ -292,7 +640,20 @@ def _block_scores(qg, ng, fmt, addr, saddr, pt, g, bs, d, nk, scale, sc, c0, mx,
 
 @njit(**JIT)
 def _block_accum(p, c0, ng, fmt, addr, saddr, pt, g, bs, d, nk, o, scr, rmul):
-    """``o += p[:, c0:c0+nk] @ V`` for the first ``nk`` tokens of one block side."""
+    """``o += p[:, c0:c0+nk] @ V`` for the first ``nk`` tokens of one block side (with
+    ``D % 16 == 0``: a quantized side's row multipliers folded into ``p``, then
+    :func:`_accum_pv`)."""
+    if d % 16 == 0:
+        if fmt == 0:
+            _accum_pv(p, c0, ng, _block_f32(addr, g, bs, d), nk, o)
+            return
+        _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, np.float32(1.0), scr, rmul)
+        for hh in range(ng):
+            pr = p[hh]
+            for j in range(nk):
+                pr[c0 + j] = pr[c0 + j] * rmul[j]
+        _accum_pv(p, c0, ng, scr, nk, o)
+        return
     if fmt == 0:
         _accum_rows(p, c0, ng, _block_f32(addr, g, bs, d), 0, nk, o, np.float32(1.0))
     else:
@@ -314,14 +675,17 @@ def _flush(table, pend, npend, ng, g, bs, d, c, mx, m, l, o, sc, p, scr, rmul):
 
 @njit(**JIT)
 def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, p, mx, scr,
-                rmul, pend):
+                rmul, pend, iq, qi, qip, qmul, qsum, vnni):
     """Blocks ``table[b0:b1]`` of kv head ``g`` into the partial softmax state ``m, l, o`` of the
     ``ng`` query heads ``qg[ng, D]`` of the query at position ``qpos`` (keys at positions
     ``> qpos`` skipped when ``causal``). Consecutive blocks share one softmax tile of up to
     ``sc.shape[1] - SLACK`` keys. Scratch: ``sc, p`` float32 [ng, W + SLACK], W >= BS, ``mx`` [ng], ``scr``
     float32 [BS, D] (one block and head of a non-float32 side, decoded), ``rmul`` float32 [BS],
-    ``pend`` int64 [W, 2] (the tile's blocks)."""
+    ``pend`` int64 [W, 2] (the tile's blocks). ``iq``: scores of INT8/INT4 key blocks from the
+    int8 queries ``qi``/``qip`` [ng, D] (``qmul``, ``qsum`` [ng]: :func:`_quantize_heads`;
+    ``vnni`` the instruction path; ``rmul`` then [BS + 16]) when ``D % 64 == 0``."""
     d = qg.shape[1]
+    iq = iq and d % 64 == 0
     w = sc.shape[1] - SLACK
     c = 0
     npend = 0
@@ -337,8 +701,14 @@ def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, 
             c = 0
             npend = 0
             _tile_max_init(mx, ng)
-        _block_scores(qg, ng, table[bi, T_KFMT], table[bi, T_KADDR], table[bi, T_KSADDR],
-                      table[bi, T_KPT], g, bs, d, nk, scale, sc, c, mx, scr, rmul)
+        kf = table[bi, T_KFMT]
+        if iq and (kf == 2 or kf == 3):
+            _block_scores_i8(qi, qip, qmul, qsum, ng, kf, table[bi, T_KADDR],
+                             table[bi, T_KSADDR], table[bi, T_KPT], g, bs, d, nk, sc, c, mx,
+                             rmul, vnni)
+        else:
+            _block_scores(qg, ng, kf, table[bi, T_KADDR], table[bi, T_KSADDR],
+                          table[bi, T_KPT], g, bs, d, nk, scale, sc, c, mx, scr, rmul)
         pend[npend, 0] = bi
         pend[npend, 1] = nk
         npend += 1
@@ -446,7 +816,7 @@ def workspace_bytes(s: int, h: int, kvh: int, d: int, block_size: int = 16) -> i
 
 
 @njit(**JIT)
-def _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, out):
+def _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, iq, vnni, out):
     s_n, h_n, d = q.shape
     ng = h_n // kvh
     s = t // kvh
@@ -457,12 +827,19 @@ def _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, out):
     sc = np.empty((ng, w + SLACK), np.float32)
     p = np.empty((ng, w + SLACK), np.float32)
     scr = np.empty((bs, d), np.float32)
-    rmul = np.empty(bs, np.float32)
+    rmul = np.zeros(bs + SLACK, np.float32)
     pend = np.empty((w, 2), np.int64)
+    qi = np.zeros((ng, d), np.int8)
+    qip = np.zeros((ng, d), np.int8)
+    qmul = np.zeros(ng, np.float32)
+    qsum = np.zeros(ng, np.int32)
+    qg = q[s, g * ng:(g + 1) * ng]
+    if iq:
+        _quantize_heads(qg, 0, ng, scale, qi, qip, qmul, qsum)
     o = out[s, g * ng:(g + 1) * ng]
     _state_init(m, l, o, ng)
-    _paged_rows(q[s, g * ng:(g + 1) * ng], ng, table, 0, nblocks, g, bs, past_len + s, causal,
-                scale, m, l, o, sc, p, mx, scr, rmul, pend)
+    _paged_rows(qg, ng, table, 0, nblocks, g, bs, past_len + s, causal,
+                scale, m, l, o, sc, p, mx, scr, rmul, pend, iq, qi, qip, qmul, qsum, vnni)
     _state_finish(l, o, ng, o)
 
 
@@ -471,14 +848,15 @@ _PAGED_SIG = types.void(
     types.Array(types.int64, 2, "C"),     # table [>= n, TABLE_COLS]
     types.int64, types.int64, types.float32, types.boolean,  # n blocks, past_len, scale, causal
     types.int64, types.int64, types.int64,  # KVH, BS, tile width
+    types.boolean, types.boolean,         # int8 queries, VNNI path
     types.Array(types.float32, 3, "C"),   # out [S, H, D]
 )
 
 
 @lazy_njit(_PAGED_SIG, **PJIT)
-def _paged_par(q, table, nblocks, past_len, scale, causal, kvh, bs, w, out):
+def _paged_par(q, table, nblocks, past_len, scale, causal, kvh, bs, w, iq, vnni, out):
     for t in prange(q.shape[0] * kvh):
-        _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, out)
+        _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, iq, vnni, out)
 
 
 def table_row(kside: ChunkSide, kslot: int, vside: ChunkSide, vslot: int, start: int,
@@ -489,7 +867,7 @@ def table_row(kside: ChunkSide, kslot: int, vside: ChunkSide, vslot: int, start:
 
 def paged_attention(q: np.ndarray, table: np.ndarray, nblocks: int, past_len: int, scale: float,
                     is_causal: bool, kv_heads: int, block_size: int, out: np.ndarray,
-                    keepalive=None) -> np.ndarray:
+                    keepalive=None, int8_query: bool = False) -> np.ndarray:
     """Attention of ``S`` new queries over paged KV blocks (GQA, online softmax, fused dequant).
 
     Parameters
@@ -515,6 +893,14 @@ def paged_attention(q: np.ndarray, table: np.ndarray, nblocks: int, past_len: in
     block_size : int
         ``BS``, tokens per block slot.
     out : ndarray of float32, shape [S, H, D], C-contiguous
+    int8_query : bool
+        Scores of INT8/INT4 key blocks as integer dot products (``D % 64 == 0``; other blocks
+        and head sizes as without it): each query head is quantized to int8 once per call
+        (``d = max|q| / 127``, codes ``rint(q / d)`` clipped to [-127, 127], as the int8
+        activations of the linears), the score of key ``t`` is
+        ``float32(sum_i qcode_i * kcode_{t,i}) * ((d * scale) * kscale_t)`` -- the key codes and
+        scales of the block format used as they are. The compiled decode step does this in
+        int8-activation mode (``SessionOptions(quantize_activations=True)``).
 
     Returns
     -------
@@ -541,7 +927,8 @@ def paged_attention(q: np.ndarray, table: np.ndarray, nblocks: int, past_len: in
                               f"{TABLE_COLS}] array, got {table.dtype} {list(table.shape)}")
     if s:
         _paged_par(q, table, int(nblocks), int(past_len), np.float32(scale), bool(is_causal),
-                   int(kv_heads), int(block_size), tile_width(block_size), out)
+                   int(kv_heads), int(block_size), tile_width(block_size), bool(int8_query),
+                   use_vnni(), out)
     return out
 
 
