@@ -449,6 +449,9 @@ class DecoderStack:
             self.norms[2 * li] = L["norm_in"]
             self.norms[2 * li + 1] = L["norm_post"]
         self.norms[2 * self.n_layers] = norm_final
+        # read-only like the graph's norm weights, so that the step's RMSNorm rows have the type
+        # of the per-operator plan's (one compiled specialisation of _rms_norm_row, not two)
+        self.norms.flags.writeable = False
         self.k_max = max(self.e, self.heads * d, self.inter)
         self.max_work = max(lin.n * (32 * -(-lin.k // 32))
                             for lin in [L[n] for L in layers for n in ("qkv", "o", "gu", "down")]

@@ -265,12 +265,13 @@ def _attend_rows(qg, ng, k, v, j0, j1, scale, m, l, o, sc, p, mx):
     partial softmax state ``m[ng], l[ng], o[ng, D]`` of the ``ng`` query heads ``qg[ng, D]``.
     Scratch: ``sc, p`` float32 [>= ng, TILE + SLACK], ``mx`` float32 [>= ng]."""
     one = np.float32(1.0)
+    zero = np.int64(0)  # not the literal 0: a literal argument is one more specialisation
     for t0 in range(j0, j1, TILE):
         nt = min(TILE, j1 - t0)
         _tile_max_init(mx, ng)
-        _scores_rows(qg, ng, k, t0, nt, scale, sc, 0, mx)
+        _scores_rows(qg, ng, k, t0, nt, scale, sc, zero, mx)
         _softmax_tile(sc, ng, nt, mx, m, l, o, p)
-        _accum_rows(p, 0, ng, v, t0, nt, o, one)
+        _accum_rows(p, zero, ng, v, t0, nt, o, one)
 
 
 @njit(**JIT)
@@ -335,8 +336,10 @@ def _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out):
     mx = np.empty(group, np.float32)
     o = out[b, s, g * group:(g + 1) * group]  # the accumulator lives in the output rows
     _state_init(m, l, o, group)
-    _attend_rows(q[b, s, g * group:(g + 1) * group], group, k_cache[b, g], v_cache[b, g], 0,
-                 nkeys, scale, m, l, o, sc, p, mx)
+    # j0 an int64 variable (the decode step's type), not the literal 0: one specialisation of
+    # _attend_rows serves both
+    _attend_rows(q[b, s, g * group:(g + 1) * group], group, k_cache[b, g], v_cache[b, g],
+                 np.int64(0), nkeys, scale, m, l, o, sc, p, mx)
     _state_finish(l, o, group, o)
 
 

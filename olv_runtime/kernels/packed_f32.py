@@ -351,33 +351,39 @@ def _groups8(codes, scale, g0, g1, x, m, n, out, facc):
             _groups_small(codes, scale, g, g + 1, x, i0, m, n, out, facc)
 
 
-# One driver per row class, each serial (ntasks == 1: no parallel region) or parallel: M < 8
-# (decode, short prompts) never compiles the 8-row code, and no separate serial driver is
-# compiled (each top-level driver re-optimises the kernels linked into it: seconds of a cold
-# start).
+# One driver per row class (M < 8: decode, short prompts never compile the 8-row code) and per
+# mode: serial (one task, no parallel region) or parallel (ntasks >= 2 tasks). A call takes the
+# serial driver when its work is below SERIAL_MAX_WORK, so a small model (``olv demo``) compiles
+# the serial drivers only and a large one the parallel ones only: a parallel driver holding a
+# serial branch too re-optimises the kernels linked into it twice (seconds of a cold start).
+@njit(**JIT)
+def _linear_small_ser(x, m, codes, scale, n, out, facc):
+    zero = np.int64(0)
+    _groups_small(codes, scale, zero, codes.shape[0], x, zero, m, n, out, facc[0])
+
+
 @njit(**PJIT)
-def _linear_small(x, m, codes, scale, n, out, ntasks, facc):
+def _linear_small_par(x, m, codes, scale, n, out, ntasks, facc):
     ng = codes.shape[0]
     zero = np.int64(0)
-    if ntasks <= 1:
-        _groups_small(codes, scale, zero, ng, x, zero, m, n, out, facc[0])
-    else:
-        for task in prange(ntasks):
-            g0 = task * ng // ntasks
-            g1 = (task + 1) * ng // ntasks
-            _groups_small(codes, scale, g0, g1, x, zero, m, n, out, facc[task])
+    for task in prange(ntasks):
+        g0 = task * ng // ntasks
+        g1 = (task + 1) * ng // ntasks
+        _groups_small(codes, scale, g0, g1, x, zero, m, n, out, facc[task])
+
+
+@njit(**JIT)
+def _linear_big_ser(x, m, codes, scale, n, out, facc):
+    _groups8(codes, scale, np.int64(0), codes.shape[0], x, m, n, out, facc[0])
 
 
 @njit(**PJIT)
-def _linear_big(x, m, codes, scale, n, out, ntasks, facc):
+def _linear_big_par(x, m, codes, scale, n, out, ntasks, facc):
     ng = codes.shape[0]
-    if ntasks <= 1:
-        _groups8(codes, scale, np.int64(0), ng, x, m, n, out, facc[0])
-    else:
-        for task in prange(ntasks):
-            g0 = task * ng // ntasks
-            g1 = (task + 1) * ng // ntasks
-            _groups8(codes, scale, g0, g1, x, m, n, out, facc[task])
+    for task in prange(ntasks):
+        g0 = task * ng // ntasks
+        g1 = (task + 1) * ng // ntasks
+        _groups8(codes, scale, g0, g1, x, m, n, out, facc[task])
 
 
 def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,
@@ -411,8 +417,14 @@ def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray 
         _pad_rows(x, m, k, kp, ws.xpad)
         xx = ws.xpad[:m]  # rows k_max >= Kp long (the kernels use x.shape[1] as row stride)
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
-    if m * n * kp < SERIAL_MAX_WORK:
-        ntasks = 1  # too small to pay for a parallel region
-    driver = _linear_big if m >= 8 else _linear_small
-    driver(xx, m, packed.codes, packed.scale, n, out, ntasks, ws.facc)
+    if m * n * kp < SERIAL_MAX_WORK or (m < 8 and n * kp < SERIAL_MAX_WORK):
+        # too small to pay for a parallel region; and a weight below the bound always runs
+        # short row counts serially, so a small model compiles no parallel driver for them
+        ntasks = 1
+    if ntasks <= 1:
+        driver = _linear_big_ser if m >= 8 else _linear_small_ser
+        driver(xx, m, packed.codes, packed.scale, n, out, ws.facc)
+    else:
+        driver = _linear_big_par if m >= 8 else _linear_small_par
+        driver(xx, m, packed.codes, packed.scale, n, out, ntasks, ws.facc)
     return out
