@@ -32,13 +32,14 @@ driver, and the presents are the usual read-only prefix views (counted as
 """
 from __future__ import annotations
 
+import operator
 import threading
 
 import numba
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, ValidationError
-from olv_runtime.fusion import LAST_ONLY, LinearStep, RopeAttention, SiluMul, Step, last_position_args
+from olv_runtime.fusion import LAST_ONLY, KVResults, LinearStep, RopeAttention, SiluMul, Step, last_position_args
 from olv_runtime.kernels import config
 from olv_runtime.kernels.packed_i8 import PackedInt4I8
 from olv_runtime.pool import current as current_pool
@@ -497,7 +498,10 @@ class DecoderStack:
             kvt = np.zeros((self.n_layers, 3), np.int64)
             st = {"nt": nt, "ws": ws, "kvt": kvt, "kv0": kv0,
                   "kb_py": [None] * self.n_layers, "vb_py": [None] * self.n_layers,
-                  "tpos": np.zeros(self.n_layers, np.int64)}
+                  "tpos": np.zeros(self.n_layers, np.int64),
+                  # steady decode (_reserve_kv): the presents of the last call, the buffers'
+                  # registry entries and read-only whole-buffer views, the smallest capacity
+                  "last": None, "entries": [], "ro": [], "cap": 0}
             self._local.st = st
             ws.attention(self.heads, self.kv_heads, self.head_dim)
             if self.counters is not None:
@@ -533,6 +537,10 @@ class DecoderStack:
     def _fast_ok(self, x0, cos, sin, pasts) -> bool:
         if not self._token_ok(x0, cos, sin):
             return False
+        st = getattr(self._local, "st", None)
+        last = st["last"] if st is not None else None
+        if last is not None and len(pasts) == len(last) and all(map(operator.is_, pasts, last)):
+            return True  # the presents of this thread's last call (float32 [1, KVH, T, D])
         shp = (1, self.kv_heads)
         for p in pasts:
             if not (type(p) is np.ndarray and p.dtype == _F32 and p.ndim == 4
@@ -572,9 +580,48 @@ class DecoderStack:
                 return self._run_generic((x0, cos, sin) + pasts)
         nt = self._tasks()
         st = self._thread_state(nt)
+        t = self._reserve_kv(st, pasts)
+        logits = empty((1, 1, self.vocab), np.float32)
+        self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.weights,
+                        self.biases, self.has_bias, self.norms, self.eps, st["kvt"], st["kv0"],
+                        st["tpos"], cos.reshape(-1), sin.reshape(-1), self.heads, self.kv_heads,
+                        self.head_dim, self.rotary_dim, self.interleaved, self.att_scale,
+                        self.inter, st["ws"], logits.reshape(1, self.vocab))
+        out = [logits]
+        if t is not None:
+            n = t + 1
+            presents = [ro[:, :, :n] for ro in st["ro"]]  # read-only prefix views
+            st["last"] = presents
+            out += presents
+        else:  # layers of different lengths
+            out += [kv.present(b, int(st["tpos"][li]) + 1)
+                    for li in range(self.n_layers) for b in (st["kb_py"][li], st["vb_py"][li])]
+        c = self.kv_opts.get("counters")
+        if c is not None:
+            c.add("bytes_copied_kv_append", 2 * 4 * self.kv_heads * self.head_dim * self.n_layers)
+        return KVResults(out)  # the executor books only the logits (the presents: kv registry)
+
+    def _reserve_kv(self, st, pasts):
+        """Claim slot ``T`` of every layer's key and value capacity buffer; returns ``T`` (None
+        when the layers' lengths differ; ``st["tpos"]`` holds each layer's).
+
+        Steady decode: the pasts are the presents this thread's last call returned (retained by
+        the state) and no one appended to their buffers since, so one registry claim covers all
+        of them (:func:`olv_runtime.state.kv.claim_all`). Otherwise each past goes through
+        :func:`olv_runtime.state.kv.reserve` (in place, or a copy into a new buffer when the
+        past is shared or full) and the address table is updated."""
+        last = st["last"]
+        if last is not None and len(pasts) == len(last):
+            t = last[0].shape[2]
+            if (t < st["cap"] and all(map(operator.is_, pasts, last))
+                    and kv.claim_all(st["entries"], t, 1)):
+                st["last"] = None
+                st["tpos"][:] = t
+                return t
+        st["last"] = None
         kvt, kb_py, vb_py, tpos = st["kvt"], st["kb_py"], st["vb_py"], st["tpos"]
         opts = self.kv_opts
-        bufs = []
+        t = 0
         for li in range(self.n_layers):
             kbuf, t = kv.reserve(pasts[2 * li], 1, **opts)
             vbuf, t2 = kv.reserve(pasts[2 * li + 1], 1, **opts)
@@ -595,21 +642,14 @@ class DecoderStack:
                 kb_py[li] = kbuf
                 vb_py[li] = vbuf
             tpos[li] = t
-            bufs.append((kbuf, vbuf, t))
-        logits = empty((1, 1, self.vocab), np.float32)
-        self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.weights,
-                        self.biases, self.has_bias, self.norms, self.eps, kvt, st["kv0"], tpos,
-                        cos.reshape(-1), sin.reshape(-1), self.heads, self.kv_heads,
-                        self.head_dim, self.rotary_dim, self.interleaved, self.att_scale,
-                        self.inter, st["ws"], logits.reshape(1, self.vocab))
-        out = [logits]
-        for kbuf, vbuf, t in bufs:
-            out.append(kv.present(kbuf, t + 1))
-            out.append(kv.present(vbuf, t + 1))
-        c = self.kv_opts.get("counters")
-        if c is not None:
-            c.add("bytes_copied_kv_append", 2 * 4 * self.kv_heads * self.head_dim * self.n_layers)
-        return tuple(out)
+        if not (tpos == t).all():
+            return None  # layers of different lengths: no steady-state fast path
+        # the state of the fast path: every buffer's registry entry and read-only whole view
+        bufs = [b for pair in zip(kb_py, vb_py) for b in pair]
+        st["entries"] = [kv.entry_of(b) for b in bufs]
+        st["ro"] = [_readonly_view(b) for b in bufs]
+        st["cap"] = int(kvt[:, 2].min())
+        return t
 
     def _run_generic(self, args):
         """The original steps one by one (prefill and other shapes)."""
@@ -640,6 +680,15 @@ class DecoderStack:
         # the outputs keep this reference until the run ends (BufferPool.end_run); the executor
         # adds and drops its own
         return tuple(env[n] for n in self.outputs)
+
+
+def _readonly_view(buf: np.ndarray) -> np.ndarray:
+    """A read-only view of a whole capacity buffer: its slices are read-only views whose
+    ``base`` is the buffer itself (numpy collapses view chains), as
+    :func:`olv_runtime.state.kv.present` makes them."""
+    v = buf.view()
+    v.flags.writeable = False
+    return v
 
 
 def run_leaks(run, steps, boundary_out, graph_outputs) -> set:

@@ -11,7 +11,9 @@ with a single consumer, never touching graph outputs):
   over the weights concatenated along N at session creation;
 * SiLU: ``Mul(Mul(g, Sigmoid(g)), u)`` → :func:`~olv_runtime.kernels.silu_mul`;
 * RoPE + Attention: ``Attention(RotaryEmbedding(q), RotaryEmbedding(k), v, past...)`` → one step
-  that rotates q and k in place (they are intermediates with no other reader).
+  that rotates q and k in place (they are intermediates with no other reader);
+* rotary positions: the converter's cos/sin subgraph (Shape, Range, Cast, Mul, Cos, Sin, ...)
+  → one step (:mod:`olv_runtime.positions`, bitwise the same values).
 
 INT4 linear weights with block size 32 are repacked once into the 8-row group layout of
 :mod:`olv_runtime.kernels.packed_i8` (``SessionOptions.prepack``), weights with zero points into
@@ -53,6 +55,17 @@ def last_position_args(step, args, last_only):
     if not isinstance(x, np.ndarray) or x.ndim < 2 or x.shape[-2] <= 1:
         return args
     return [np.ascontiguousarray(x[..., -1:, :])] + list(args[1:])
+
+
+class KVResults(tuple):
+    """A step's outputs of which only the first (``pooled``) may be pool buffers or new
+    allocations; the others are prefix views of KV capacity buffers, counted by
+    :mod:`olv_runtime.state.kv` when they are made or grown. The executor reference-counts and
+    meters only the first (the compiled decode step's fast path returns its logits and presents
+    so: 49 values of which 48 need no bookkeeping per token)."""
+
+    __slots__ = ()
+    pooled = 1
 
 
 class Step:
@@ -603,6 +616,9 @@ def optimize(steps: list[Step], constants: dict, graph_outputs: set[str], option
     steps = _fuse_siblings(steps, graph_outputs)
     steps = _fuse_silu(steps, graph_outputs)
     steps = _fuse_rope_attention(steps, constants, graph_outputs)
+    from olv_runtime.positions import fuse_rotary_positions
+
+    steps = fuse_rotary_positions(steps, constants, graph_outputs)
     prepare_linears(steps, counters, compiled)
     if getattr(options, "compiled_decode", True):
         from olv_runtime.decoder_stack import fuse_decoder_stack

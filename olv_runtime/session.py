@@ -32,6 +32,7 @@ from olv_runtime.recognize import linear_weight as affine_linear_weight
 from olv_runtime.fusion import (
     LAST_ONLY,
     EncodedGather,
+    KVResults,
     LinearStep,
     PlanesGather,
     PlanesLinear,
@@ -221,6 +222,11 @@ class InferenceSession:
             (name, axis, d) for name, spec in self._specs.items() if spec.kind == "tensor_type"
             for axis, d in enumerate(spec.shape or ()) if isinstance(d, str)
         ]
+        groups: dict[str, list] = {}
+        for name, axis, d in self._symbolic_dims:
+            groups.setdefault(d, []).append((name, axis))
+        self._symbolic_groups = list(groups.values())  # (input, axis) pairs per dim_param
+        self._input_name_set = frozenset(vi.name for vi in self._inputs)
         self._check_input_types()
         self._outputs = list(graph.output)
         self._output_names = [o.name for o in self._outputs]
@@ -570,7 +576,8 @@ class InferenceSession:
             for n in step.outputs:
                 if n:
                     last.setdefault(n, idx)
-        keep = graph_outputs | set(self._constants)
+        # graph inputs are never this run's pool buffers (the caller holds them): not released
+        keep = graph_outputs | set(self._constants) | set(self._input_infos)
         per_step: list[list[str]] = [[] for _ in steps]
         for name, idx in last.items():
             if name not in keep:
@@ -684,9 +691,10 @@ class InferenceSession:
                 continue
             out[name] = check_tensor(name, value, self._specs[name],
                                      allow_strided=name in self._strided_ok)
-        for vi in self._inputs:
-            if vi.name not in out:
-                raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {_shape_of(vi)})")
+        if not self._input_name_set.issubset(out):
+            for vi in self._inputs:
+                if vi.name not in out:
+                    raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {_shape_of(vi)})")
         self.check_symbolic_dims(out)
         return out
 
@@ -702,6 +710,14 @@ class InferenceSession:
         InvalidArgument
             Naming the dim_param and the two inputs with their sizes.
         """
+        try:  # the common case: every value present, one size per dim_param
+            for pairs in self._symbolic_groups:
+                if len({arrays[n].shape[a] for n, a in pairs}) != 1:
+                    break
+            else:
+                return
+        except (KeyError, AttributeError, IndexError, TypeError):
+            pass  # missing or other values: the check below skips them as it always did
         seen: dict[str, tuple[str, int]] = {}
         for name, axis, param in self._symbolic_dims:
             arr = arrays.get(name)
@@ -761,6 +777,7 @@ class InferenceSession:
         prev = pool_mod.activate(pool)
         token = LAST_ONLY.set(frozenset(last_only))
         ok = False
+        kv_names = ()  # graph values that are KV views (KVResults): no pool buffers to escape
         try:
             for step in self._steps:
                 args = [env[n] if n else None for n in step.inputs]
@@ -774,7 +791,15 @@ class InferenceSession:
                     raise InvalidArgument(
                         f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}"
                     ) from exc
-                for n, v in zip(step.outputs, results):
+                if type(results) is KVResults:
+                    k = results.pooled
+                    names = step.outputs
+                    env.update(zip(names[k:], results[k:]))
+                    kv_names = names[k:] if not kv_names else set(kv_names) | set(names[k:])
+                    names, results = names[:k], results[:k]
+                else:
+                    names = step.outputs
+                for n, v in zip(names, results):
                     if n:
                         env[n] = v
                         pool.ref(v)
@@ -782,7 +807,11 @@ class InferenceSession:
                 for n in step.release:
                     pool.unref(env.pop(n, None))
             outputs = {n: env[n] for n in self._output_names}
-            pool.escape(outputs.values())
+            if kv_names:
+                kv_names = frozenset(kv_names)
+                pool.escape([v for n, v in outputs.items() if n not in kv_names])
+            else:
+                pool.escape(outputs.values())
             pool.end_run()
             ok = True
         finally:

@@ -143,6 +143,65 @@ def test_branching_two_states_from_one_past(qwen2_int4):
     assert not np.array_equal(r1[1][:, :, -1], r2[1][:, :, -1])
 
 
+def test_steady_decode_then_branch_and_failure(qwen2_int4):
+    """The per-token fast path (the pasts are the last call's presents: one registry claim for
+    every buffer) keeps the KV rules: a state branched from a steady state's values appends in
+    place first and the original then copies its prefix (neither sees the other's token); a
+    call that fails inside the compiled step publishes nothing and the state decodes on with
+    the same results as a per-operator reference; 0 allocations per steady token."""
+    sess = _session(qwen2_int4, True)
+    ref = _session(qwen2_int4, False)
+    a = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
+    r = olv_runtime.make_state(ref, olv_runtime.empty_cache(ref))
+    for st in (a, r):
+        st.run({"input_ids": np.array([PROMPT], np.int64)})
+    toks = [3, 8, 13, 21]
+    for i, tok in enumerate(toks):
+        before = sess.counters.snapshot()
+        got = a.run({"input_ids": np.array([[tok]], np.int64)})
+        want = r.run({"input_ids": np.array([[tok]], np.int64)})
+        np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-4)
+        sess.recycle(got["logits"])
+        if i >= 2:
+            after = sess.counters.snapshot()
+            assert after["arrays_allocated"] == before["arrays_allocated"]
+            assert after["kv_reallocations"] == before["kv_reallocations"]
+    # branch: b starts from a's values (the same present arrays the fast path returned)
+    b = olv_runtime.make_state(sess, dict(a.values))
+    kept = {k: np.array(v) for k, v in a.values.items()}
+    before = sess.counters.snapshot()
+    gb = b.run({"input_ids": np.array([[5]], np.int64)})  # first append: in place
+    assert sess.counters["kv_reallocations"] == before["kv_reallocations"]
+    ga = a.run({"input_ids": np.array([[6]], np.int64)})  # a must copy: b owns slot T now
+    assert sess.counters["kv_reallocations"] > before["kv_reallocations"]
+    for k, v in kept.items():  # neither call changed what a held
+        np.testing.assert_array_equal(ga[k.replace("past", "present")][:, :, :-1], v)
+        np.testing.assert_array_equal(gb[k.replace("past", "present")][:, :, :-1], v)
+    assert not np.array_equal(ga["present_key.0"][:, :, -1], gb["present_key.0"][:, :, -1])
+    wb = ref.run(None, {"input_ids": np.array([[5]], np.int64), **kept})
+    np.testing.assert_allclose(gb["logits"], wb[0], atol=1e-4)
+    r.run({"input_ids": np.array([[6]], np.int64)})
+    # a failure inside the compiled step: nothing published, the next call is right
+    stack = _stack(sess)
+    values = dict(a.values)
+    real = stack.run_kernel
+
+    def boom(*args):
+        raise RuntimeError("injected")
+    stack.run_kernel = boom
+    try:
+        with pytest.raises(olv_runtime.errors.OlvError, match="injected"):
+            a.run({"input_ids": np.array([[9]], np.int64)})
+    finally:
+        stack.run_kernel = real
+    assert all(a.values[k] is v for k, v in values.items())
+    got = a.run({"input_ids": np.array([[9]], np.int64)})
+    want = r.run({"input_ids": np.array([[9]], np.int64)})
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-4)
+    for k in ("present_key.1", "present_value.0"):
+        np.testing.assert_allclose(got[k], want[k], atol=1e-4)
+
+
 def test_batch_and_prefill_use_the_per_operator_path(qwen2_int4):
     sess = _session(qwen2_int4, True)
     ref = _session(qwen2_int4, False)

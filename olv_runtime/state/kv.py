@@ -70,6 +70,27 @@ def _prefix_owner(past: np.ndarray):
     return owner, entry
 
 
+def entry_of(buffer: np.ndarray) -> list:
+    """The registry entry ``[weakref, committed length, address]`` of a capacity buffer made by
+    :func:`reserve` (for :func:`claim_all`; KeyError for another array)."""
+    with _lock:
+        return _committed[id(buffer)]
+
+
+def claim_all(entries: list, t: int, s: int) -> bool:
+    """Claim slots ``[t, t + s)`` of several capacity buffers at once (the compiled decode step's
+    per-token append): when every entry's committed length is ``t``, set each to ``t + s`` and
+    return True; otherwise change nothing and return False (the caller then reserves buffer by
+    buffer). The caller holds the buffers (alive) and checked their capacity."""
+    with _lock:
+        for e in entries:
+            if e[1] != t:
+                return False
+        for e in entries:
+            e[1] = t + s
+    return True
+
+
 def reserve(past: np.ndarray, s: int, *, initial_capacity: int = 256, growth: float = 2.0,
             counters: Counters | None = None) -> tuple[np.ndarray, int]:
     """Find or make the capacity buffer that ``S`` new tokens after ``past`` are written into.

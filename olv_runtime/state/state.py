@@ -283,6 +283,80 @@ class _Binding:
         self.kind = info.type.WhichOneof("value")
 
 
+class _TensorGroup:
+    """Tensor bindings whose inputs declare one element type, one fixed-dimension pattern and
+    one stride permission (e.g. every layer's past key and value): their outputs are checked
+    together per call (:meth:`State._retain_all`), each distinct shape once."""
+
+    __slots__ = ("bindings", "dtype", "rank", "fixed", "strided")
+
+    def __init__(self, bindings, spec, strided):
+        self.bindings = bindings
+        self.dtype = spec.dtype
+        self.rank = None if spec.shape is None else len(spec.shape)
+        self.fixed = tuple((i, d) for i, d in enumerate(spec.shape or ()) if isinstance(d, int))
+        self.strided = strided
+
+    def check(self, values) -> bool:
+        """True when every value is a numpy array of the group's type, rank, fixed dimensions
+        and (unless strided) C-contiguous -- what :func:`check_tensor` accepts as it is."""
+        for v in values:
+            if type(v) is not np.ndarray:
+                return False
+        if {v.dtype for v in values} != {self.dtype}:
+            return False
+        rank, fixed = self.rank, self.fixed
+        for shape in {v.shape for v in values}:
+            if rank is not None and len(shape) != rank:
+                return False
+            for i, d in fixed:
+                if shape[i] != d:
+                    return False
+        if not self.strided:
+            for v in values:
+                if not v.flags.c_contiguous:
+                    return False
+        return True
+
+
+def _tensor_groups(resolved) -> tuple[list, list]:
+    """(groups of tensor bindings, the other bindings)."""
+    groups: dict = {}
+    rest = []
+    for b in resolved:
+        sp = b.spec
+        if b.kind != "tensor_type" or sp.dtype is None:
+            rest.append(b)
+            continue
+        pattern = None if sp.shape is None else tuple(
+            d if isinstance(d, int) else None for d in sp.shape)
+        groups.setdefault((sp.dtype.str, pattern, b.strided), []).append(b)
+    return [_TensorGroup(bs, bs[0].spec, bs[0].strided) for bs in groups.values()], rest
+
+
+class _Rec:
+    """The context of one call's counters (:meth:`State._call`)."""
+
+    __slots__ = ("state", "cm", "rec")
+
+    def __init__(self, state):
+        self.state = state
+
+    def __enter__(self):
+        self.cm = recording()
+        self.rec = self.cm.__enter__()
+        return self.rec
+
+    def __exit__(self, *exc):
+        self.cm.__exit__(*exc)
+        rec, state = self.rec, self.state
+        rec.set("retained_state_bytes", state._level[0], propagate=False)
+        rec.set("retained_state_buffer_bytes", state._level[1], propagate=False)
+        state.last_counters = rec.snapshot()
+        state.counters.merge(state.last_counters)
+        return False
+
+
 def _release_level(counters: Counters, level: list) -> None:
     counters.add("retained_state_bytes", -level[0], propagate=False)
     counters.add("retained_state_buffer_bytes", -level[1], propagate=False)
@@ -322,6 +396,7 @@ class State:
         infos = session._input_infos
         self._resolved = [_Binding(i, o, infos[i], session.accepts_strided(i)) for i, o in bindings]
         self._by_input = {b.input: b for b in self._resolved}
+        self._groups, self._other = _tensor_groups(self._resolved)
         self._lock = threading.Lock()
         self._closed = False
         self._level = [0, 0]  # retained bytes (logical, buffers) counted in the session
@@ -339,24 +414,7 @@ class State:
     # -- helpers ---------------------------------------------------------------------------
     def _call(self):
         """Record one call's counters into ``last_counters`` and ``counters`` (also on error)."""
-        state = self
-
-        class _Rec:
-            def __enter__(self):
-                self._cm = recording()
-                self.rec = self._cm.__enter__()
-                return self.rec
-
-            def __exit__(self, *exc):
-                self._cm.__exit__(*exc)
-                rec = self.rec
-                rec.set("retained_state_bytes", state._level[0], propagate=False)
-                rec.set("retained_state_buffer_bytes", state._level[1], propagate=False)
-                state.last_counters = rec.snapshot()
-                state.counters.merge(state.last_counters)
-                return False
-
-        return _Rec()
+        return _Rec(self)
 
     def _retain(self, b: _Binding, value: Any, what: str) -> np.ndarray:
         """Validate ``value`` for bound input ``b`` and return the read-only view to retain."""
@@ -386,6 +444,25 @@ class State:
             self._session.counters.add("bytes_copied_state", view.nbytes)  # never expected
         return view
 
+    def _retain_all(self, outputs: Mapping[str, Any], what: str) -> dict[str, np.ndarray]:
+        """:meth:`_retain` of every bound output (input name -> retained value). A group of
+        tensor bindings whose outputs all pass the group check at once is retained without a
+        per-value check (the same acceptance as :func:`check_tensor`: arrays themselves, no
+        copy); any other value goes through :meth:`_retain`, which raises the specific error."""
+        new = {}
+        for g in self._groups:
+            bs = g.bindings
+            vals = [outputs[b.output] for b in bs]
+            if g.check(vals):
+                for b, v in zip(bs, vals):
+                    new[b.input] = _readonly(v) if v.flags.writeable else v
+            else:
+                for b, v in zip(bs, vals):
+                    new[b.input] = self._retain(b, v, what.format(b.output))
+        for b in self._other:
+            new[b.input] = self._retain(b, outputs[b.output], what.format(b.output))
+        return {b.input: new[b.input] for b in self._resolved}  # binding order
+
     def _check_initial(self, initial: Mapping[str, Any], what: str) -> dict[str, np.ndarray]:
         if not isinstance(initial, Mapping):
             raise InvalidArgument(
@@ -410,9 +487,17 @@ class State:
 
     def _publish(self, values: dict[str, np.ndarray]) -> None:
         """Make ``values`` the retained state (one assignment) and update the level counters."""
-        logical = sum(v.nbytes for v in values.values())
+        logical = sum([v.nbytes for v in values.values()])
         owners = {}
         for v in values.values():
+            if type(v) is np.ndarray:
+                own = v.base  # numpy collapses view chains: usually the owner itself
+                if own is None:
+                    own = v
+                elif type(own) is not np.ndarray or own.base is not None:
+                    own = _buffer_owner(v)
+                owners[id(own)] = own.nbytes
+                continue
             if type(v) is RuntimeStruct and v._acct is not None:  # the producer's accounting
                 owners.update(v._acct[1])
                 continue
@@ -528,10 +613,7 @@ class State:
                 # feeds naming them were refused above)
                 prepared = sess.prepare_feeds(feeds, trusted=retained)
                 outputs = sess.run_env(prepared, last)
-                new_values = {}
-                for b in self._resolved:
-                    new_values[b.input] = self._retain(
-                        b, outputs[b.output], f"output {b.output!r} retained as next value")
+                new_values = self._retain_all(outputs, "output {!r} retained as next value")
                 result = dict(outputs)
                 for b in self._resolved:
                     result[b.output] = new_values[b.input]
