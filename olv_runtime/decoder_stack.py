@@ -506,7 +506,7 @@ class DecoderStack:
             ws.attention(self.heads, self.kv_heads, self.head_dim)
             if self.counters is not None:
                 nbytes = ws.nbytes + kv0.nbytes + kvt.nbytes + st["tpos"].nbytes
-                self.counters.add("arrays_allocated", 23)
+                self.counters.add("arrays_allocated", 24)
                 self.counters.add("bytes_allocated", nbytes)
                 self.counters.set_max("workspace_peak", nbytes)
         return st

@@ -14,20 +14,26 @@ Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 
    int8 mode quantizes it privately (:func:`~.packed_i8._quantize_rows_i8`);
 2. ``qkv = h @ Wqkv.T (+ bias)`` -- 8-row groups split across threads
    (:func:`~.packed_i8._groups` int8 / :func:`~.packed_f32._groups_small` exact); barrier;
-3. RoPE of q and k (non-interleaved or interleaved halves, ``rotary_dim``), k and v written into
-   slot ``t`` of the layer's capacity buffers (KV heads split across threads); barrier;
+3. RoPE of q (every task into its private copy) and k (non-interleaved or interleaved halves,
+   ``rotary_dim``); the last task, whose share of the keys ends with the new one, writes k and
+   v into slot ``t`` of the layer's capacity buffers (no other task reads that slot: no
+   barrier);
 4. attention over ``t + 1`` keys (:func:`~.attention._attend_rows`: one pass per kv head for all
    its query heads, 64-key tiles, online softmax): each task takes its share of the keys of every
    kv head (flash-decoding split); barrier; each task merges the partial softmax states into its
    private copy of the attention output (:func:`~.attention._merge_partials`);
 5. ``x1 = attn @ Wo.T + x`` (groups split, residual added per row); barrier;
-6. ``h2 = RMSNorm(x1) * w_post`` (private), ``gu = h2 @ Wgu.T`` (gate rows then up rows);
-   barrier;
-7. ``a = g * sigmoid(g) * u`` (elements split; same operations as the unfused SiLU:
+6. ``h2 = RMSNorm(x1) * w_post`` (private), ``gu = h2 @ Wgu.T`` (gate rows then up rows): each
+   task computes the same 8-row groups of the gate half and of the up half (when ``inter`` is a
+   multiple of 8; otherwise the groups are split over the whole and a barrier follows);
+7. ``a = g * sigmoid(g) * u`` on the task's own rows (same operations as the unfused SiLU:
    ``1 / (1 + exp(-g))``, then two products); barrier;
 8. ``x2 = a @ Wdown.T + x1`` (groups split); barrier.
 
 After the last layer: ``RMSNorm(x) * w_final`` (private), ``logits = . @ Wlm.T`` (groups split).
+Five barriers per layer. Before each, a task prefetches the first 2 KiB of its share of the
+next weight (the group loop's own prefetch runs that far ahead of the stream, so a linear's
+start would otherwise wait for DRAM after the barrier).
 
 The arithmetic of every operator is that of the generic kernels (same serial functions or the
 same expressions), so the logits agree with the per-operator plan to float32 rounding (the SiLU
@@ -215,6 +221,8 @@ class StackWorkspace:
         self.xb = np.zeros((1, e), np.float32)
         self.qkv = np.zeros((1, n_qkv), np.float32)
         self.attn = np.zeros((1, hd), np.float32)
+        self.qp = np.zeros((nt, 1, hd), np.float32)        # private rotated queries
+        self._qp3 = None
         self.gu = np.zeros((1, n_gu), np.float32)
         self.act = np.zeros((1, inter), np.float32)
         self.hx = np.zeros((nt, 1, e), np.float32)          # private normed activations
@@ -229,6 +237,15 @@ class StackWorkspace:
         self.i8 = (self.xq, self.xd, self.xs8, self.facc8)  # int8 mode's per-task buffers
         self._att = None
         self._q3 = None
+
+    def qprivate(self, n_heads, d):
+        """Per-task rotated queries ``[nt, 1, H*D]`` and the same memory as ``[nt, H, D]``."""
+        if self.qp.shape[2] != n_heads * d:
+            raise InvalidArgument(f"qprivate: {n_heads} x {d} query features, the workspace "
+                                  f"holds {self.qp.shape[2]}")
+        if self._qp3 is None:
+            self._qp3 = self.qp.reshape(self.nt, n_heads, d)
+        return self.qp, self._qp3
 
     def q3(self, n_heads, d):
         """The query part of ``qkv`` viewed as float32 [H, D] (no copy)."""
@@ -274,42 +291,69 @@ class StackWorkspace:
     @property
     def nbytes(self) -> int:
         return int(sum(getattr(self, a).nbytes for a in (
-            "xa", "xb", "qkv", "attn", "gu", "act", "hx", "xq", "xd", "xs8", "facc8", "facc32",
-            "bar"))) + sum(a.nbytes for a in (self._att or ()))
+            "xa", "xb", "qkv", "attn", "qp", "gu", "act", "hx", "xq", "xd", "xs8", "facc8",
+            "facc32", "bar"))) + sum(a.nbytes for a in (self._att or ()))
 
 
 # ------------------------------------------------------------------------------------------------
 # the per-thread program
 # ------------------------------------------------------------------------------------------------
-def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
-    """This task's share (8-row groups ``[g0, g1)``) of ``out[0, :] = xin[0, :] @ W.T``; returns
-    the rows ``(r0, r1)`` it wrote. ``i8``: None (exact mode, :mod:`.packed_f32`) or this task's
-    int8 quantization of ``xin`` ``(xq, xd, xs8, facc8)`` (done by :func:`_quantize`).
+def _linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
+    """8-row groups ``[g0, g1)`` of ``out[0, :] = xin[0, :] @ W.T``. ``i8``: None (exact mode,
+    :mod:`.packed_f32`) or this task's int8 quantization of ``xin`` ``(xq, xd, xs8, facc8)``
+    (done by :func:`_quantize`).
 
     The mode is chosen by the *type* of ``i8`` when numba compiles the caller (an ``overload``),
     so a session compiles the kernels of its own mode only, never both (cold start)."""
 
 
-@overload(_linear_part, jit_options=_OV)
-def _ov_linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
+@overload(_linear_groups, jit_options=_OV)
+def _ov_linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
     if isinstance(i8, types.NoneType):
-        def impl(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
-            ng = codes.shape[0]
-            g0 = tid * ng // nt
-            g1 = (tid + 1) * ng // nt
-            n = out.shape[1]
-            packed_f32._groups_m1(codes, scale, g0, g1, xin, n, out, facc32)
-            return g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, n)
+        def impl(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
+            packed_f32._groups_m1(codes, scale, g0, g1, xin, out.shape[1], out, facc32)
     else:
-        def impl(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
-            ng = codes.shape[0]
-            g0 = tid * ng // nt
-            g1 = (tid + 1) * ng // nt
-            n = out.shape[1]
+        def impl(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
             xq, xd, xs8, facc8 = i8
-            packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, n, out, facc8, vnni)
-            return g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, n)
+            packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, out.shape[1], out, facc8,
+                              vnni)
     return impl
+
+
+@njit(inline="always", **JIT)
+def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
+    """This task's share (8-row groups ``[g0, g1)``) of ``out[0, :] = xin[0, :] @ W.T``
+    (:func:`_linear_groups`); returns the rows ``(r0, r1)`` it wrote."""
+    ng = codes.shape[0]
+    g0 = tid * ng // nt
+    g1 = (tid + 1) * ng // nt
+    _linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1)
+    return g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, out.shape[1])
+
+
+@njit(inline="always", **JIT)
+def _prefetch_head(codes, scale, g0):
+    """Prefetch the first :data:`~.packed_i8.PF_BYTES` of the codes and scales stream that
+    starts at group ``g0`` (the part the group loop's own prefetch, that far ahead, never
+    covers): issued before a barrier, the DRAM latency of a linear's start overlaps the wait."""
+    pf = packed_i8.PF_BYTES
+    if pf > 0:
+        kb = codes.shape[1]
+        cb = g0 * kb * GROUP_BLOCK_BYTES
+        for off in range(0, pf, 64):
+            packed_i8._prefetch(codes, cb + off)
+        sb = g0 * kb * GROUP_ROWS
+        # scales: 8 per block, float32 or float16 bits (element offsets; 64-byte lines)
+        for off in range(0, pf // GROUP_BLOCK_BYTES * GROUP_ROWS, 64 // scale.itemsize):
+            packed_i8._prefetch(scale, sb + off)
+
+
+@njit(inline="always", **JIT)
+def _prefetch_part(tid, nt, wt, w, codes0, scale0):
+    """:func:`_prefetch_head` of this task's share of weight ``w`` (as :func:`_linear_part`
+    splits it)."""
+    cw, sw = _weight(wt, w, codes0, scale0)
+    _prefetch_head(cw, sw, tid * cw.shape[0] // nt)
 
 
 def _quantize(i8, xin, k, kb):
@@ -380,6 +424,7 @@ def _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms,
         b = biases[li]
         for r in range(r0, r1):
             qkv[0, r] = qkv[0, r] + b[r]
+    _prefetch_part(tid, nt, wt, 4 * li + 1, codes0, scale0)  # the output projection's start
     _barrier(bar, nt)
 
 
@@ -412,7 +457,8 @@ def _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p):
 def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps, inter, attn, h,
                 gu, act, f32, bar, vnni):
     """Steps 5-8 (output projection + residual, post norm, gate/up, SiLU*up, down + residual);
-    returns the new residual buffer and the flip flag."""
+    returns the new residual buffer and the flip flag. Before each barrier a task prefetches
+    the start of its share of the next weight (:func:`_prefetch_part`)."""
     w = 4 * li
     hd = attn.shape[1]
     e = x.shape[1]
@@ -422,24 +468,44 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     r0, r1 = _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni)
     for r in range(r0, r1):
         xn[0, r] = xn[0, r] + x[0, r]
+    cw, sw = _weight(wt, w + 2, codes0, scale0)
+    ng = cw.shape[0]
+    # gate rows [0, inter), up rows [inter, 2 inter): when no 8-row group straddles the two,
+    # each task takes the same groups of both halves and applies SiLU * up to its own rows
+    # (no barrier between gate/up and the product)
+    halves = inter % GROUP_ROWS == 0 and ng == 2 * (inter // GROUP_ROWS)
+    gh = ng // 2
+    a0 = tid * gh // nt
+    a1 = (tid + 1) * gh // nt
+    if halves:
+        _prefetch_head(cw, sw, a0)
+        _prefetch_head(cw, sw, gh + a0)
+    else:
+        _prefetch_head(cw, sw, tid * ng // nt)
     _barrier(bar, nt)
     x = xn
     nxt = 1 - nxt
     xn = xa if nxt == 0 else xb
     # 6: post-attention norm (private), gate/up projection
     _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
-    cw, sw = _weight(wt, w + 2, codes0, scale0)
     _quantize(i8, h, e, cw.shape[1])
-    _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni)
-    _barrier(bar, nt)
-    # 7: SiLU(gate) * up (same operations as fusion.SiluMul)
-    j0 = tid * inter // nt
-    j1 = (tid + 1) * inter // nt
     one = np.float32(1.0)
+    if halves:
+        _linear_groups(i8, cw, sw, h, gu, f32, vnni, a0, a1)
+        _linear_groups(i8, cw, sw, h, gu, f32, vnni, gh + a0, gh + a1)
+        j0 = a0 * GROUP_ROWS
+        j1 = a1 * GROUP_ROWS
+    else:
+        _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni)
+        _barrier(bar, nt)
+        j0 = tid * inter // nt
+        j1 = (tid + 1) * inter // nt
+    # 7: SiLU(gate) * up (same operations as fusion.SiluMul)
     for j in range(j0, j1):
         gv = gu[0, j]
         sg = one / (np.exp(-gv) + one)
         act[0, j] = (gv * sg) * gu[0, inter + j]
+    _prefetch_part(tid, nt, wt, w + 3, codes0, scale0)
     _barrier(bar, nt)
     # 8: down projection + residual
     cw, sw = _weight(wt, w + 3, codes0, scale0)
@@ -447,6 +513,7 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     r0, r1 = _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni)
     for r in range(r0, r1):
         xn[0, r] = xn[0, r] + x[0, r]
+    _prefetch_part(tid, nt, wt, w + 4, codes0, scale0)  # next layer's qkv, or the lm_head
     _barrier(bar, nt)
     return xn, 1 - nxt
 
@@ -464,12 +531,14 @@ def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits
 @njit(**JIT)
 def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
                   kvt, kv0, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-                  inter, xa, xb, qkv, q3, gu, act, hx, i8ws, facc32, bar,
+                  inter, xa, xb, qkv, qpa, qpa3, gu, act, hx, i8ws, facc32, bar,
                   logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
     n_layers = tpos.shape[0]
     hd = n_heads * d
     kvd = n_kv * d
     group = n_heads // n_kv
+    qp = qpa[tid]  # this task's rotated queries [1, H*D], as [H, D]
+    q3 = qpa3[tid]
     h = hx[tid]
     i8 = _task_i8(i8ws, tid)  # None in exact mode
     f32 = facc32[tid]
@@ -483,17 +552,24 @@ def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
     for li in range(n_layers):
         _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h,
                     qkv, f32, bar, vnni)
-        # 3: RoPE on q and k heads, k and v into slot t of the capacity buffers
+        # 3: RoPE: every task rotates all query heads into its private copy; the task whose
+        #    key range ends with the new key (the last one) rotates the key heads and writes
+        #    k and v into slot t of the capacity buffers -- no other task reads slot t, so no
+        #    barrier before the attention
         t = tpos[li]
         cap = kvt[li, 2]
         kb = _view(kv0, kvt[li, 0], (1, n_kv, cap, d))
         vb = _view(kv0, kvt[li, 1], (1, n_kv, cap, d))
-        k0, k1 = _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved)
-        for g in range(k0, k1):
-            for i in range(d):
-                kb[0, g, t, i] = qkv[0, hd + g * d + i]
-                vb[0, g, t, i] = qkv[0, hd + kvd + g * d + i]
-        _barrier(bar, nt)
+        for i in range(hd):
+            qp[0, i] = qkv[0, i]
+        for hh in range(n_heads):
+            _rope_head(qp, hh * d, cos, sin, interleaved, rdim)
+        if tid == nt - 1:
+            for g in range(n_kv):
+                _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
+                for i in range(d):
+                    kb[0, g, t, i] = qkv[0, hd + g * d + i]
+                    vb[0, g, t, i] = qkv[0, hd + kvd + g * d + i]
         # 4: this task's share of the t + 1 keys for every kv head (flash-decoding split);
         #    barrier; every task merges the partial states into its private output
         j0 = tid * (t + 1) // nt
@@ -515,15 +591,15 @@ def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
 
 @njit(**PJIT)
 def _stack_par(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
-               n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, q3, gu, act,
-               hx, i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
+               n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, qpa, qpa3, gu,
+               act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
     for tid in prange(nt):
         # int64 like the serial entry's tid (the prange index is unsigned): one specialisation
         # of _stack_thread serves both
         _stack_thread(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
                       kvt, kv0, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-                      inter, xa, xb, qkv, q3, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm,
-                      pl, po, attn_p, asc, ap, amx)
+                      inter, xa, xb, qkv, qpa, qpa3, gu, act, hx, i8ws, facc32, bar, logits,
+                      vnni, pm, pl, po, attn_p, asc, ap, amx)
 
 
 def address(a: np.ndarray) -> int:
@@ -737,7 +813,8 @@ def decode_stack(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0,
     """
     args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, kvt, kv0,
             tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb,
-            ws.qkv, ws.q3(n_heads, d), ws.gu, ws.act, ws.hx, ws.i8 if quant else None, ws.facc32,
+            ws.qkv, *ws.qprivate(n_heads, d), ws.gu, ws.act, ws.hx, ws.i8 if quant else None,
+            ws.facc32,
             ws.bar, logits, packed_i8.use_vnni(), *ws.attention(n_heads, n_kv, d))
     if nt > 1:
         _stack_par(nt, *args)
