@@ -353,12 +353,14 @@ def _identity(path: pathlib.Path, memo: dict | None = None) -> bytes:
 
 
 def _quick_key(model: Model, parts: list, algorithm: str, expected: bytes,
-               memo: dict | None = None) -> str:
+               memo: dict | None = None, ranges: list | None = None) -> str:
     """Key of a verification: inline parts hashed, file-backed parts by file identity + range
-    (``memo``: file identities already taken by this caller)."""
+    (``memo``: file identities already taken by this caller; ``ranges``: the model's
+    :func:`_mapped_ranges`, when the caller has them)."""
     h = hashlib.blake2b(digest_size=20)
     h.update(algorithm.encode() + b"\0" + expected)
-    ranges = _mapped_ranges(model)
+    if ranges is None:
+        ranges = _mapped_ranges(model)
     for p in parts:
         if isinstance(p, (bytes, bytearray)):
             h.update(b"b" + struct.pack("<Q", len(p)))
@@ -375,14 +377,16 @@ def _quick_key(model: Model, parts: list, algorithm: str, expected: bytes,
     return h.hexdigest()
 
 
-def _verified(key: str) -> bool:
-    d = _cache_dir()
+def _verified(key: str, d=False) -> bool:
+    if d is False:
+        d = _cache_dir()
     # os.path on a string: one stat per entry at session creation, without pathlib's objects
     return d is not None and os.path.exists(os.path.join(str(d), key[:2], key))
 
 
-def _remember(key: str) -> None:
-    d = _cache_dir()
+def _remember(key: str, d=False) -> None:
+    if d is False:
+        d = _cache_dir()
     if d is None:
         return
     try:
@@ -393,18 +397,22 @@ def _remember(key: str) -> None:
 
 
 def verify_digest(model: Model, parts: list, algorithm: str, expected: bytes,
-                  counters=None, memo: dict | None = None) -> bool:
+                  counters=None, memo: dict | None = None, ranges: list | None = None,
+                  directory=False) -> bool:
     """True when the digest of ``parts`` equals ``expected`` (cached verification, see module
-    docstring). Bytes hashed are added to the ``bytes_digest_verified`` counter."""
-    key = _quick_key(model, parts, algorithm, expected, memo)
-    if _verified(key):
+    docstring). Bytes hashed are added to the ``bytes_digest_verified`` counter. ``memo``,
+    ``ranges`` and ``directory`` (the verified-digest cache, :func:`_cache_dir`) let a caller
+    checking many entries take file identities, the model's mapped ranges and the environment
+    once."""
+    key = _quick_key(model, parts, algorithm, expected, memo, ranges)
+    if _verified(key, directory):
         return True
     got, n = _hash_parts(parts, algorithm)
     if counters is not None:
         counters.add("bytes_digest_verified", n)
     if got != expected:
         return False
-    _remember(key)
+    _remember(key, directory)
     return True
 
 
@@ -630,6 +638,9 @@ class CompiledEntries:
         self._maps: dict = model.__dict__.setdefault("_compiled_maps", {})
         self._stat: dict = {}  # file identities, taken once per session
         self._paths: dict = {}  # location -> resolved compiled payload file
+        self._why: dict = {}  # device index -> device-rule miss reason (None: compatible)
+        self._dir = _cache_dir()  # verified-digest cache, read from the environment once
+        self._ranges: tuple = (None, None)  # (number of mapped files, _mapped_ranges)
 
     # -- per-entry rules ---------------------------------------------------------------------
     def _miss(self, i: int, reason: str) -> None:
@@ -655,6 +666,13 @@ class CompiledEntries:
             if e.key.startswith("olv.require."):
                 return f"required device metadata {e.key!r} is not known to this runtime"
         return None
+
+    def _mapped(self) -> list:
+        """The model's mapped ranges (recomputed when a file was mapped since)."""
+        n = len(self.model._maps) + len(getattr(self.model, "_compiled_ranges", ()))
+        if self._ranges[0] != n:
+            self._ranges = (n, _mapped_ranges(self.model))
+        return self._ranges[1]
 
     def _map(self, path: pathlib.Path):
         got = self._maps.get(path)
@@ -769,8 +787,10 @@ class CompiledEntries:
         cands = self.by_source.get(sname, [])
         for i in cands:
             e = self.entries[i]
-            d = self.devices[e.device]
-            why = self._device_rule(d)
+            dev = int(e.device)
+            why = self._why.get(dev, False)
+            if why is False:
+                why = self._why[dev] = self._device_rule(self.devices[dev])
             if why is not None:
                 self._miss(i, why)
                 continue
@@ -805,7 +825,7 @@ class CompiledEntries:
                 self._miss(i, f"{PAYLOAD_DIGEST_KEY!r} is not a hex digest")
                 continue
             if not verify_digest(self.model, parts, e.digest_algorithm, want, self.counters,
-                                 self._stat):
+                                 self._stat, self._mapped(), self._dir):
                 self._miss(i, "the digest of the compiled bytes does not match "
                               f"{PAYLOAD_DIGEST_KEY} (corrupted payload)")
                 continue
@@ -815,7 +835,7 @@ class CompiledEntries:
                 self._miss(i, str(exc))
                 continue
             if not verify_digest(self.model, sparts, e.digest_algorithm, e.source_digest,
-                                 self.counters, self._stat):
+                                 self.counters, self._stat, self._mapped(), self._dir):
                 self._miss(i, "source_digest does not match the initializer (stale entry: the "
                               "source tensor changed)")
                 continue

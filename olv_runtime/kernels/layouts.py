@@ -82,65 +82,84 @@ class PackedLayout:
         return self.build(arrays, ints)
 
 
-def _make_layouts() -> dict:
-    from .packed import PackedInt4, TILE_ROWS
-    from .packed_i8 import GROUP_ROWS, PackedInt4I8
+def _i8_layout(name: str, zp: bool) -> PackedLayout:
+    from .packed_i8 import GROUP_BLOCK_BYTES, GROUP_ROWS
 
-    from .packed_i8 import GROUP_BLOCK_BYTES
+    if zp:
+        from .packed_zp import PackedInt4I8Zp as cls
+    else:
+        from .packed_i8 import PackedInt4I8 as cls
 
-    def i8_shapes(n, k, has_zp, scale_dtype=np.float32):
+    def shapes(n, k, has_zp, scale_dtype=np.float32):
         ng, kb = -(-n // GROUP_ROWS), -(-k // 32)
         sdt = np.uint16 if np.dtype(scale_dtype) == np.float16 else np.float32  # float16 bits
-        return {"codes": (np.uint8, (ng, kb, GROUP_BLOCK_BYTES)),
-                "scale": (sdt, (ng, kb, GROUP_ROWS))}
+        out = {"codes": (np.uint8, (ng, kb, GROUP_BLOCK_BYTES)),
+               "scale": (sdt, (ng, kb, GROUP_ROWS))}
+        if zp:
+            out["zp"] = (np.uint8, out["scale"][1])
+        return out
 
-    def tile_shapes(n, k, has_zp, scale_dtype=np.float32):  # scales widened to float32
+    return _layout_of_class(name, cls, GROUP_ROWS, shapes)
+
+
+def _tile_layout(name: str) -> PackedLayout:
+    from .packed import TILE_ROWS, PackedInt4
+
+    def shapes(n, k, has_zp, scale_dtype=np.float32):  # scales widened to float32
         t, kb = -(-n // TILE_ROWS), -(-k // 32)
         return {"codes": (np.uint16, (t, kb, 8, TILE_ROWS)),
                 "scale": (np.float32, (t, kb, TILE_ROWS)),
                 "zero_point": (np.int8, (t, kb, TILE_ROWS) if has_zp else (0, 0, 0))}
 
-    def i8_zp_shapes(n, k, has_zp, scale_dtype=np.float32):
-        out = i8_shapes(n, k, has_zp, scale_dtype)
-        out["zp"] = (np.uint8, out["scale"][1])
-        return out
-
-    from .packed_zp import PackedInt4I8Zp
-
-    out = {}
-    for name, cls, rows, shapes in (("olv.PackedInt4I8", PackedInt4I8, GROUP_ROWS, i8_shapes),
-                                    ("olv.PackedInt4I8Zp", PackedInt4I8Zp, GROUP_ROWS,
-                                     i8_zp_shapes),
-                                    ("olv.PackedInt4", PackedInt4, TILE_ROWS, tile_shapes)):
-        params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-        ints = tuple(p for p in params if p in ("n", "k"))
-        arrays = tuple(p for p in params if p not in ints)
-        out[name] = PackedLayout(name, cls, arrays, ints, rows, shapes)
-    return out
+    return _layout_of_class(name, PackedInt4, TILE_ROWS, shapes)
 
 
-_LAYOUTS: dict | None = None
+def _layout_of_class(name, cls, rows, shapes) -> PackedLayout:
+    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    ints = tuple(p for p in params if p in ("n", "k"))
+    arrays = tuple(p for p in params if p not in ints)
+    return PackedLayout(name, cls, arrays, ints, rows, shapes)
+
+
+#: physical type name -> (module of the packed class, class name, layout factory); a layout is
+#: built (and its kernel module imported) only when a session or ``olv compile`` asks for it
+_SPECS = {
+    "olv.PackedInt4I8": ("olv_runtime.kernels.packed_i8", "PackedInt4I8",
+                         lambda name: _i8_layout(name, False)),
+    "olv.PackedInt4I8Zp": ("olv_runtime.kernels.packed_zp", "PackedInt4I8Zp",
+                           lambda name: _i8_layout(name, True)),
+    "olv.PackedInt4": ("olv_runtime.kernels.packed", "PackedInt4", _tile_layout),
+}
+_BUILT: dict = {}
+
+
+def _layout(name: str) -> PackedLayout | None:
+    got = _BUILT.get(name)
+    if got is None and name in _SPECS:
+        got = _BUILT[name] = _SPECS[name][2](name)
+    return got
 
 
 def _layouts() -> dict:
-    global _LAYOUTS
-    if _LAYOUTS is None:
-        _LAYOUTS = _make_layouts()
-    return _LAYOUTS
+    return {name: _layout(name) for name in _SPECS}
 
 
 class _LayoutsView:
     def __getitem__(self, name):
-        return _layouts()[name]
+        got = _layout(name)
+        if got is None:
+            raise KeyError(name)
+        return got
 
     def get(self, name, default=None):
-        return _layouts().get(name, default)
+        got = _layout(name)
+        return default if got is None else got
 
     def __contains__(self, name):
-        return name in _layouts()
+        return name in _SPECS
 
     def __iter__(self):
-        return iter(_layouts())
+        return iter(_SPECS)
 
     def values(self):
         return _layouts().values()
@@ -152,15 +171,17 @@ LAYOUTS = _LayoutsView()
 
 def layout_of(packed) -> PackedLayout | None:
     """The layout of a packed object (None for an unknown class)."""
-    for lay in _layouts().values():
-        if type(packed) is lay.cls:
-            return lay
+    cls = type(packed)
+    for name, (module, cname, _) in _SPECS.items():
+        if cls.__name__ == cname and cls.__module__ == module:
+            lay = _layout(name)
+            return lay if lay.cls is cls else None
     return None
 
 
 def layout_named(name: str) -> PackedLayout | None:
     """The layout with physical type name ``name`` (None when this runtime does not know it)."""
-    return _layouts().get(name)
+    return _layout(name)
 
 
 _FEATURES: frozenset | None = None
