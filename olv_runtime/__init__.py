@@ -19,7 +19,6 @@ IMPORT_TIME = _time.perf_counter()
 from olv_runtime.errors import OlvError  # noqa: F401,E402
 from olv_runtime.generate import (  # noqa: F401
     GenerationResult, GenerationStats, TextStream, eos_token_ids, generate, sample_token)
-from olv_runtime.prompt_cache import load_state, model_digest, save_state  # noqa: F401
 from olv_runtime.sampling import SamplingParams, TokenLogprob  # noqa: F401
 from olv_runtime.io import Model, load, save  # noqa: F401
 from olv_runtime.session import InferenceSession, NodeArg, SessionOptions  # noqa: F401
@@ -28,6 +27,21 @@ from olv_runtime.structs import decode_value, to_decoded  # noqa: F401
 from olv_runtime.structs.runtime import RuntimeStruct  # noqa: F401
 
 __version__ = "0.1.0"
+
+#: public names imported on first use (PEP 562): modules a decode does not need (warm start)
+_LAZY = {"load_state": "olv_runtime.prompt_cache", "save_state": "olv_runtime.prompt_cache",
+         "model_digest": "olv_runtime.prompt_cache"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'olv_runtime' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def compile_model(model, out_path, **kwargs):

@@ -119,3 +119,19 @@ def test_output_count_table_matches_onnx_defs_for_every_op_and_opset():
                 want = None
             assert output_range(name, version) == want, (name, version)
 
+
+
+def test_lazy_operator_modules_register_exactly_what_they_declare():
+    # operator families imported on first lookup: each declaration must name every operator its
+    # module registers (else a model using an undeclared one would fail to find it)
+    import importlib
+
+    from olv_runtime.ops import LAZY_MODULES
+    from olv_runtime.ops.registry import _REGISTRY
+
+    registered_ranges()  # imports every declared module
+    for module, ops in LAZY_MODULES.items():
+        importlib.import_module(module)
+        got = {key for key, versions in _REGISTRY.items()
+               if any(cls.__module__ == module for _, _, cls in versions)}
+        assert got == set(ops), module

@@ -17,7 +17,10 @@ import olv_runtime
 
 #: never imported by import olv_runtime -> load -> InferenceSession -> generate
 NOT_IMPORTED = ("onnx", "onnx.defs", "scipy.linalg", "numpy.f2py", "olv_runtime.builder",
-                "olv_runtime.models.qwen", "transformers", "jinja2", "tokenizers", "torch")
+                "olv_runtime.models.qwen", "transformers", "jinja2", "tokenizers", "torch",
+                "olv_runtime.structs.ggml", "olv_runtime.ops.com_microsoft",
+                "olv_runtime.state.paged", "olv_runtime.prompt_cache",
+                "olv_runtime.kernels.packed_zp")
 
 _CHILD = r"""
 import json, sys

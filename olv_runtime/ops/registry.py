@@ -88,6 +88,29 @@ def _range_text(lo: int, hi: int | None) -> str:
     return f"{lo}-{hi}" if hi is not None else f"{lo}+"
 
 
+#: (domain, op_type) -> module that registers it, for op modules imported on first lookup
+_LAZY: dict[tuple[str, str], str] = {}
+
+
+def register_lazy(module: str, ops) -> None:
+    """Declare that importing ``module`` registers the ``(domain, op_type)`` pairs ``ops``; the
+    module is imported by the first :func:`lookup` of one of them (or by
+    :func:`registered_ranges`), not at ``import olv_runtime`` (warm start: operator families most
+    models do not use, e.g. ``com.microsoft``, paged attention, reductions)."""
+    for key in ops:
+        _LAZY[key] = module
+
+
+def _import_lazy(key=None) -> None:
+    import importlib
+
+    modules = {_LAZY[key]} if key is not None else set(_LAZY.values())
+    for module in modules:
+        for k in [k for k, m in _LAZY.items() if m == module]:
+            del _LAZY[k]
+        importlib.import_module(module)
+
+
 def lookup(domain: str, op_type: str, opset_version: int) -> type:
     """The implementation class for a node of ``(domain, op_type)`` under ``opset_version``.
 
@@ -98,6 +121,8 @@ def lookup(domain: str, op_type: str, opset_version: int) -> type:
         the message names the operator, the opset and the implemented ranges.
     """
     domain = canonical_domain(domain)
+    if (domain, op_type) in _LAZY:
+        _import_lazy((domain, op_type))
     versions = _REGISTRY.get((domain, op_type))
     shown = f"{domain or 'ai.onnx'}::{op_type}"
     if not versions:
@@ -122,6 +147,7 @@ def registered() -> list[tuple[str, str, int]]:
 def registered_ranges() -> list[tuple[str, str, int, int | None]]:
     """All registered (domain, op_type, since_version, until_version) entries, sorted
     (until None: no upper bound). The docs' operator list is generated from this."""
+    _import_lazy()
     out = []
     for (domain, op_type), versions in _REGISTRY.items():
         out.extend((domain, op_type, lo, hi) for lo, hi, _ in versions)

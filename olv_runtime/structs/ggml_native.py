@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from olv_runtime.structs import ggml
 from olv_runtime.values import AffineValue
+
+# olv_runtime.structs.ggml (the block declarations, with the graph helper) is imported by the
+# functions that verify a ggml value: a session on a model with no ggml value never needs it
+
 
 __all__ = ["linear_weight", "PlanesWeight", "GGMLWeight", "GGMLGather", "FAST_TYPES",
            "BLOCK_KERNEL_TYPES"]
@@ -158,6 +161,8 @@ def _verified(value) -> ggml.GGMLBlock | None:
     except (KeyError, ValueError):
         return None
     key = (name, k, flat)
+    from olv_runtime.structs import ggml
+
     if key not in _CANON:
         decls = ggml.declarations([key])
         b = ggml.BLOCKS[name]
