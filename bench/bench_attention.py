@@ -9,7 +9,10 @@ token is timed (median of ``--reps``):
 * ``paged fp32`` / ``paged int8`` / ``paged int4``: :meth:`olv_runtime.state.paged.PagedKV.run`
   for one token — append, attention over the blocks (decoded inside the kernel), sealing — and
   the kernel alone (:func:`olv_runtime.kernels.paged_attention.paged_attention` over the cache
-  value's block table: the ``ctx`` cached tokens).
+  value's block table: the ``ctx`` cached tokens);
+* ``paged int8 q8`` / ``paged int4 q8``: the same with ``int8_query=True`` (integer scores of the
+  quantized key blocks against the int8-rounded query, as the compiled decode step does in
+  int8-activation mode; the step column still runs the float-query ``PagedKV.run``).
 
 Bytes read per token are the KV payload the attention reads (codes and scales), from the
 ``bytes_read_kv_attention`` counter for paged caches and ``2 * KVH * T * D * 4`` for contiguous.
@@ -51,7 +54,7 @@ def contiguous(ctx, reps, rng):
     return t, t, 2 * KVH * (ctx + 1) * D * 4
 
 
-def paged(fmt, ctx, reps, rng):
+def paged(fmt, ctx, reps, rng, int8_query=False):
     mgr = PagedKV(Geometry(KVH, BS, D), SealPolicy(fmt), chunk_blocks=64)
     k = rng.standard_normal((ctx, KVH, D)).astype(np.float32)
     v = rng.standard_normal((ctx, KVH, D)).astype(np.float32)
@@ -72,7 +75,7 @@ def paged(fmt, ctx, reps, rng):
     rows, _ = cache.meta.table.rows(KVH)  # the value's block table (raw slot addresses)
     out = np.empty((1, H, D), np.float32)
     kern = _median(lambda: paged_attention(q1, rows, rows.shape[0], ctx - 1, 0.125, True, KVH,
-                                           BS, out), reps)
+                                           BS, out, int8_query=int8_query), reps)
     return step, kern, rec["bytes_read_kv_attention"]
 
 
@@ -92,7 +95,9 @@ def main(argv=None):
         rows = [("contiguous fp32",) + contiguous(ctx, args.reps, rng),
                 ("paged fp32",) + paged("float32", ctx, args.reps, rng),
                 ("paged int8",) + paged("int8", ctx, args.reps, rng),
-                ("paged int4",) + paged("int4", ctx, args.reps, rng)]
+                ("paged int4",) + paged("int4", ctx, args.reps, rng),
+                ("paged int8 q8",) + paged("int8", ctx, args.reps, rng, True),
+                ("paged int4 q8",) + paged("int4", ctx, args.reps, rng, True)]
         for name, step, kern, nbytes in rows:
             print(f"{name:<18}{ctx:>8}{step * 1e6:>10.1f}{kern * 1e6:>11.1f}{nbytes:>16,}"
                   f"{nbytes / kern / 1e9:>15.2f}")

@@ -151,7 +151,7 @@ def test_paged_pv_against_float64_reference(d):
             np.testing.assert_allclose(out[0, hh], ref, rtol=1e-5, atol=1e-6)
 
 
-# -- the compiled paged decode step in int8-activation mode -----------------------------------------
+# -- the compiled paged decode step in int8-activation mode ----------------------------------------
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 FORCED = [11, 40, 2, 77, 9, 31, 120, 6, 15, 88, 23, 54, 3, 70, 19, 101, 44, 8, 60, 27, 95, 13,
           36, 81, 4, 57]  # 7 + 26 tokens: sealing at 16 and 32

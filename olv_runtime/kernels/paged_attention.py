@@ -308,175 +308,175 @@ def _concat32(builder, a, b):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32T, 64), list(range(64))))
 
 
-@intrinsic
-def _qk16_i8(typingctx, q, kaddr, row0, nrows, rowbytes, int4, qsum, qmul, rmul, out, off,
-             vnni):
-    """Scores of 16 keys against an int8 query: ``out[off + j] = float32(S_j) * (qmul *
-    rmul[row0 + j])`` for ``j < 16``, ``S_j = sum_i k[row0 + j, i] * q[i]`` (exact int32) of an INT8
-    (``int4`` False: ``D`` signed bytes per row) or INT4 block side (``int4`` True: ``D/2``
-    bytes per row, two's complement nibbles, low nibble first) whose first row is at address
-    ``kaddr``, rows ``rowbytes`` apart; ``q`` int8 [D] (for INT4 in the nibble order of
-    :func:`_quantize_heads`: per 64 features the even ones, then the odd ones), ``D % 64 == 0``,
-    ``qsum = sum(q)``. Rows ``>= nrows`` repeat the last row (never read out of bounds); all 16
-    results are written (``out`` needs 16 slots from ``off``, ``rmul`` 16 from ``row0``);
-    returns the max of the first ``nrows`` scores. ``vnni`` (where the host has AVX-512 VNNI): one ``vpdpbusd`` per key
-    and 64 features on the unsigned form ``k + 128`` (INT8) / ``k + 8`` (INT4), minus
-    ``128 * qsum`` / ``8 * qsum``; else ``vpmaddwd`` on the sign-extended values. Both give the
-    exact sums (bitwise equal)."""
-    if not (isinstance(q, types.Array) and q.dtype == types.int8 and isinstance(out, types.Array)
-            and out.dtype == types.float32 and isinstance(rmul, types.Array)
-            and rmul.dtype == types.float32 and qmul == types.float32):
-        return None
-    sig = types.float32(q, kaddr, row0, nrows, rowbytes, int4, qsum, qmul, rmul, out, off, vnni)
+def _make_qk16_int(fmt4):
+    """The score intrinsic of INT8 (``fmt4`` False: ``_qk16_i8``) or INT4 key rows
+    (``_qk16_i4``)."""
 
-    def codegen(context, builder, sig, args):
-        qa = context.make_array(sig.args[0])(context, builder, args[0])
-        ra = context.make_array(sig.args[8])(context, builder, args[8])
-        oa = context.make_array(sig.args[9])(context, builder, args[9])
-        i64 = ir.IntType(64)
-        d = builder.extract_value(qa.shape, 0)
-        nch = builder.udiv(d, ir.Constant(i64, 64))
-        kaddr_v = context.cast(builder, args[1], sig.args[1], types.int64)
-        row0_v = context.cast(builder, args[2], sig.args[2], types.int64)
-        nrows_v = context.cast(builder, args[3], sig.args[3], types.int64)
-        rb = context.cast(builder, args[4], sig.args[4], types.int64)
-        is4 = context.cast(builder, args[5], sig.args[5], types.boolean)
-        qs = context.cast(builder, args[6], sig.args[6], types.int32)
-        qm = args[7]
-        off_v = context.cast(builder, args[10], sig.args[10], types.int64)
-        isvnni = context.cast(builder, args[11], sig.args[11], types.boolean)
-        last = builder.sub(nrows_v, ir.Constant(i64, 1))
-        qbase = builder.bitcast(qa.data, _I8T.as_pointer())
-        kbase = builder.inttoptr(kaddr_v, _I8T.as_pointer())
-        rowptrs = []
-        for j in range(16):
-            jj = ir.Constant(i64, j)
-            r = builder.select(builder.icmp_signed("<", jj, nrows_v), jj, last)
-            rowptrs.append(builder.gep(kbase, [builder.mul(builder.add(row0_v, r), rb)]))
-        optr = cgutils.alloca_once(builder, _V16I32)  # the exact sums (either path)
+    @intrinsic
+    def qk16(typingctx, q, kaddr, row0, nrows, rowbytes, qsum, qmul, rmul, out, off, vnni):
+        """Scores of 16 keys against an int8 query: ``out[off + j] = float32(S_j) *
+        (qmul * rmul[row0 + j])`` for ``j < 16``, ``S_j = sum_i k[row0 + j, i] * q[i]`` (exact
+        int32) over the rows of an INT8 (``D`` signed bytes per row) or INT4 block side (``D/2``
+        bytes per row, two's complement nibbles, low nibble first) whose first row is at
+        address ``kaddr``, rows ``rowbytes`` apart; ``q`` int8 [D] (for INT4 in the nibble order
+        of :func:`_quantize_heads`: per 64 features the even ones, then the odd ones),
+        ``D % 64 == 0``, ``qsum = sum(q)``. Rows ``>= nrows`` repeat the last row (never read out
+        of bounds); all 16 results are written (``out`` needs 16 slots from ``off``, ``rmul`` 16
+        from ``row0``); returns the max of the first ``nrows`` scores. ``vnni`` (where the host
+        has AVX-512 VNNI): one ``vpdpbusd`` per key and 64 features on the unsigned form
+        ``k + 128`` (INT8) / ``k + 8`` (INT4), minus ``128 * qsum`` / ``8 * qsum``; else
+        ``vpmaddwd`` on the sign-extended values. Both give the exact sums (bitwise equal)."""
+        if not (isinstance(q, types.Array) and q.dtype == types.int8
+                and isinstance(out, types.Array) and out.dtype == types.float32 and isinstance(rmul, types.Array)
+                and rmul.dtype == types.float32 and qmul == types.float32):
+            return None
+        sig = types.float32(q, kaddr, row0, nrows, rowbytes, qsum, qmul, rmul, out, off, vnni)
 
-        def key_bytes(j, c, fmt4, unsigned):
-            """The 64 bytes of key j, chunk c (64 features) in q's order."""
-            if not fmt4:
-                off = builder.mul(c, ir.Constant(i64, 64))
-                kv = builder.load(builder.bitcast(builder.gep(rowptrs[j], [off]),
-                                                  _V64I8.as_pointer()), align=1)
-                return builder.xor(kv, ir.Constant(_V64I8, [-128] * 64)) if unsigned else kv
-            off = builder.mul(c, ir.Constant(i64, 32))
-            b = builder.load(builder.bitcast(builder.gep(rowptrs[j], [off]), _V32I8.as_pointer()),
-                             align=1)
-            four = ir.Constant(_V32I8, [4] * 32)
-            if unsigned:
-                eight = ir.Constant(_V32I8, [8] * 32)
-                lo = builder.xor(builder.and_(b, ir.Constant(_V32I8, [15] * 32)), eight)
-                hi = builder.xor(builder.lshr(b, four), eight)
-            else:
-                lo = builder.ashr(builder.shl(b, four), four)
-                hi = builder.ashr(b, four)
-            return _concat32(builder, lo, hi)
-
-        def tree(vecs):
-            w = 16
-            while len(vecs) > 1:
-                half = w // 2
-                m = 16 // w
-                lo_idx = [g * w + i for g in range(m) for i in range(half)]
-                hi_idx = [g * w + half + i for g in range(m) for i in range(half)]
-                lo_m = ir.Constant(ir.VectorType(_I32T, 16), lo_idx + [16 + x for x in lo_idx])
-                hi_m = ir.Constant(ir.VectorType(_I32T, 16), hi_idx + [16 + x for x in hi_idx])
-                vecs = [builder.add(builder.shuffle_vector(a, b, lo_m),
-                                    builder.shuffle_vector(a, b, hi_m))
-                        for a, b in zip(vecs[0::2], vecs[1::2])]
-                w = half
-            return vecs[0]
-
-        def vnni_body(fmt4):
-            dp = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16I32, [_V16I32, _V64I8, _V64I8]),
-                "llvm.x86.avx512.vpdpbusd.512")
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, [0] * 16))
-                    for _ in range(16)]
-            with cgutils.for_range(builder, nch) as loop:
-                c = loop.index
-                qv = builder.load(builder.bitcast(builder.gep(qbase, [builder.mul(
-                    c, ir.Constant(i64, 64))]), _V64I8.as_pointer()), align=1)
-                for j in range(16):
-                    u = key_bytes(j, c, fmt4, True)
-                    builder.store(builder.call(dp, [builder.load(accs[j]), u, qv]), accs[j])
-            tot = tree([builder.load(a) for a in accs])
-            corr = builder.mul(qs, ir.Constant(_I32T, 8 if fmt4 else 128))
-            builder.store(builder.sub(tot, _vsplat(builder, corr, _V16I32)), optr)
-
-        def avx2_body(fmt4):
-            mwd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V8I32, [_V16I16, _V16I16]),
-                "llvm.x86.avx2.pmadd.wd")
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8I32, [0] * 8))
-                    for _ in range(16)]
-            with cgutils.for_range(builder, nch) as loop:
-                c = loop.index
-                qv = builder.load(builder.bitcast(builder.gep(qbase, [builder.mul(
-                    c, ir.Constant(i64, 64))]), _V64I8.as_pointer()), align=1)
-                q16 = [builder.sext(builder.shuffle_vector(
-                    qv, ir.Constant(_V64I8, ir.Undefined),
-                    ir.Constant(ir.VectorType(_I32T, 16), list(range(16 * p, 16 * p + 16)))),
-                    _V16I16) for p in range(4)]
-                for j in range(16):
-                    kv = key_bytes(j, c, fmt4, False)
-                    a = builder.load(accs[j])
-                    for p in range(4):
-                        k16 = builder.sext(builder.shuffle_vector(
-                            kv, ir.Constant(_V64I8, ir.Undefined),
-                            ir.Constant(ir.VectorType(_I32T, 16),
-                                        list(range(16 * p, 16 * p + 16)))), _V16I16)
-                        a = builder.add(a, builder.call(mwd, [k16, q16[p]]))
-                    builder.store(a, accs[j])
-            res = ir.Constant(_V16I32, [0] * 16)
+        def codegen(context, builder, sig, args):
+            qa = context.make_array(sig.args[0])(context, builder, args[0])
+            ra = context.make_array(sig.args[7])(context, builder, args[7])
+            oa = context.make_array(sig.args[8])(context, builder, args[8])
+            i64 = ir.IntType(64)
+            d = builder.extract_value(qa.shape, 0)
+            nch = builder.udiv(d, ir.Constant(i64, 64))
+            kaddr_v = context.cast(builder, args[1], sig.args[1], types.int64)
+            row0_v = context.cast(builder, args[2], sig.args[2], types.int64)
+            nrows_v = context.cast(builder, args[3], sig.args[3], types.int64)
+            rb = context.cast(builder, args[4], sig.args[4], types.int64)
+            qs = context.cast(builder, args[5], sig.args[5], types.int32)
+            qm = args[6]
+            off_v = context.cast(builder, args[9], sig.args[9], types.int64)
+            isvnni = context.cast(builder, args[10], sig.args[10], types.boolean)
+            last = builder.sub(nrows_v, ir.Constant(i64, 1))
+            qbase = builder.bitcast(qa.data, _I8T.as_pointer())
+            kbase = builder.inttoptr(kaddr_v, _I8T.as_pointer())
+            rowptrs = []
             for j in range(16):
-                a = builder.load(accs[j])
-                t = builder.extract_element(a, ir.Constant(_I32T, 0))
-                for e in range(1, 8):
-                    t = builder.add(t, builder.extract_element(a, ir.Constant(_I32T, e)))
-                res = builder.insert_element(res, t, ir.Constant(_I32T, j))
-            builder.store(res, optr)
+                jj = ir.Constant(i64, j)
+                r = builder.select(builder.icmp_signed("<", jj, nrows_v), jj, last)
+                rowptrs.append(builder.gep(kbase, [builder.mul(builder.add(row0_v, r), rb)]))
+            optr = cgutils.alloca_once(builder, _V16I32)  # the exact sums (either path)
 
-        def by_format(body):
-            with builder.if_else(is4) as (then, otherwise):
-                with then:
-                    body(True)
-                with otherwise:
-                    body(False)
+            def key_bytes(j, c, fmt4, unsigned):
+                """The 64 bytes of key j, chunk c (64 features) in q's order."""
+                if not fmt4:
+                    off = builder.mul(c, ir.Constant(i64, 64))
+                    kv = builder.load(builder.bitcast(builder.gep(rowptrs[j], [off]),
+                                                      _V64I8.as_pointer()), align=1)
+                    return builder.xor(kv, ir.Constant(_V64I8, [-128] * 64)) if unsigned else kv
+                off = builder.mul(c, ir.Constant(i64, 32))
+                b = builder.load(builder.bitcast(builder.gep(rowptrs[j], [off]), _V32I8.as_pointer()),
+                                 align=1)
+                four = ir.Constant(_V32I8, [4] * 32)
+                if unsigned:
+                    eight = ir.Constant(_V32I8, [8] * 32)
+                    lo = builder.xor(builder.and_(b, ir.Constant(_V32I8, [15] * 32)), eight)
+                    hi = builder.xor(builder.lshr(b, four), eight)
+                else:
+                    lo = builder.ashr(builder.shl(b, four), four)
+                    hi = builder.ashr(b, four)
+                return _concat32(builder, lo, hi)
 
-        if HOST_VNNI:
-            with builder.if_else(isvnni) as (then, otherwise):
-                with then:
-                    by_format(vnni_body)
-                with otherwise:
-                    by_format(avx2_body)
-        else:  # the VNNI instruction cannot even be compiled here
-            by_format(avx2_body)
-        # float32(S) * (qmul * rmul[row0 + j]) in 16 lanes (the same two multiplies per key as
-        # the scalar form), stored; the max over the first nrows lanes
-        f32 = ir.FloatType()
-        v16f = ir.VectorType(f32, 16)
-        sf = builder.sitofp(builder.load(optr), v16f)
-        rp = builder.gep(builder.bitcast(ra.data, f32.as_pointer()), [row0_v])
-        rm = builder.load(builder.bitcast(rp, v16f.as_pointer()), align=4)
-        val = builder.fmul(sf, builder.fmul(_vsplat(builder, qm, v16f), rm))
-        op = builder.gep(builder.bitcast(oa.data, f32.as_pointer()), [off_v])
-        builder.store(val, builder.bitcast(op, v16f.as_pointer()), align=4)
-        lanes = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
-        live = builder.icmp_signed("<", lanes, _vsplat(builder, nrows_v, ir.VectorType(i64, 16)))
-        cur = builder.select(live, val, ir.Constant(v16f, [float("-inf")] * 16))
-        w = 16
-        while w > 1:
-            half = w // 2
-            hi = builder.shuffle_vector(cur, ir.Constant(v16f, ir.Undefined), ir.Constant(
-                ir.VectorType(_I32T, 16), [half + i if i < half else 0 for i in range(16)]))
-            cur = builder.select(builder.fcmp_ordered(">", hi, cur), hi, cur)
-            w = half
-        return builder.extract_element(cur, ir.Constant(_I32T, 0))
-    return sig, codegen
+            def tree(vecs):
+                w = 16
+                while len(vecs) > 1:
+                    half = w // 2
+                    m = 16 // w
+                    lo_idx = [g * w + i for g in range(m) for i in range(half)]
+                    hi_idx = [g * w + half + i for g in range(m) for i in range(half)]
+                    lo_m = ir.Constant(ir.VectorType(_I32T, 16), lo_idx + [16 + x for x in lo_idx])
+                    hi_m = ir.Constant(ir.VectorType(_I32T, 16), hi_idx + [16 + x for x in hi_idx])
+                    vecs = [builder.add(builder.shuffle_vector(a, b, lo_m),
+                                        builder.shuffle_vector(a, b, hi_m))
+                            for a, b in zip(vecs[0::2], vecs[1::2])]
+                    w = half
+                return vecs[0]
+
+            def vnni_body(fmt4):
+                dp = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(_V16I32, [_V16I32, _V64I8, _V64I8]),
+                    "llvm.x86.avx512.vpdpbusd.512")
+                accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, [0] * 16))
+                        for _ in range(16)]
+                with cgutils.for_range(builder, nch) as loop:
+                    c = loop.index
+                    qv = builder.load(builder.bitcast(builder.gep(qbase, [builder.mul(
+                        c, ir.Constant(i64, 64))]), _V64I8.as_pointer()), align=1)
+                    for j in range(16):
+                        u = key_bytes(j, c, fmt4, True)
+                        builder.store(builder.call(dp, [builder.load(accs[j]), u, qv]), accs[j])
+                tot = tree([builder.load(a) for a in accs])
+                corr = builder.mul(qs, ir.Constant(_I32T, 8 if fmt4 else 128))
+                builder.store(builder.sub(tot, _vsplat(builder, corr, _V16I32)), optr)
+
+            def avx2_body(fmt4):
+                mwd = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(_V8I32, [_V16I16, _V16I16]),
+                    "llvm.x86.avx2.pmadd.wd")
+                accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8I32, [0] * 8))
+                        for _ in range(16)]
+                with cgutils.for_range(builder, nch) as loop:
+                    c = loop.index
+                    qv = builder.load(builder.bitcast(builder.gep(qbase, [builder.mul(
+                        c, ir.Constant(i64, 64))]), _V64I8.as_pointer()), align=1)
+                    q16 = [builder.sext(builder.shuffle_vector(
+                        qv, ir.Constant(_V64I8, ir.Undefined),
+                        ir.Constant(ir.VectorType(_I32T, 16), list(range(16 * p, 16 * p + 16)))),
+                        _V16I16) for p in range(4)]
+                    for j in range(16):
+                        kv = key_bytes(j, c, fmt4, False)
+                        a = builder.load(accs[j])
+                        for p in range(4):
+                            k16 = builder.sext(builder.shuffle_vector(
+                                kv, ir.Constant(_V64I8, ir.Undefined),
+                                ir.Constant(ir.VectorType(_I32T, 16),
+                                            list(range(16 * p, 16 * p + 16)))), _V16I16)
+                            a = builder.add(a, builder.call(mwd, [k16, q16[p]]))
+                        builder.store(a, accs[j])
+                res = ir.Constant(_V16I32, [0] * 16)
+                for j in range(16):
+                    a = builder.load(accs[j])
+                    t = builder.extract_element(a, ir.Constant(_I32T, 0))
+                    for e in range(1, 8):
+                        t = builder.add(t, builder.extract_element(a, ir.Constant(_I32T, e)))
+                    res = builder.insert_element(res, t, ir.Constant(_I32T, j))
+                builder.store(res, optr)
+
+            if HOST_VNNI:
+                with builder.if_else(isvnni) as (then, otherwise):
+                    with then:
+                        vnni_body(fmt4)
+                    with otherwise:
+                        avx2_body(fmt4)
+            else:  # the VNNI instruction cannot even be compiled here
+                avx2_body(fmt4)
+            # float32(S) * (qmul * rmul[row0 + j]) in 16 lanes (the same two multiplies per key as
+            # the scalar form), stored; the max over the first nrows lanes
+            f32 = ir.FloatType()
+            v16f = ir.VectorType(f32, 16)
+            sf = builder.sitofp(builder.load(optr), v16f)
+            rp = builder.gep(builder.bitcast(ra.data, f32.as_pointer()), [row0_v])
+            rm = builder.load(builder.bitcast(rp, v16f.as_pointer()), align=4)
+            val = builder.fmul(sf, builder.fmul(_vsplat(builder, qm, v16f), rm))
+            op = builder.gep(builder.bitcast(oa.data, f32.as_pointer()), [off_v])
+            builder.store(val, builder.bitcast(op, v16f.as_pointer()), align=4)
+            lanes = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
+            live = builder.icmp_signed("<", lanes, _vsplat(builder, nrows_v, ir.VectorType(i64, 16)))
+            cur = builder.select(live, val, ir.Constant(v16f, [float("-inf")] * 16))
+            w = 16
+            while w > 1:
+                half = w // 2
+                hi = builder.shuffle_vector(cur, ir.Constant(v16f, ir.Undefined), ir.Constant(
+                    ir.VectorType(_I32T, 16), [half + i if i < half else 0 for i in range(16)]))
+                cur = builder.select(builder.fcmp_ordered(">", hi, cur), hi, cur)
+                w = half
+            return builder.extract_element(cur, ir.Constant(_I32T, 0))
+        return sig, codegen
+    return qk16
+
+
+_qk16_i8 = _make_qk16_int(False)
+_qk16_i4 = _make_qk16_int(True)
 
 
 @njit(**JIT)
@@ -542,8 +542,10 @@ def _block_scores_i8(qi, qip, qmul, qsum, ng, fmt, addr, saddr, pt, g, bs, d, nk
         sr = sc[hh]
         m = mx[hh]
         for jj in range(0, nk, 16):
-            bm = _qk16_i8(qv, base, jj, min(16, nk - jj), rb, is4, qs, qm, rmul, sr, c0 + jj,
-                          vnni)
+            if is4:
+                bm = _qk16_i4(qv, base, jj, min(16, nk - jj), rb, qs, qm, rmul, sr, c0 + jj, vnni)
+            else:
+                bm = _qk16_i8(qv, base, jj, min(16, nk - jj), rb, qs, qm, rmul, sr, c0 + jj, vnni)
             if bm > m:
                 m = bm
         mx[hh] = m
