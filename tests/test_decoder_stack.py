@@ -78,6 +78,31 @@ def test_matches_per_operator_plan(qwen2_int4, quant, tol, threads, monkeypatch)
     assert worst <= tol, worst
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+def test_exact_mode_on_each_instruction_path(qwen2_int4, isa, monkeypatch):
+    """Exact mode runs the VNNI kernels (block fixed-point activation digits) where the CPU has
+    them and the float kernels otherwise: force each path; the compiled step matches the
+    per-operator plan of the same path, and the two paths agree within float32 rounding."""
+    from olv_runtime.kernels import packed_i8
+
+    if isa == "avx512vnni" and not packed_i8.HOST_VNNI:
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    monkeypatch.setattr(decoder_stack, "STACK_SERIAL_MAX_WORK", 0)  # 2 tasks where possible
+    nt = get_num_threads()
+    try:
+        packed_i8.set_isa(isa)
+        ref_ids, ref = _greedy(_session(qwen2_int4, False, False, 2), 6)
+        ids, got = _greedy(_session(qwen2_int4, True, False, 2), 6)
+        packed_i8.set_isa("avx2")
+        _, other = _greedy(_session(qwen2_int4, True, False, 2), 6)
+    finally:
+        packed_i8.set_isa(None)
+        set_num_threads(nt)
+    assert ids == ref_ids
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) <= 1e-4
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, other)) <= 1e-4
+
+
 def test_small_models_run_the_stack_serially(qwen2_int4):
     """Every linear of the tiny model is below STACK_SERIAL_MAX_WORK (N * Kp): one task, no
     parallel region, whatever the thread count (the parallel driver is not even compiled)."""

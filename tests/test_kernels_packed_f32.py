@@ -1,8 +1,11 @@
 """Tests of olv_runtime.kernels.packed_f32 (exact-mode INT4 linear on the packed_i8 layout).
 
 Oracles: float64 ``x @ W.T`` of the dequantized weight (bound
-``1e-5 * sum_k |x_k W_nk| + 1e-6``, the bound of the existing exact path) and
-``linear_packed(quantize_activations=False)`` of olv_runtime.kernels.packed (same bound).
+``1e-5 * sum_k |x_k W_nk| + 1e-6``, the bound of the existing exact path, plus on the VNNI path
+(olv_runtime.kernels.packed_f32_vnni, 31-bit block fixed-point activations) the fixed-point term
+``2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk|``) and
+``linear_packed(quantize_activations=False)`` of olv_runtime.kernels.packed. Every test runs on
+the instruction path the CPU chooses; ``isa`` parametrised tests also force the float fallback.
 """
 from __future__ import annotations
 
@@ -17,7 +20,21 @@ from olv_runtime.kernels.packed import linear_packed, prepack_int4
 from olv_runtime.kernels.packed_f32 import (
     PackedF32Workspace, linear_packed_i8_exact, make_workspace_f32,
 )
-from olv_runtime.kernels.packed_i8 import linear_packed_i8, prepack_int4_i8
+from olv_runtime.kernels.packed_i8 import (
+    HOST_VNNI, linear_packed_i8, prepack_int4_i8, set_isa, use_vnni,
+)
+
+ISAS = ["avx2", "avx512vnni"] if HOST_VNNI else ["avx2"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run the test on each instruction path this CPU has (the float fallback forced)."""
+    set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        set_isa(None)
 
 
 def _weight(n, k, rng, q=None):
@@ -39,10 +56,34 @@ def _dequant64(q, scale):
     return q.astype(np.float64) * np.repeat(scale.astype(np.float64), 32, axis=1)[:, :k]
 
 
-def _check_bound(y, x, w64, what=""):
+def _fixed_point_term(x64, w64):
+    """2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk| (the VNNI path's representation
+    error bound: activations in 31-bit fixed point relative to their block's largest)."""
+    m, k = x64.shape
+    kb = -(-k // 32)
+    xm = np.zeros((m, kb))
+    wa = np.zeros((w64.shape[0], kb))
+    for b in range(kb):
+        xm[:, b] = np.abs(x64[:, 32 * b:32 * b + 32]).max(axis=1)
+        wa[:, b] = np.abs(w64[:, 32 * b:32 * b + 32]).sum(axis=1)
+    return 2.0 ** -30 * (xm @ wa.T)
+
+
+def _bound(x64, w64, fixed_point=None):
+    """The stated bound of the path in use (``fixed_point``: the VNNI term; default: whether
+    the VNNI path is the one running)."""
+    if fixed_point is None:
+        fixed_point = use_vnni()
+    b = 1e-5 * (np.abs(x64) @ np.abs(w64).T) + 1e-6
+    if fixed_point:
+        b = b + _fixed_point_term(x64, w64)
+    return b
+
+
+def _check_bound(y, x, w64, what="", fixed_point=None):
     x64 = x.astype(np.float64)
     ref = x64 @ w64.T
-    bound = 1e-5 * (np.abs(x64) @ np.abs(w64).T) + 1e-6
+    bound = _bound(x64, w64, fixed_point)
     err = np.abs(y.astype(np.float64) - ref)
     assert np.all(err <= bound), f"{what}: max err/bound {np.max(err / bound):.3g}"
 
@@ -53,7 +94,7 @@ SHAPES = [(8, 32), (64, 64), (100, 40), (70, 80), (13, 33), (1, 32), (3, 7), (20
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 17])
-def test_matches_float64_and_linear_packed(n, k, m):
+def test_matches_float64_and_linear_packed(n, k, m, isa):
     rng = np.random.default_rng(n * 1000 + k * 10 + m)
     q, payload, scale = _weight(n, k, rng)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -63,16 +104,15 @@ def test_matches_float64_and_linear_packed(n, k, m):
     w64 = _dequant64(q, scale)
     _check_bound(y, x, w64, "vs float64")
     yo = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32))
-    _check_bound(yo, x, w64, "old vs float64")
+    _check_bound(yo, x, w64, "old vs float64", fixed_point=False)
     # new vs old within the same bound (both are within it of the float64 reference)
     x64 = x.astype(np.float64)
-    bound = 1e-5 * (np.abs(x64) @ np.abs(w64).T) + 1e-6
-    assert np.all(np.abs(y.astype(np.float64) - yo) <= bound)
+    assert np.all(np.abs(y.astype(np.float64) - yo) <= _bound(x64, w64))
 
 
 @pytest.mark.parametrize("n,k", [(4864 // 4, 896), (160, 4864), (1152, 896)])
 @pytest.mark.parametrize("m", [1, 4, 6, 16, 33])
-def test_qwen_shapes_parallel(n, k, m):
+def test_qwen_shapes_parallel(n, k, m, isa):
     rng = np.random.default_rng(7 + m + n)
     q, payload, scale = _weight(n, k, rng)
     x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
@@ -80,11 +120,10 @@ def test_qwen_shapes_parallel(n, k, m):
     w64 = _dequant64(q, scale)
     _check_bound(y, x, w64)
     yo = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32))
-    bound = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w64).T) + 1e-6
-    assert np.all(np.abs(y.astype(np.float64) - yo) <= bound)
+    assert np.all(np.abs(y.astype(np.float64) - yo) <= _bound(x.astype(np.float64), w64))
 
 
-def test_decode_exact_every_code():
+def test_decode_exact_every_code(isa):
     """One-hot activations pick single weights: y[i, n] = float32(q[n, i]) * scale[n, i // 32]
     bitwise (one exact product per block, fma(s, scale, 0)), for every code -8..7 at every
     nibble position of the layout."""
@@ -107,7 +146,7 @@ def test_decode_exact_every_code():
     _check_bound(y2, x2, _dequant64(q2, scale2))
 
 
-def test_zero_tiny_and_special_activations():
+def test_zero_tiny_and_special_activations(isa):
     rng = np.random.default_rng(5)
     n, k = 40, 100
     q, payload, scale = _weight(n, k, rng)
@@ -139,7 +178,7 @@ def test_one_packed_copy_serves_both_modes():
     assert np.abs(yq - ye).max() <= 0.02 * np.abs(ye).max()
 
 
-def test_out_and_workspace_reuse():
+def test_out_and_workspace_reuse(isa):
     rng = np.random.default_rng(2)
     n, k = 300, 200
     q, payload, scale = _weight(n, k, rng)
@@ -156,7 +195,7 @@ def test_out_and_workspace_reuse():
 
 
 @pytest.mark.parametrize("n,k,m", [(300, 200, 3), (1152, 896, 1), (1152, 896, 9)])
-def test_no_allocations_with_out_and_workspace(n, k, m):
+def test_no_allocations_with_out_and_workspace(n, k, m, isa):
     rng = np.random.default_rng(12)
     q, payload, scale = _weight(n, k, rng)
     pk = prepack_int4_i8(payload, scale, None, n, k, 32)
@@ -179,7 +218,7 @@ def test_no_allocations_with_out_and_workspace(n, k, m):
     assert peak < 2048  # no array data allocated during the calls (out alone is >= 3.6 KB)
 
 
-def test_rows_independent_of_m_and_threads():
+def test_rows_independent_of_m_and_threads(isa):
     rng = np.random.default_rng(9)
     n, k = 4864 // 4, 896
     q, payload, scale = _weight(n, k, rng)
@@ -238,5 +277,131 @@ def test_one_row_group_kernel_bitwise_equals_groups_small(n, k):
         facc = np.zeros(64, np.float32)
         packed_f32._groups_small(p.codes, p.scale, g0, g1, x, 0, 1, n, a, facc)
         packed_f32._groups_m1(p.codes, p.scale, g0, g1, x, n, b, facc)
+        np.testing.assert_array_equal(a, b)
+        assert np.abs(a[0, 8 * g0:]).sum() > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the VNNI path (packed_f32_vnni): block fixed-point activation digits, integer dot products
+# ------------------------------------------------------------------------------------------------
+needs_vnni = pytest.mark.skipif(not HOST_VNNI, reason="the CPU has no AVX-512 VNNI: the float "
+                                "path is the only path (tested above)")
+
+
+def test_fixed_point_term_bounds_the_vnni_path(isa):
+    """A block whose largest activation sits on zero weights while the weights see elements
+    2^40 smaller: the VNNI path represents those at 2^-30 of the block's largest (its stated
+    bound), the float path stays within the float bound."""
+    rng = np.random.default_rng(21)
+    n, k = 16, 64
+    q = rng.integers(-8, 8, size=(n, k))
+    q[:, 5] = 0  # the big element multiplies zero weights only
+    _, payload, scale = _weight(n, k, rng, q=q)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    x[0, 5] = 2.0 ** 40
+    x[1, 40] = 1e-3  # and a block with a small but ordinary range
+    y = linear_packed_i8_exact(x, prepack_int4_i8(payload, scale, None, n, k, 32))
+    w64 = _dequant64(q, scale)
+    _check_bound(y, x, w64)
+    if isa == "avx2":
+        _check_bound(y, x, w64, fixed_point=False)
+
+
+def _digits_numpy(x):
+    """The digits of the module docstring, computed independently (float64 / int64)."""
+    xb = np.zeros(32, np.float32)
+    xb[:x.size] = x
+    bits = xb.view(np.uint32) & 0x7FFFFFFF
+    e = max(int(bits.max() >> 23), 1)
+    big = 2.0 ** (30 - (e - 126))
+    X = np.rint(xb.astype(np.float64) * big).astype(np.int64)
+    D = []
+    for _ in range(3):
+        d = ((X + 128) & 255) - 128
+        D.append(d)
+        X = (X - d) >> 8
+    D.append(X)
+    return np.stack(D), np.float32(2.0 ** (e - 156)) if e >= 8 else None
+
+
+@needs_vnni
+def test_activation_digits_known_answers():
+    from olv_runtime.kernels import packed_f32_vnni as pv
+
+    rng = np.random.default_rng(3)
+    k = 32 * 6 + 7  # a partial last block
+    x = (rng.standard_normal((4, k)) * np.exp(rng.uniform(-30, 30, size=(4, k)))).astype(np.float32)
+    x[1, :32] = 0.0
+    x[1, 32:64] = rng.standard_normal(32) * 1e-41  # subnormals
+    x[2, 64:96] = np.float32(2.0) ** 127 * 1.5     # the largest binade
+    x[3, 96] = -(2.0 ** 29)
+    dg, bz, xsc = pv.digit_buffers(4, 8)
+    assert pv._digits_rows(x, 4, k, dg, bz, xsc) == 0
+    for i in range(4):
+        for b in range(-(-k // 32)):
+            blk = x[i, 32 * b:32 * b + 32]
+            D, xs = _digits_numpy(blk)
+            got = dg[i, 128 * b:128 * b + 128].reshape(4, 32).astype(np.int64)
+            np.testing.assert_array_equal(got, D)
+            assert np.all(np.abs(D[:3]) <= 128) and np.all(np.abs(D[3]) <= 65)
+            np.testing.assert_array_equal(bz[i, 4 * b:4 * b + 4], -8 * D.sum(axis=1))
+            if xs is not None:
+                assert xsc[i, b] == xs
+            # the fixed-point value is x to 2^-30 of the block's largest, exact within 7 binades
+            e = max(int((blk.view(np.uint32) & 0x7FFFFFFF).max() >> 23), 1)
+            val = (D * (256.0 ** np.arange(4))[:, None]).sum(axis=0)[:blk.size] * 2.0 ** (e - 156)
+            big = np.abs(blk).max()
+            assert np.all(np.abs(val - blk) <= 2.0 ** -30 * big + 2.0 ** -150)
+            near = np.abs(blk) >= 2.0 ** (e - 133)
+            np.testing.assert_array_equal(val[near], blk[near].astype(np.float64))
+    # a non-finite block: reported, NaN multiplier
+    x[0, 40] = np.inf
+    x[2, 3] = np.nan
+    assert pv._digits_rows(x, 4, k, dg, bz, xsc) == 2
+    assert np.isnan(xsc[0, 1]) and np.isnan(xsc[2, 0]) and np.isfinite(xsc[0, 0])
+
+
+@needs_vnni
+def test_nonfinite_rows_get_the_float_path_results():
+    rng = np.random.default_rng(6)
+    n, k = 40, 100
+    _, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, 3] = np.inf
+    x[2, 70] = -np.inf
+    y = linear_packed_i8_exact(x, pk)
+    set_isa("avx2")
+    try:
+        yf = linear_packed_i8_exact(x, pk)
+    finally:
+        set_isa(None)
+    np.testing.assert_array_equal(y[[0, 2]], yf[[0, 2]])
+    assert np.isinf(y[0]).any()
+    np.testing.assert_array_equal(y[1], linear_packed_i8_exact(x[1:2].copy(), pk)[0])
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,k", [(8, 32), (100, 96), (13, 160), (200, 2048), (72, 2080), (40, 4864)])
+def test_vnni_variants_bitwise_equal(n, k):
+    """The M = 1 loops (4 groups per pass from K = 2048, else 1) and the multi-row loop give the
+    same bytes over any range of groups: a row's result does not depend on the variant."""
+    from olv_runtime.kernels import packed_f32_vnni as pv
+
+    rng = np.random.default_rng(n + k)
+    _, payload, scale = _weight(n, k, rng)
+    p = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    dg, bz, xsc = pv.digit_buffers(1, p.k_blocks)
+    pv._digits_rows(x, 1, k, dg, bz, xsc)
+    ng = p.codes.shape[0]
+    facc = np.zeros(64, np.float32)
+    for g0, g1 in ((0, ng), (ng // 2, ng), (1, min(ng, 6))):
+        if g0 >= g1:
+            continue
+        a = np.zeros((1, n), np.float32)
+        b = np.zeros((1, n), np.float32)
+        pv._groups_rows(p.codes, p.scale, g0, g1, 1, dg, bz, xsc, n, a, facc)
+        pv._groups_m1(p.codes, p.scale, g0, g1, dg, bz, xsc, n, b, facc)
         np.testing.assert_array_equal(a, b)
         assert np.abs(a[0, 8 * g0:]).sum() > 0

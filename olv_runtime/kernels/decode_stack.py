@@ -11,9 +11,11 @@ data.
 Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 [E]):
 
 1. ``h = RMSNorm(x) * w_in`` -- every thread computes it privately (E floats, no barrier), and in
-   int8 mode quantizes it privately (:func:`~.packed_i8._quantize_rows_i8`);
+   int8 mode quantizes it privately (:func:`~.packed_i8._quantize_rows_i8`; exact mode on the
+   VNNI path: its block fixed-point digits, :func:`~.packed_f32_vnni._digits_rows`);
 2. ``qkv = h @ Wqkv.T (+ bias)`` -- 8-row groups split across threads
-   (:func:`~.packed_i8._groups` int8 / :func:`~.packed_f32._groups_small` exact); barrier;
+   (:func:`~.packed_i8._groups` int8; exact: :func:`~.packed_f32_vnni._groups_m1` on
+   activation digits where the CPU has VNNI, else :func:`~.packed_f32._groups_m1`); barrier;
 3. RoPE of q (every task into its private copy) and k (non-interleaved or interleaved halves,
    ``rotary_dim``); the last task, whose share of the keys ends with the new one, writes k and
    v into slot ``t`` of the layer's capacity buffers (no other task reads that slot: no
@@ -62,7 +64,7 @@ from numba.core.extending import intrinsic, overload
 
 from olv_runtime.errors import InvalidArgument
 
-from . import packed_f32, packed_i8
+from . import packed_f32, packed_f32_vnni, packed_i8
 from . import paged_attention as pk
 from .attention import SLACK, TILE, _attend_rows, _merge_partials, _state_init
 from .paged_attention import _paged_rows
@@ -232,6 +234,9 @@ class StackWorkspace:
         self.xs8 = np.zeros((nt, 1, kb), np.int32)
         self.facc8 = np.zeros((nt, 1, GROUP_ROWS), np.float32)
         self.facc32 = np.zeros((nt, packed_f32.ROWS_MAX * GROUP_ROWS), np.float32)
+        # exact mode on the VNNI path: per-task activation digits (packed_f32_vnni)
+        self.dgt = tuple(a.reshape((nt, 1) + a.shape[1:]) for a in
+                         packed_f32_vnni.digit_buffers(nt, kb if packed_i8.HOST_VNNI else 0))
         self.bar = np.zeros(BARRIER_SLOTS, np.int64)
         self.vocab = vocab
         self.i8 = (self.xq, self.xd, self.xs8, self.facc8)  # int8 mode's per-task buffers
@@ -292,7 +297,16 @@ class StackWorkspace:
     def nbytes(self) -> int:
         return int(sum(getattr(self, a).nbytes for a in (
             "xa", "xb", "qkv", "attn", "qp", "gu", "act", "hx", "xq", "xd", "xs8", "facc8",
-            "facc32", "bar"))) + sum(a.nbytes for a in (self._att or ()))
+            "facc32", "bar"))) + sum(a.nbytes for a in (self._att or ())) + sum(
+                a.nbytes for a in self.dgt)
+
+    def exact_buffers(self, quant):
+        """The per-task activation buffers argument of the compiled step: int8 mode's
+        ``(xq, xd, xs8, facc8)``, exact mode's digits ``(dg, bz, xsc)`` on the VNNI path
+        (:mod:`.packed_f32_vnni`), or None (exact mode, float path)."""
+        if quant:
+            return self.i8
+        return self.dgt if packed_i8.use_vnni() else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,11 +314,16 @@ class StackWorkspace:
 # ------------------------------------------------------------------------------------------------
 def _linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
     """8-row groups ``[g0, g1)`` of ``out[0, :] = xin[0, :] @ W.T``. ``i8``: None (exact mode,
-    :mod:`.packed_f32`) or this task's int8 quantization of ``xin`` ``(xq, xd, xs8, facc8)``
-    (done by :func:`_quantize`).
+    float path, :mod:`.packed_f32`), this task's activation digits ``(dg, bz, xsc)`` (exact
+    mode, VNNI path, :mod:`.packed_f32_vnni`) or its int8 quantization ``(xq, xd, xs8, facc8)``
+    of ``xin`` (both made by :func:`_quantize`).
 
     The mode is chosen by the *type* of ``i8`` when numba compiles the caller (an ``overload``),
     so a session compiles the kernels of its own mode only, never both (cold start)."""
+
+
+def _is_digits(i8):
+    return isinstance(i8, types.BaseTuple) and len(i8) == 3
 
 
 @overload(_linear_groups, jit_options=_OV)
@@ -312,6 +331,11 @@ def _ov_linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
     if isinstance(i8, types.NoneType):
         def impl(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
             packed_f32._groups_m1(codes, scale, g0, g1, xin, out.shape[1], out, facc32)
+    elif _is_digits(i8):
+        def impl(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
+            dg, bz, xsc = i8
+            packed_f32_vnni._groups_m1(codes, scale, g0, g1, dg, bz, xsc, out.shape[1], out,
+                                       facc32)
     else:
         def impl(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
             xq, xd, xs8, facc8 = i8
@@ -357,8 +381,9 @@ def _prefetch_part(tid, nt, wt, w, codes0, scale0):
 
 
 def _quantize(i8, xin, k, kb):
-    """int8 mode: this task's quantization of ``xin[0, :k]`` into ``i8``; exact mode (``i8`` is
-    None): nothing (see :func:`_linear_part`)."""
+    """int8 mode: this task's quantization of ``xin[0, :k]`` into ``i8``; exact mode on the
+    VNNI path: its activation digits; exact mode, float path (``i8`` is None): nothing (see
+    :func:`_linear_part`)."""
 
 
 @overload(_quantize, jit_options=_OV)
@@ -366,6 +391,10 @@ def _ov_quantize(i8, xin, k, kb):
     if isinstance(i8, types.NoneType):
         def impl(i8, xin, k, kb):
             pass
+    elif _is_digits(i8):
+        def impl(i8, xin, k, kb):
+            dg, bz, xsc = i8
+            packed_f32_vnni._digits_rows(xin, 1, k, dg, bz, xsc)  # non-finite: NaN outputs
     else:
         def impl(i8, xin, k, kb):
             xq, xd, xs8, facc8 = i8
@@ -374,13 +403,16 @@ def _ov_quantize(i8, xin, k, kb):
 
 
 def _task_i8(i8ws, tid):
-    """Task ``tid``'s int8 buffers ``(xq, xd, xs8, facc8)`` of the workspace tuple, or None."""
+    """Task ``tid``'s activation buffers of the workspace tuple (int8 mode's
+    ``(xq, xd, xs8, facc8)`` or exact mode's digits ``(dg, bz, xsc)``), or None."""
 
 
 @overload(_task_i8, jit_options=_OV)
 def _ov_task_i8(i8ws, tid):
     if isinstance(i8ws, types.NoneType):
         return lambda i8ws, tid: None
+    if _is_digits(i8ws):
+        return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid])
     return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid], i8ws[3][tid])
 
 
@@ -774,7 +806,7 @@ def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tab
     args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, tabs,
             nblk, tin, int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
             inter, ws.xa, ws.xb, ws.qkv, ws.q3(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
-            ws.i8 if quant else None, ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att,
+            ws.exact_buffers(quant), ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att,
             scr, rmul, pend, bool(quant), qi, qip, qmul, qsum)
     if nt > 1:
         _stack_par_paged(nt, *args)
@@ -813,7 +845,7 @@ def decode_stack(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0,
     """
     args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, kvt, kv0,
             tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb,
-            ws.qkv, *ws.qprivate(n_heads, d), ws.gu, ws.act, ws.hx, ws.i8 if quant else None,
+            ws.qkv, *ws.qprivate(n_heads, d), ws.gu, ws.act, ws.hx, ws.exact_buffers(quant),
             ws.facc32,
             ws.bar, logits, packed_i8.use_vnni(), *ws.attention(n_heads, n_kv, d))
     if nt > 1:

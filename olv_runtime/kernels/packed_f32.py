@@ -56,9 +56,10 @@ from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int, check_out
 from .packed import _pad_rows, prepare_call, workspace_args
+from . import packed_f32_vnni
 from .packed_i8 import (
-    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, PackedInt4I8, _check_array_arg, _elem_ptr,
-    _is_scale_array, _load_scales8, _prefetch, _splat,
+    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, HOST_VNNI, PackedInt4I8, _check_array_arg, _elem_ptr,
+    _is_scale_array, _load_scales8, _prefetch, _splat, use_vnni,
 )
 
 __all__ = ["PackedF32Workspace", "make_workspace_f32", "linear_packed_i8_exact"]
@@ -164,22 +165,39 @@ _blk_r8_1 = _make_blocks(8, 1)
 class PackedF32Workspace:
     """Preallocated buffers for :func:`linear_packed_i8_exact` (see :func:`make_workspace_f32`)."""
 
-    __slots__ = ("m_max", "k_max", "n_tasks", "xpad", "facc")
+    __slots__ = ("m_max", "k_max", "n_tasks", "_xpad", "facc", "dg", "bz", "xsc")
 
     def __init__(self, m_max, k_max, n_tasks):
         kp = BLOCK * (-(-k_max // BLOCK))
         self.m_max, self.k_max, self.n_tasks = m_max, kp, n_tasks
-        self.xpad = np.zeros((m_max, kp), dtype=np.float32)
         self.facc = np.zeros((n_tasks, ROWS_MAX * GROUP_ROWS), dtype=np.float32)
+        if HOST_VNNI:  # the VNNI path reads partial blocks itself: xpad only if forced off
+            self._xpad = None
+            self.dg, self.bz, self.xsc = packed_f32_vnni.digit_buffers(m_max, kp // BLOCK)
+        else:
+            self._xpad = np.zeros((m_max, kp), dtype=np.float32)
+            self.dg, self.bz, self.xsc = packed_f32_vnni.digit_buffers(0, 0)
+
+    @property
+    def xpad(self) -> np.ndarray:
+        """float32 [m_max, Kp] padded activations of the float path (made at first use on a
+        VNNI host, where only a forced fallback needs it)."""
+        if self._xpad is None:
+            self._xpad = np.zeros((self.m_max, self.k_max), dtype=np.float32)
+        return self._xpad
 
     @property
     def nbytes(self) -> int:
-        return int(self.xpad.nbytes + self.facc.nbytes)
+        xp = 0 if self._xpad is None else self._xpad.nbytes
+        return int(xp + self.facc.nbytes + self.dg.nbytes + self.bz.nbytes + self.xsc.nbytes)
 
 
 def make_workspace_f32(m_max: int, k_max: int, n_tasks: int | None = None) -> PackedF32Workspace:
     """Preallocate the buffers of :func:`linear_packed_i8_exact` for ``M <= m_max``,
-    ``K <= k_max``: ``xpad`` float32 ``[m_max, Kp]`` and ``facc`` float32 ``[n_tasks, 64]``.
+    ``K <= k_max`` (``Kp = 32 * ceil(k_max / 32)``, ``KB = Kp / 32``): ``facc`` float32
+    ``[n_tasks, 64]``; on a CPU with AVX-512 VNNI the activation digits of
+    :mod:`.packed_f32_vnni` (int8 ``[m_max, 128 KB]``, int32 ``[m_max, 4 KB]``, float32
+    ``[m_max, KB]``: ``~4.6 * m_max * Kp`` bytes), elsewhere ``xpad`` float32 ``[m_max, Kp]``.
     ``n_tasks`` defaults to ``numba.config.NUMBA_NUM_THREADS``."""
     m_max, k_max, n_tasks = workspace_args(m_max, k_max, n_tasks)
     return PackedF32Workspace(m_max, k_max, n_tasks)
@@ -403,28 +421,54 @@ def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray 
     Returns
     -------
     ndarray of float32, shape [M, N]
-        ``|y - y_ref| <= 1e-5 * sum_k |x_k W_nk| + 1e-6`` against float64; each row depends
-        only on that row of ``x`` (not on M or the thread count).
+        Against a float64 ``x @ W.T`` of the dequantized weight:
+        ``|y - y_ref| <= 1e-5 * sum_k |x_k W_nk| + 1e-6`` on the float path, plus
+        ``2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk|`` (blocks ``b`` of 32) on the
+        VNNI path (:mod:`.packed_f32_vnni`, chosen at run time where the CPU has AVX-512 VNNI;
+        :func:`~.packed_i8.set_isa` ``("avx2")`` forces the float path). On either path each
+        row depends only on that row of ``x`` (not on M or the thread count); rows holding an
+        inf or NaN get the float path's IEEE results.
     """
+    vnni = use_vnni()
     m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedF32Workspace,
                               make_workspace_f32,
-                              ws_rows=1 if packed.k == packed.k_padded else None)
+                              ws_rows=1 if (packed.k == packed.k_padded and not vnni) else None)
     if m == 0:
         return out
     k, n, kp = packed.k, packed.n, packed.k_padded
-    xx = x
-    if k != kp:
-        _pad_rows(x, m, k, kp, ws.xpad)
-        xx = ws.xpad[:m]  # rows k_max >= Kp long (the kernels use x.shape[1] as row stride)
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
     if m * n * kp < SERIAL_MAX_WORK or (m < 8 and n * kp < SERIAL_MAX_WORK):
         # too small to pay for a parallel region; and a weight below the bound always runs
         # short row counts serially, so a small model compiles no parallel driver for them
         ntasks = 1
+    if vnni:
+        if ntasks <= 1:
+            bad = packed_f32_vnni._linear_vnni_ser(x, m, k, packed.codes, packed.scale, n, out,
+                                                   ws.facc, ws.dg, ws.bz, ws.xsc)
+        else:
+            bad = packed_f32_vnni._linear_vnni_par(x, m, k, packed.codes, packed.scale, n, out,
+                                                   ntasks, ws.facc, ws.dg, ws.bz, ws.xsc)
+        if bad:  # rows with inf / NaN: the float path's IEEE results (rare: allocates)
+            rows = np.flatnonzero(~np.isfinite(x).all(axis=1))
+            xr = np.ascontiguousarray(x[rows])
+            yr = np.empty((rows.size, n), np.float32)
+            _linear_float(xr, rows.size, packed, yr, make_workspace_f32(rows.size, kp, 1), 1)
+            out[rows] = yr
+        return out
+    _linear_float(x, m, packed, out, ws, ntasks)
+    return out
+
+
+def _linear_float(x, m, packed, out, ws, ntasks):
+    """The float path (any AVX2 CPU; :mod:`.packed_f32_vnni` where the CPU has VNNI)."""
+    k, n, kp = packed.k, packed.n, packed.k_padded
+    xx = x
+    if k != kp:
+        _pad_rows(x, m, k, kp, ws.xpad)
+        xx = ws.xpad[:m]  # rows k_max >= Kp long (the kernels use x.shape[1] as row stride)
     if ntasks <= 1:
         driver = _linear_big_ser if m >= 8 else _linear_small_ser
         driver(xx, m, packed.codes, packed.scale, n, out, ws.facc)
     else:
         driver = _linear_big_par if m >= 8 else _linear_small_par
         driver(xx, m, packed.codes, packed.scale, n, out, ntasks, ws.facc)
-    return out
