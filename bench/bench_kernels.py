@@ -11,7 +11,9 @@ threads), computed from the *minimum* time (the cleanest figure on a shared mach
 the median:
 
 * INT4 linear -- the kernels the session runs: ``linear_packed_i8_exact`` (exact mode, float
-  activations) and ``linear_packed_i8`` (quantized mode, int8 activation blocks) on
+  activations: the VNNI block fixed-point kernel where the CPU has VNNI; ``exact_float`` forces
+  its float fallback, for the side-by-side ratio) and ``linear_packed_i8`` (quantized mode, int8
+  activation blocks) on
   ``prepack_int4_i8`` weights (float16 block scales, the converter default) -- for q 896x896,
   k/v 128x896, o 896x896, the merged q/k/v 1152x896, gate/up 4864x896 and merged 9728x896, down
   896x4864, lm_head 151936x896 at M = 1, 4, 32, 128, and the layer shapes at M = 512 (prefill;
@@ -47,7 +49,7 @@ from numba import njit, prange
 from olv_runtime import kernels
 from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact, make_workspace_f32
 from olv_runtime.kernels.packed_i8 import (PackedInt4I8, linear_packed_i8, make_workspace_i8,
-                                           prepack_int4_i8)
+                                           prepack_int4_i8, set_isa)
 
 THREADS = int(os.environ.get("OLV_BENCH_THREADS", "2"))
 STREAM_BYTES = int(os.environ.get("OLV_BENCH_STREAM_BYTES", str(1 << 30)))
@@ -203,7 +205,7 @@ LINEAR_CASES = ([(name, n, k, m) for name, n, k in SHAPES for m in MS]
                 + [(name, n, k, 512) for name, n, k in SHAPES if name != "lm_head"])
 
 
-@pytest.mark.parametrize("mode", ["exact", "quant"])
+@pytest.mark.parametrize("mode", ["exact", "exact_float", "quant"])
 @pytest.mark.parametrize("name,n,k,m", LINEAR_CASES,
                          ids=[f"{nm}_{n}x{k}-M{m}" for nm, n, k, m in LINEAR_CASES])
 def test_linear_int4(benchmark, stream_gbps, name, n, k, m, mode):
@@ -221,11 +223,15 @@ def test_linear_int4(benchmark, stream_gbps, name, n, k, m, mode):
         i[0] += 1
         fn(x, p, out, workspace=ws)
 
-    call()
-    t0 = time.perf_counter()
-    call()
-    rounds = _rounds(time.perf_counter() - t0)
-    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
+    set_isa("avx2" if mode == "exact_float" else None)  # exact_float: the float fallback
+    try:
+        call()
+        t0 = time.perf_counter()
+        call()
+        rounds = _rounds(time.perf_counter() - t0)
+        benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
+    finally:
+        set_isa(None)
     benchmark.extra_info.update(shape=f"{n}x{k}", M=m, mode=mode, packed_bytes=pks[0].nbytes,
                                 copies_cycled=len(pks), cache_resident=not cycled)
     _report(benchmark, stream_gbps, nbytes=pks[0].nbytes, flops=2 * m * n * k, key="weight_GBps")

@@ -165,39 +165,40 @@ _blk_r8_1 = _make_blocks(8, 1)
 class PackedF32Workspace:
     """Preallocated buffers for :func:`linear_packed_i8_exact` (see :func:`make_workspace_f32`)."""
 
-    __slots__ = ("m_max", "k_max", "n_tasks", "_xpad", "facc", "dg", "bz", "xsc")
+    __slots__ = ("m_max", "k_max", "n_tasks", "xpad", "facc", "dg", "bz", "xsc")
 
     def __init__(self, m_max, k_max, n_tasks):
         kp = BLOCK * (-(-k_max // BLOCK))
+        kb = kp // BLOCK
         self.m_max, self.k_max, self.n_tasks = m_max, kp, n_tasks
         self.facc = np.zeros((n_tasks, ROWS_MAX * GROUP_ROWS), dtype=np.float32)
-        if HOST_VNNI:  # the VNNI path reads partial blocks itself: xpad only if forced off
-            self._xpad = None
-            self.dg, self.bz, self.xsc = packed_f32_vnni.digit_buffers(m_max, kp // BLOCK)
+        if HOST_VNNI:
+            # the VNNI path's activation digits and the float path's xpad (forced fallback,
+            # zero-point kernels) share one buffer: a call writes every element it then reads
+            dgb, bzb = m_max * kb * packed_f32_vnni.DG_BYTES, m_max * kb * 4 * packed_f32_vnni.PIECES
+            raw = np.zeros(dgb + bzb + 4 * m_max * kb, dtype=np.uint8)
+            self.dg = raw[:dgb].view(np.int8).reshape(m_max, kb * packed_f32_vnni.DG_BYTES)
+            self.bz = raw[dgb:dgb + bzb].view(np.int32).reshape(m_max, kb * packed_f32_vnni.PIECES)
+            self.xsc = raw[dgb + bzb:].view(np.float32).reshape(m_max, kb)
+            self.xpad = raw[:4 * m_max * kp].view(np.float32).reshape(m_max, kp)
         else:
-            self._xpad = np.zeros((m_max, kp), dtype=np.float32)
+            self.xpad = np.zeros((m_max, kp), dtype=np.float32)
             self.dg, self.bz, self.xsc = packed_f32_vnni.digit_buffers(0, 0)
 
     @property
-    def xpad(self) -> np.ndarray:
-        """float32 [m_max, Kp] padded activations of the float path (made at first use on a
-        VNNI host, where only a forced fallback needs it)."""
-        if self._xpad is None:
-            self._xpad = np.zeros((self.m_max, self.k_max), dtype=np.float32)
-        return self._xpad
-
-    @property
     def nbytes(self) -> int:
-        xp = 0 if self._xpad is None else self._xpad.nbytes
-        return int(xp + self.facc.nbytes + self.dg.nbytes + self.bz.nbytes + self.xsc.nbytes)
+        if HOST_VNNI:
+            return int(self.facc.nbytes + self.dg.nbytes + self.bz.nbytes + self.xsc.nbytes)
+        return int(self.xpad.nbytes + self.facc.nbytes)
 
 
 def make_workspace_f32(m_max: int, k_max: int, n_tasks: int | None = None) -> PackedF32Workspace:
     """Preallocate the buffers of :func:`linear_packed_i8_exact` for ``M <= m_max``,
     ``K <= k_max`` (``Kp = 32 * ceil(k_max / 32)``, ``KB = Kp / 32``): ``facc`` float32
-    ``[n_tasks, 64]``; on a CPU with AVX-512 VNNI the activation digits of
-    :mod:`.packed_f32_vnni` (int8 ``[m_max, 128 KB]``, int32 ``[m_max, 4 KB]``, float32
-    ``[m_max, KB]``: ``~4.6 * m_max * Kp`` bytes), elsewhere ``xpad`` float32 ``[m_max, Kp]``.
+    ``[n_tasks, 64]``, ``xpad`` float32 ``[m_max, Kp]`` and, on a CPU with AVX-512 VNNI, the
+    activation digits of :mod:`.packed_f32_vnni` (int8 ``[m_max, 128 KB]``, int32
+    ``[m_max, 4 KB]``, float32 ``[m_max, KB]``) in one buffer with ``xpad`` (``4.625 * m_max *
+    Kp`` bytes; ``4 * m_max * Kp`` without VNNI).
     ``n_tasks`` defaults to ``numba.config.NUMBA_NUM_THREADS``."""
     m_max, k_max, n_tasks = workspace_args(m_max, k_max, n_tasks)
     return PackedF32Workspace(m_max, k_max, n_tasks)
