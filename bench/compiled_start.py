@@ -41,6 +41,7 @@ def child_olv(spec: dict) -> dict:
     import olv_runtime
 
     t_import = olv_runtime.IMPORT_TIME
+    t0 = time.perf_counter()
     model = olv_runtime.load(spec["model"])
     t1 = time.perf_counter()
     c1 = time.process_time()
@@ -63,6 +64,8 @@ def child_olv(spec: dict) -> dict:
     c = sess.counters.snapshot()
     st = _status()
     return {"first_token": stamps[0] - t_import, "session": t_sess, "session_cpu": c_sess,
+            "import": t0 - t_import, "load": t1 - t0, "prefill": stamps[0] - t1 - t_sess,
+            "first_decode": stamps[1] - stamps[0] if len(stamps) > 1 else 0.0,
             "first_token_cpu": cpu_first[0],
             "hits": c["compiled_hits"], "misses": c["compiled_misses"],
             "repacked": c["bytes_repacked"], "digest": c["bytes_digest_verified"],
@@ -130,7 +133,10 @@ def main(argv=None) -> int:
         for _ in range(ns.repeat):
             r = run_child("olv", dict(base, model=path))
             print(f"olv {path}: first token {r['first_token']:.3f} s after import "
-                  f"({r['first_token_cpu']:.3f} s CPU), session creation {r['session']:.3f} s "
+                  f"({r['first_token_cpu']:.3f} s CPU; import {r['import']:.3f} + load "
+                  f"{r['load']:.3f} + session {r['session']:.3f} + first run (prefill) "
+                  f"{r['prefill']:.3f} s; first decode step "
+                  f"{r['first_decode']:.3f} s), session creation {r['session']:.3f} s "
                   f"({r['session_cpu']:.3f} s CPU), compiled hits "
                   f"{r['hits']} misses {r['misses']}, repacked {r['repacked'] / mb:.0f} MB, "
                   f"decode {r['decode_tps']:.1f} tok/s, peak RSS {r['VmHWM'] / mb:.0f} MB "

@@ -410,8 +410,6 @@ class DecoderStack:
 
     def __init__(self, name, layers, norm_final, lm, sub_steps, inputs, outputs, constants,
                  counters, rope_table=False):
-        from olv_runtime.kernels import decode_stack as ds
-
         self.name = name
         self.sub_steps = list(sub_steps)
         self.inputs = tuple(inputs)
@@ -438,7 +436,7 @@ class DecoderStack:
         # views, not copies: an address table of the packed weights (the plan's LinearSteps own
         # them); the norms and biases (E or N_qkv floats per layer) stacked into 2-D arrays
         packed = [L[name].packed for L in layers for name in ("qkv", "o", "gu", "down")]
-        self.weights = ds.WeightTable(packed + [lm.packed])
+        self._packed_all = packed + [lm.packed]  # -> self.weights, see _load_kernels
         self.biases = np.zeros((self.n_layers, L0["qkv"].n), np.float32)
         self.has_bias = np.zeros(self.n_layers, np.bool_)
         self.norms = np.empty((2 * self.n_layers + 1, self.e), np.float32)
@@ -457,10 +455,8 @@ class DecoderStack:
         self.max_work = max(lin.n * (32 * -(-lin.k // 32))
                             for lin in [L[n] for L in layers for n in ("qkv", "o", "gu", "down")]
                             + [lm])
-        self._ds = ds
         self._local = threading.local()
         self.tasks = 0  # tasks of the last compiled call (1: serial driver)
-        self.run_kernel = ds.decode_stack
         # lifetimes of the values made inside the run (generic path)
         keep = set(self.outputs) | set(self.inputs)
         last = {}
@@ -475,6 +471,24 @@ class DecoderStack:
         for n, idx in last.items():
             if n not in keep and n not in constants:
                 self._release[idx].append(n)
+
+    def __getattr__(self, name):
+        # the compiled step's module, weight table and driver (``_ds``, ``weights``,
+        # ``run_kernel``) are made on first use: a prefill does not need them, so creating a
+        # session does not import kernels.decode_stack (warm start)
+        if name in ("_ds", "weights", "run_kernel"):
+            self._load_kernels()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _load_kernels(self) -> None:
+        from olv_runtime.kernels import decode_stack as ds
+
+        d = self.__dict__
+        d.setdefault("_ds", ds)
+        if "weights" not in d:
+            d["weights"] = ds.WeightTable(d["_packed_all"])
+        d.setdefault("run_kernel", ds.decode_stack)
 
     @property
     def codes(self) -> list:

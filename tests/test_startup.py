@@ -27,9 +27,12 @@ import json, sys
 import olv_runtime
 model = olv_runtime.load(sys.argv[1])
 sess = olv_runtime.InferenceSession(model)
+# the compiled decode step's kernels are imported by the first decode step, not before
+deferred = "olv_runtime.kernels.decode_stack" not in sys.modules
 ids = olv_runtime.generate(sess, [5, 17, 200, 3], 2)
 import numba.np.arraymath as am
 print(json.dumps({"modules": sorted(sys.modules), "hits": sess.counters["compiled_hits"],
+                  "deferred": deferred,
                   "probe": type(am._HAVE_BLAS).__name__, "ids": [int(i) for i in ids]}))
 """
 
@@ -58,6 +61,7 @@ def test_decoding_a_compiled_model_imports_no_heavy_module(compiled_model):
     mods = set(got["modules"])
     assert not [m for m in NOT_IMPORTED if m in mods]
     assert "numba.np.arraymath" in mods and got["probe"] == "LazyProbe"
+    assert got["deferred"] and "olv_runtime.kernels.decode_stack" in mods
 
 
 def test_deferred_blas_probe_gives_numbas_answer():
