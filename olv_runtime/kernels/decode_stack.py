@@ -762,7 +762,7 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
                             pm[tid, hs:hs + group], pl[tid, hs:hs + group],
                             po[tid, hs:hs + group], sc, p, mx, scr, rmul, pend, iq,
                             qi[hs:hs + group], qip[hs:hs + group], qmul[hs:hs + group],
-                            qsum[hs:hs + group], vnni)
+                            qsum[hs:hs + group], vnni, b1, n_kv if g == 0 else 0)
         _barrier(bar, nt)
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
         x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,

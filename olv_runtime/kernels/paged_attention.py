@@ -675,9 +675,66 @@ def _flush(table, pend, npend, ng, g, bs, d, c, mx, m, l, o, sc, p, scr, rmul):
         c0 += nk
 
 
+#: ``llvm.prefetch`` locality of :func:`_prefetch` (3: ``prefetcht0``, into L1).
+_PF_LOCALITY = 3
+
+
+@intrinsic
+def _prefetch(typingctx, addr):
+    """Software prefetch of the cache line at address ``addr`` (``prefetcht0``; never faults)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        ptr = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), i8p)
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, _PF_LOCALITY),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(addr), codegen
+
+
+#: Blocks ahead of the one being scored whose rows :func:`_prefetch_block` requests.
+PREFETCH_BLOCKS = 2
+
+
+@njit(**JIT)
+def _row_bytes(fmt, d):
+    if fmt == 0:
+        return 4 * d
+    if fmt == 1:
+        return 2 * d
+    if fmt == 2:
+        return d
+    if fmt == 3:
+        return d // 2
+    return 12 * (d // 32)
+
+
+@njit(**JIT)
+def _prefetch_block(table, bi, g, nh, bs, d):
+    """Prefetch the key and value rows (and INT8/INT4 per-token scales) of kv heads
+    ``g .. g + nh - 1`` of block ``bi``: the blocks of a cache sit in separate slots, so the
+    hardware's stream prefetcher does not run ahead of the kernel across them."""
+    for side in range(2):
+        col = T_KFMT if side == 0 else T_VFMT
+        fmt = table[bi, col]
+        rb = _row_bytes(fmt, d)
+        a = table[bi, col + 1] + g * bs * rb
+        for off in range(0, nh * bs * rb, 64):
+            _prefetch(a + off)
+        if (fmt == 2 or fmt == 3) and table[bi, col + 3]:
+            sa = table[bi, col + 2] + g * bs * 4
+            for off in range(0, nh * bs * 4, 64):
+                _prefetch(sa + off)
+
+
 @njit(**JIT)
 def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, p, mx, scr,
-                rmul, pend, iq, qi, qip, qmul, qsum, vnni):
+                rmul, pend, iq, qi, qip, qmul, qsum, vnni, bmax, pfh):
     """Blocks ``table[b0:b1]`` of kv head ``g`` into the partial softmax state ``m, l, o`` of the
     ``ng`` query heads ``qg[ng, D]`` of the query at position ``qpos`` (keys at positions
     ``> qpos`` skipped when ``causal``). Consecutive blocks share one softmax tile of up to
@@ -685,7 +742,9 @@ def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, 
     float32 [BS, D] (one block and head of a non-float32 side, decoded), ``rmul`` float32 [BS],
     ``pend`` int64 [W, 2] (the tile's blocks). ``iq``: scores of INT8/INT4 key blocks from the
     int8 queries ``qi``/``qip`` [ng, D] (``qmul``, ``qsum`` [ng]: :func:`_quantize_heads`;
-    ``vnni`` the instruction path; ``rmul`` then [BS + 16]) when ``D % 64 == 0``."""
+    ``vnni`` the instruction path; ``rmul`` then [BS + 16]) when ``D % 64 == 0``. The rows of
+    kv heads ``g .. g + pfh - 1`` of blocks before ``bmax`` are prefetched
+    :data:`PREFETCH_BLOCKS` ahead (``pfh`` 0: none)."""
     d = qg.shape[1]
     iq = iq and d % 64 == 0
     w = sc.shape[1] - SLACK
@@ -698,6 +757,8 @@ def _paged_rows(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, m, l, o, sc, 
             nk = min(nk, qpos - table[bi, T_START] + 1)
         if nk <= 0:
             continue
+        if pfh and bi + PREFETCH_BLOCKS < bmax:
+            _prefetch_block(table, bi + PREFETCH_BLOCKS, g, pfh, bs, d)
         if c + nk > w:
             _flush(table, pend, npend, ng, g, bs, d, c, mx, m, l, o, sc, p, scr, rmul)
             c = 0
@@ -841,7 +902,7 @@ def _paged_task(t, q, table, nblocks, past_len, scale, causal, kvh, bs, w, iq, v
     o = out[s, g * ng:(g + 1) * ng]
     _state_init(m, l, o, ng)
     _paged_rows(qg, ng, table, 0, nblocks, g, bs, past_len + s, causal,
-                scale, m, l, o, sc, p, mx, scr, rmul, pend, iq, qi, qip, qmul, qsum, vnni)
+                scale, m, l, o, sc, p, mx, scr, rmul, pend, iq, qi, qip, qmul, qsum, vnni, nblocks, 1)
     _state_finish(l, o, ng, o)
 
 
