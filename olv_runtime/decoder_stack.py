@@ -457,6 +457,10 @@ class DecoderStack:
                             + [lm])
         self._local = threading.local()
         self.tasks = 0  # tasks of the last compiled call (1: serial driver)
+        # the compiled step's compilation in a worker process, started at the first generic
+        # (prefill) call on a cold numba cache (kernels.precompile); None: not started, False:
+        # nothing to wait for
+        self._precompile = None
         # lifetimes of the values made inside the run (generic path)
         keep = set(self.outputs) | set(self.inputs)
         last = {}
@@ -504,20 +508,14 @@ class DecoderStack:
     def _thread_state(self, nt):
         st = getattr(self._local, "st", None)
         if st is None or st["nt"] != nt:
-            ws = self._ds.StackWorkspace(nt, self.e, self.biases.shape[1],
-                                         self.heads * self.head_dim, 2 * self.inter, self.inter,
-                                         self.vocab, self.k_max)
-            kv0 = np.zeros((1, self.kv_heads, 1, self.head_dim), np.float32)
-            # per layer: key buffer address, value buffer address, capacity (see decode_stack)
-            kvt = np.zeros((self.n_layers, 3), np.int64)
+            ws, kv0, kvt, tpos = self._new_workspace(nt)
             st = {"nt": nt, "ws": ws, "kvt": kvt, "kv0": kv0,
                   "kb_py": [None] * self.n_layers, "vb_py": [None] * self.n_layers,
-                  "tpos": np.zeros(self.n_layers, np.int64),
+                  "tpos": tpos,
                   # steady decode (_reserve_kv): the presents of the last call, the buffers'
                   # registry entries and read-only whole-buffer views, the smallest capacity
                   "last": None, "entries": [], "ro": [], "cap": 0}
             self._local.st = st
-            ws.attention(self.heads, self.kv_heads, self.head_dim)
             if self.counters is not None:
                 nbytes = ws.nbytes + kv0.nbytes + kvt.nbytes + st["tpos"].nbytes
                 self.counters.add("arrays_allocated", 24)
@@ -525,15 +523,58 @@ class DecoderStack:
                 self.counters.set_max("workspace_peak", nbytes)
         return st
 
+    def _new_workspace(self, nt):
+        """(StackWorkspace, kv0, kvt, tpos) for ``nt`` tasks (see :func:`decode_stack`)."""
+        ws = self._ds.StackWorkspace(nt, self.e, self.biases.shape[1], self.heads * self.head_dim,
+                                     2 * self.inter, self.inter, self.vocab, self.k_max)
+        ws.attention(self.heads, self.kv_heads, self.head_dim)
+        kv0 = np.zeros((1, self.kv_heads, 1, self.head_dim), np.float32)
+        # per layer: key buffer address, value buffer address, capacity (see decode_stack)
+        kvt = np.zeros((self.n_layers, 3), np.int64)
+        return ws, kv0, kvt, np.zeros(self.n_layers, np.int64)
+
     # -- execution ------------------------------------------------------------------------------
-    def _tasks(self) -> int:
-        """Tasks of this call: numba's thread count with the ``omp`` layer, 1 (the serial driver)
-        otherwise or when every linear is below :data:`STACK_SERIAL_MAX_WORK`."""
+    def _task_count(self) -> int:
         nt = 1
         if self.max_work >= STACK_SERIAL_MAX_WORK and config.threading_layer() == "omp":
             nt = numba.get_num_threads()
-        self.tasks = nt
         return nt
+
+    def _tasks(self) -> int:
+        """Tasks of this call: numba's thread count with the ``omp`` layer, 1 (the serial driver)
+        otherwise or when every linear is below :data:`STACK_SERIAL_MAX_WORK`."""
+        nt = self.tasks = self._task_count()
+        return nt
+
+    def _decode_entry(self):
+        """(numba dispatcher, argument types) of the driver the next one-token call runs."""
+        nt = self._task_count()
+        ws, kv0, kvt, tpos = self._new_workspace(nt)  # throwaway: only their types are used
+        r2 = self.rotary_dim // 2
+        return self._ds.decode_stack_entry(
+            nt, self.quant, np.zeros((1, self.e), np.float32), self.weights, self.biases,
+            self.has_bias, self.norms, self.eps, kvt, kv0, tpos, np.zeros(r2, np.float32),
+            np.zeros(r2, np.float32), self.heads, self.kv_heads, self.head_dim, self.rotary_dim,
+            self.interleaved, self.att_scale, self.inter, ws, np.zeros((1, self.vocab), np.float32))
+
+    def _start_precompile(self) -> None:
+        """At the first generic (prefill) call on a cold numba cache: have a worker process
+        compile the driver the one-token calls after it will run, while this process runs the
+        prefill (:mod:`olv_runtime.kernels.precompile`). With any cache entry of the driver on
+        disk nothing happens (warm start: kernels.decode_stack is not even imported here)."""
+        if self._precompile is not None:
+            return
+        self._precompile = False
+        from olv_runtime.kernels import precompile
+
+        if not precompile.enabled() or precompile.cache_index_exists(
+                "decode_stack.py", ("_stack_thread", "_stack_par")):
+            return
+        rk = self.__dict__.get("run_kernel")
+        if rk is not None and rk is not self._ds.decode_stack:
+            return  # replaced (benchmarks)
+        entry = self._decode_entry()
+        self._precompile = precompile.start([entry]) or False
 
     def _token_ok(self, x0, cos, sin) -> bool:
         """One token's hidden state [1, 1, E] and RoPE cos/sin [1, 1, rotary_dim/2]: contiguous
@@ -586,16 +627,21 @@ class DecoderStack:
             rows = self._table_rows(cos, sin, seqlens_k, total, pasts)
             if rows is None or not self._fast_ok(x0, rows[0].reshape(1, 1, -1),
                                                   rows[1].reshape(1, 1, -1), pasts):
+                self._start_precompile()
                 return self._run_generic((x0, cos, sin) + rest)
             cos, sin = rows
         else:
             pasts = rest
             if not self._fast_ok(x0, cos, sin, pasts):
+                self._start_precompile()
                 return self._run_generic((x0, cos, sin) + pasts)
         nt = self._tasks()
         st = self._thread_state(nt)
         t = self._reserve_kv(st, pasts)
         logits = empty((1, 1, self.vocab), np.float32)
+        if self._precompile:  # the worker compiling this driver: its result, not a 2nd compile
+            self._precompile.wait()
+            self._precompile = False
         self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.weights,
                         self.biases, self.has_bias, self.norms, self.eps, st["kvt"], st["kv0"],
                         st["tpos"], cos.reshape(-1), sin.reshape(-1), self.heads, self.kv_heads,

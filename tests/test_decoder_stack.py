@@ -69,6 +69,10 @@ def test_matches_per_operator_plan(qwen2_int4, quant, tol, threads, monkeypatch)
         sess = _session(qwen2_int4, True, quant, threads)
         ids, got = _greedy(sess)
         tasks = _stack(sess).tasks
+        # the signature a worker process compiles at the first (prefill) call, while this
+        # process runs it (kernels.precompile), is exactly the one the one-token calls ran
+        disp, sig = _stack(sess)._decode_entry()
+        assert sig in disp.overloads
     finally:
         set_num_threads(nt)
     want_tasks = 2 if threads == 2 and threading_layer() == "omp" else 1

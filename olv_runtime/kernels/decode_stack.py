@@ -843,13 +843,31 @@ def decode_stack(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0,
     ws : StackWorkspace
     logits : float32 [1, V] (written)
     """
+    fn, args = _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos,
+                           cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws,
+                           logits)
+    fn(*args)
+    return logits
+
+
+def _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
+                n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
     args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, kvt, kv0,
             tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb,
             ws.qkv, *ws.qprivate(n_heads, d), ws.gu, ws.act, ws.hx, ws.exact_buffers(quant),
             ws.facc32,
             ws.bar, logits, packed_i8.use_vnni(), *ws.attention(n_heads, n_kv, d))
     if nt > 1:
-        _stack_par(nt, *args)
-    else:  # the per-thread program itself is the serial entry (no second top-level driver)
-        _stack_thread(0, 1, *args)
-    return logits
+        return _stack_par, (nt,) + args
+    # the per-thread program itself is the serial entry (no second top-level driver)
+    return _stack_thread, (0, 1) + args
+
+
+def decode_stack_entry(*args):
+    """``(numba dispatcher, argument types)`` of the compiled function that
+    :func:`decode_stack` with these arguments calls (the arrays only need the types of the real
+    ones): what :mod:`.precompile` compiles in a worker process."""
+    from numba.core.typing.typeof import Purpose, typeof
+
+    fn, call = _stack_call(*args)
+    return fn, tuple(typeof(a, Purpose.argument) for a in call)

@@ -1,0 +1,276 @@
+"""Compile kernels a session is about to need in a worker process, beside the main process.
+
+Cold start (issue 14): with an empty numba cache nearly all of the time before the first token is
+numba compiling (type inference, lowering, LLVM), single-threaded, one function after the other.
+When the main process knows early that it will need a compiled function with a given signature
+later -- the compiled decode step (:mod:`.decode_stack`), known at the first prefill call -- it
+hands that signature to a worker process, which compiles it on another core while the main
+process compiles and runs the prefill kernels. The main process then takes the worker's result
+instead of compiling it itself.
+
+Protocol (:func:`start` / :meth:`Job.wait`):
+
+* :func:`start` keeps only the entries (numba dispatcher, argument types) that are neither
+  compiled in this process nor in numba's disk cache; for those it starts
+  ``python -m olv_runtime.kernels.precompile JOB`` with ``NUMBA_CACHE_DIR`` set to a private
+  temporary directory (the worker never writes into the main process's cache: two processes
+  saving different signatures of one function into one numba index at the same moment can
+  mismatch index and data files).
+* The worker imports each dispatcher's module, compiles each signature (``dispatcher.compile``,
+  which saves it into its private cache) and writes where the cache files are.
+* :meth:`Job.wait` (before the first call of a worker's function) waits for the worker, loads
+  each entry from the worker's cache files into the dispatcher exactly as numba loads a disk cache
+  hit (same index key: signature, target machine, bytecode hash; same source stamp), then saves it
+  into the main process's own numba cache (later processes load it from there) and removes the
+  temporary directory.
+
+Anything that does not work out -- no second CPU, ``OLV_COMPILE_WORKERS=0``, no temporary
+directory, the worker failing or timing out, an entry missing from its cache -- only means the
+function is compiled in-process at its first call, as without this module: results never depend
+on it (the same compiler, flags and source compile the same code). The main process's cache not
+being writable only skips the save. Workers still running at exit are ended.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import logging
+
+log = logging.getLogger("olv_runtime.precompile")
+__all__ = ["Job", "start", "enabled", "cache_index_exists", "WAIT_TIMEOUT"]
+
+#: Seconds :meth:`Job.wait` waits for a worker before ending it (then compiling in-process).
+WAIT_TIMEOUT = 600.0
+
+_LIVE: set = set()  # jobs whose worker may still run (ended at exit)
+
+
+def enabled() -> bool:
+    """Whether workers are used: ``OLV_COMPILE_WORKERS=0`` never, ``=1`` always, otherwise when
+    the process may use at least two CPUs."""
+    env = os.environ.get("OLV_COMPILE_WORKERS", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        ncpu = os.cpu_count() or 1
+    return ncpu >= 2
+
+
+def _name(disp) -> tuple[str, str]:
+    f = disp.py_func
+    return f.__module__, f.__qualname__
+
+
+def _cached(disp, sig) -> bool:
+    """True if ``sig`` is compiled in this process or present in the dispatcher's disk cache."""
+    if tuple(sig) in disp.overloads:
+        return True
+    cache = disp._cache
+    cf = getattr(cache, "_cache_file", None)
+    if cf is None:  # no disk cache (cache=False): nothing to load a worker's result into
+        return True
+    key = cache._index_key(tuple(sig), disp.targetctx.codegen())
+    return key in cf._load_index()
+
+
+def cache_index_exists(filename: str, qualnames) -> bool:
+    """Whether numba's disk cache holds an index for any of the functions ``qualnames`` of the
+    module file ``filename`` of this package (e.g. ``"decode_stack.py"``), found without
+    importing the module (numba's own locators on its path). True too when the location cannot
+    be determined: callers only start a worker on a certainly cold cache."""
+    try:
+        from numba.core import caching, config
+
+        if config.CACHE_LOCATOR_CLASSES:
+            return True
+        py_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), filename)
+        stem = os.path.splitext(filename)[0]
+        for cls in caching.CacheImpl._locator_classes:
+            loc = cls.from_function(_probe, py_file)
+            if loc is not None:
+                path = loc.get_cache_path()
+                break
+        else:
+            return True
+        names = os.listdir(path) if os.path.isdir(path) else []
+        for q in qualnames:
+            head = f"{stem}.{q}-"
+            if any(n.startswith(head) and n.endswith(".nbi") for n in names):
+                return True
+        return False
+    except Exception:
+        return True
+
+
+def _probe():  # a function object for numba's locators (they read its first line number only)
+    pass
+
+
+class Job:
+    """Compilation of ``entries`` in one worker process (see :func:`start`)."""
+
+    def __init__(self, entries, proc, tmp, result_path):
+        self.entries = list(entries)
+        self._proc = proc
+        self._tmp = tmp
+        self._result = result_path
+        self._lock = threading.Lock()
+        self._done = False
+        #: entries loaded from the worker (set by :meth:`wait`)
+        self.loaded = 0
+        self.started = time.perf_counter()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the worker and load its compiled entries into the dispatchers; returns how
+        many were loaded (0 when the worker failed: the functions compile at their first call).
+        Thread-safe; later calls return at once."""
+        with self._lock:
+            if self._done:
+                return self.loaded
+            self._done = True
+            try:
+                try:
+                    rc = self._proc.wait(WAIT_TIMEOUT if timeout is None else timeout)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+                    rc = -1
+                if rc == 0:
+                    self.loaded = self._load()
+            finally:
+                self._cleanup()
+            log.debug("compile worker: exit code %s, %d of %d entries loaded, %.2f s after its "
+                      "start", rc, self.loaded, len(self.entries),
+                      time.perf_counter() - self.started)
+            return self.loaded
+
+    def _load(self) -> int:
+        try:
+            with open(self._result, "rb") as f:
+                paths = pickle.load(f)
+        except (OSError, pickle.PickleError, EOFError):
+            return 0
+        from numba.core.caching import IndexDataCacheFile
+        from numba.core.compiler_lock import global_compiler_lock
+
+        n = 0
+        for (disp, sig), path in zip(self.entries, paths):
+            if path is None:
+                continue
+            sig = tuple(sig)
+            try:
+                cache = disp._cache
+                impl = cache._impl
+                src = IndexDataCacheFile(cache_path=path, filename_base=impl.filename_base,
+                                         source_stamp=impl.locator.get_source_stamp())
+                key = cache._index_key(sig, disp.targetctx.codegen())
+                data = src.load(key)
+                if data is None:
+                    continue
+                with global_compiler_lock:
+                    if sig in disp.overloads:
+                        continue
+                    disp.targetctx.refresh()
+                    cres = impl.rebuild(disp.targetctx, data)
+                    if not cres.objectmode:
+                        disp.targetctx.insert_user_function(cres.entry_point, cres.fndesc,
+                                                            [cres.library])
+                    disp.add_overload(cres)
+                n += 1
+            except Exception:  # an unusable entry: compiled in-process at its first call
+                continue
+            try:  # for the next processes (the cache may not be writable: then nothing)
+                impl.locator.ensure_cache_path()
+                cache._cache_file.save(key, data)
+            except Exception:
+                pass
+        return n
+
+    def _cleanup(self):
+        _LIVE.discard(self)
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def start(entries) -> Job | None:
+    """Start compiling ``entries`` -- ``(numba dispatcher, tuple of numba argument types)`` --
+    in a worker process. Returns the :class:`Job`, or None when there is nothing to compile or
+    workers are not used (:func:`enabled`); never raises for environment reasons."""
+    if not enabled():
+        return None
+    todo = []
+    try:
+        for disp, sig in entries:
+            if not _cached(disp, sig):
+                todo.append((disp, tuple(sig)))
+    except Exception:
+        return None
+    if not todo:
+        return None
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(prefix="olv-compile-")
+        job_path = os.path.join(tmp, "job.pkl")
+        result_path = os.path.join(tmp, "result.pkl")
+        with open(job_path, "wb") as f:  # sys.path: the worker imports the same modules
+            pickle.dump((list(sys.path), [(*_name(d), s) for d, s in todo]), f)
+        env = dict(os.environ, NUMBA_CACHE_DIR=os.path.join(tmp, "cache"))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in
+                                                     env.get("PYTHONPATH", "").split(os.pathsep)
+                                                     if p])
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "olv_runtime.kernels.precompile", job_path, result_path],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, close_fds=True)
+    except Exception:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    job = Job(todo, proc, tmp, result_path)
+    _LIVE.add(job)
+    log.debug("compile worker started for %s", ", ".join(".".join(_name(d)) for d, _ in todo))
+    return job
+
+
+@atexit.register
+def _end_workers():
+    for job in list(_LIVE):
+        job._cleanup()
+
+
+def _worker(job_path: str, result_path: str) -> int:
+    with open(job_path, "rb") as f:
+        path, todo = pickle.load(f)
+    sys.path.extend(p for p in path if p not in sys.path)
+    paths = []
+    for module, qualname, sig in todo:
+        try:
+            obj = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            obj.compile(sig)
+            paths.append(obj._cache.cache_path)
+        except Exception:
+            paths.append(None)
+    tmp = result_path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(paths, f)
+    os.replace(tmp, result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1], sys.argv[2]))

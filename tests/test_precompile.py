@@ -1,0 +1,95 @@
+"""Compilation in a worker process (olv_runtime.kernels.precompile, cold start of issue 14)."""
+import importlib
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from numba import types
+
+from olv_runtime.kernels import precompile
+
+_SRC = textwrap.dedent('''
+    from numba import njit
+
+    @njit(cache=True)
+    def affine(x, a):
+        return x * a + 1
+''')
+
+
+@pytest.fixture
+def fresh_module(tmp_path, monkeypatch):
+    """A module with one cached njit function that no numba cache has seen (its own file)."""
+    name = f"olv_precompile_probe_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(_SRC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("OLV_COMPILE_WORKERS", "1")
+    mod = importlib.import_module(name)
+    yield mod
+    sys.modules.pop(name, None)
+
+
+def test_worker_compiles_main_loads(fresh_module):
+    f = fresh_module.affine
+    sig = (types.int64, types.int64)
+    job = precompile.start([(f, sig)])
+    assert job is not None
+    assert job.wait() == 1
+    assert sig in f.overloads          # installed from the worker's files
+    assert f(3, 2) == 7
+    assert sum(f.stats.cache_misses.values()) == 0  # never compiled in this process
+    assert precompile._cached(f, sig)  # saved into this process's numba cache too
+    assert precompile.start([(f, sig)]) is None  # nothing left to do
+    assert job.wait() == 1             # a second wait returns at once
+
+
+def test_disabled_or_unusable_falls_back(fresh_module, monkeypatch):
+    f = fresh_module.affine
+    monkeypatch.setenv("OLV_COMPILE_WORKERS", "0")
+    assert precompile.start([(f, (types.float64, types.int64))]) is None
+    monkeypatch.setenv("OLV_COMPILE_WORKERS", "1")
+    # a signature the function cannot compile: the worker reports it missing, nothing is
+    # loaded, and calls compile in-process as usual
+    job = precompile.start([(f, (types.unicode_type, types.float64))])
+    assert job is not None and job.wait() == 0
+    assert f(2.5, 2) == 6.0
+
+
+def test_worker_failure_and_unwritable_cache(fresh_module, monkeypatch):
+    f = fresh_module.affine
+    sig = (types.float32, types.float32)
+    job = precompile.start([(f, sig)])
+    job._proc.kill()  # the worker dies: nothing loaded, no error
+    assert job.wait() == 0
+    assert f(np.float32(1.5), np.float32(2.0)) == np.float32(4.0)
+
+    sig = (types.int32, types.int32)
+
+    def refuse(key, data):
+        raise PermissionError("read-only cache")
+
+    monkeypatch.setattr(f._cache._cache_file, "save", refuse)
+    job = precompile.start([(f, sig)])
+    assert job.wait() == 1  # loaded although it cannot be saved for later processes
+    assert f(np.int32(2), np.int32(3)) == 7
+    assert sum(f.stats.cache_misses.values()) == 1  # the float32 call only
+
+
+def test_cold_cache_detection(tmp_path, monkeypatch):
+    """DecoderStack starts a worker only when numba's cache has no index of the driver at all
+    (found without importing its module)."""
+    from numba.core import caching, config
+
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+    assert not precompile.cache_index_exists("decode_stack.py", ("_stack_thread", "_stack_par"))
+    import olv_runtime.kernels as k
+
+    src = os.path.join(os.path.dirname(os.path.abspath(k.__file__)), "decode_stack.py")
+    sub = caching._CacheLocator.get_suitable_cache_subpath(src)
+    (tmp_path / sub).mkdir(parents=True, exist_ok=True)
+    (tmp_path / sub / "decode_stack._stack_thread_paged-9.py311.nbi").write_bytes(b"")
+    assert not precompile.cache_index_exists("decode_stack.py", ("_stack_thread",))
+    (tmp_path / sub / "decode_stack._stack_thread-457.py311.nbi").write_bytes(b"")
+    assert precompile.cache_index_exists("decode_stack.py", ("_stack_thread", "_stack_par"))
