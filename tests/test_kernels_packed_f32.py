@@ -382,10 +382,12 @@ def test_nonfinite_rows_get_the_float_path_results():
 
 
 @needs_vnni
-@pytest.mark.parametrize("n,k", [(8, 32), (100, 96), (13, 160), (200, 2048), (72, 2080), (40, 4864)])
+@pytest.mark.parametrize("n,k", [(8, 32), (100, 96), (13, 160), (200, 2048), (72, 2080), (40, 4864),
+                                 (32776, 64)])
 def test_vnni_variants_bitwise_equal(n, k):
-    """The M = 1 loops (4 groups per pass from K = 2048, else 1) and the multi-row loop give the
-    same bytes over any range of groups: a row's result does not depend on the variant."""
+    """The M = 1 loops (4 groups per pass, or 1 for tall short-row weights) and the multi-row
+    loop give the same bytes over any range of groups: a row's result does not depend on the
+    variant."""
     from olv_runtime.kernels import packed_f32_vnni as pv
 
     rng = np.random.default_rng(n + k)

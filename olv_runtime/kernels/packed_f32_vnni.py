@@ -54,8 +54,9 @@ semantics); the compiled decode step gives NaN for its every output.
 
 Variants (M = 1, decode): 4 groups at a time (each broadcast activation digit vector feeds 4
 ``vpdpbusd``: 16 independent chains, 4x fewer digit loads -- the digits of a K = 4864 row are
-19 KB, as large as L1 holds beside the codes stream) for K >= :data:`NG4_MIN_K`, else one group
-at a time (one sequential codes stream: faster from DRAM at K = 896); codes prefetched
+19 KB, as large as L1 holds beside the codes stream), except for tall weights with short rows
+(K < :data:`NG4_MIN_K`, N >= :data:`NG1_MIN_N`: the lm_head), which run one group at a time
+(one sequential codes stream per task: measured faster from DRAM there); codes prefetched
 :data:`PF_BYTES` ahead in each of the streams. M >= 2: 4, 2, 1 rows per pass share the decoded
 codes of one group.
 
@@ -90,7 +91,8 @@ _LV32F32 = ir.VectorType(_F32, 32)
 PIECES = 4                 # base-256 digits per activation (31-bit block fixed point)
 DG_BYTES = PIECES * BLOCK  # digit bytes per (row, block)
 NG_MULTI = 4               # groups per pass of the M = 1 multi-group variant
-NG4_MIN_K = 2048           # K from which M = 1 runs the multi-group variant
+NG4_MIN_K = 2048           # M = 1: K from which the multi-group variant always runs ...
+NG1_MIN_N = 32768          # ... below it, N from which one group per pass runs (lm_head)
 PF_BYTES = 4096            # software prefetch distance in each codes stream
 DIGITS_PAR_MIN_M = 8       # rows from which the digits are computed in a parallel loop
 
@@ -361,7 +363,9 @@ def _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc):
     """Groups ``g0..g1-1`` of ``out[0]`` for a one-row ``x`` whose digits are row 0 of
     ``dg`` / ``bz`` / ``xsc`` (``facc``: float32 >= 32 scratch)."""
     kb = codes.shape[1]
-    ngm = NG_MULTI if kb * BLOCK >= NG4_MIN_K else 1
+    ngm = NG_MULTI
+    if kb * BLOCK < NG4_MIN_K and codes.shape[0] * GROUP_ROWS >= NG1_MIN_N:
+        ngm = 1
     g = g0
     while g < g1:
         ngrp = ngm if g + ngm <= g1 else 1
