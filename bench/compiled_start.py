@@ -139,6 +139,7 @@ def main(argv=None) -> int:
                   f"{r['first_decode']:.3f} s), session creation {r['session']:.3f} s "
                   f"({r['session_cpu']:.3f} s CPU), compiled hits "
                   f"{r['hits']} misses {r['misses']}, repacked {r['repacked'] / mb:.0f} MB, "
+                  f"digests hashed {r['digest'] / mb:.0f} MB, "
                   f"decode {r['decode_tps']:.1f} tok/s, peak RSS {r['VmHWM'] / mb:.0f} MB "
                   f"(after decode: anon {r['RssAnon'] / mb:.0f} MB, file {r['RssFile'] / mb:.0f} MB)",
                   flush=True)
