@@ -131,11 +131,42 @@ def test_vnni_and_avx2_int8_query_paths_bitwise_equal(policy, scales, d, kvh, h,
         np.testing.assert_array_equal(outs[isa], outs["avx2"])
 
 
+# the all-heads block scores (:func:`_qkblk_i8`, VNNI: one load and transpose of 16 keys for
+# every head of the group; heads in a runtime loop, up to QKBLK_MAX_D = 256 features) and the
+# fallbacks around it: a group of 9 heads (8 + 1 in the register-blocked INT8/INT4 ``p @ V``),
+# D = 256 (four 64-feature chunks), D = 320 (beyond the stack buffer: the per-head path under
+# VNNI too), each under both instruction paths against the reference and bitwise equal
+ALL_HEADS = [("int8", "token", 256, 1, 9, 40), ("int4", "block", 64, 1, 9, 60),
+             ("float32:1,int8:1,int4", "token", 320, 1, 9, 60)]
+
+
+@pytest.mark.parametrize("policy,scales,d,kvh,h,ctx", ALL_HEADS)
+def test_all_heads_block_scores_both_paths_against_reference(policy, scales, d, kvh, h, ctx):
+    cache, rows, q1 = _cache(policy, scales, d, kvh, h, ctx, seed=3 * d + h)
+    scale = 1 / np.sqrt(d)
+    ref = reference(q1[0], cache, scale)
+    isas = ["avx2", "avx512vnni"] if packed_i8.HOST_VNNI else ["avx2"]
+    outs = {}
+    try:
+        for isa in isas:
+            packed_i8.set_isa(isa)
+            out = np.empty_like(q1)
+            paged_attention(q1, rows, rows.shape[0], ctx - 1, scale, True, kvh, 16, out,
+                            int8_query=True)
+            np.testing.assert_allclose(out[0], ref, rtol=1e-5, atol=1e-6)
+            outs[isa] = out
+    finally:
+        packed_i8.set_isa(None)
+    for isa in isas[1:]:
+        np.testing.assert_array_equal(outs[isa], outs["avx2"])
+
+
 @pytest.mark.parametrize("d", [64, 16, 24])
 def test_paged_pv_against_float64_reference(d):
     """float32 / INT8 / INT4 value blocks through the register-blocked ``p @ V`` (D % 16 == 0)
-    and the four-keys-per-pass fallback (D = 24), GQA group of 7 (4 + 3 heads) and 1."""
-    for h, kvh in ((14, 2), (3, 3)):
+    and the four-keys-per-pass fallback (D = 24), GQA groups of 7 (float32: 4 + 3 heads;
+    INT8/INT4: 7 per pass), 9 (8 + 1) and 1."""
+    for h, kvh in ((14, 2), (9, 1), (3, 3)):
         cache, rows, q1 = _cache("float32:1,int8:1,int4", "token", d, kvh, h, 90, seed=d + h)
         out = np.empty_like(q1)
         paged_attention(q1, rows, rows.shape[0], 89, 0.3, True, kvh, 16, out)

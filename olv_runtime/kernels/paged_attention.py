@@ -47,7 +47,11 @@ key blocks are integer dot products: each query head is quantized to int8 once p
 scale per head), 16 keys at a time are scored by ``vpdpbusd`` (AVX-512 VNNI) or ``vpmaddwd``
 (AVX2; chosen at run time by :func:`~.packed_i8.isa`, bitwise equal) on the block's own codes,
 and the exact integer sum times ``(query scale * attention scale) * key scale`` is the score
-(:func:`_qk16_i8`). The block format -- codes and scales -- is read as it is. The cache is never dequantized into a buffer
+(:func:`_qk16_i8`). On the VNNI path (``D <= 256``) the 16 key rows are loaded and transposed in
+registers once for all the query heads of the group, each head then taking one ``vpdpbusd`` per
+4 features with no horizontal sums (:func:`_qkblk_i8`). INT8/INT4 value rows are decoded in
+registers inside ``p @ V`` (codes sign-extended, converted, times the row's scale; up to eight
+query heads per pass, :func:`_make_pvq`): no decoded copy of a quantized value block. The block format -- codes and scales -- is read as it is. The cache is never dequantized into a buffer
 (``bytes_dequantized`` stays 0): the workspace of a call (:func:`workspace_bytes`) depends on the
 query and head counts and the block size only.
 
@@ -479,6 +483,313 @@ _qk16_i8 = _make_qk16_int(False)
 _qk16_i4 = _make_qk16_int(True)
 
 
+# -- all query heads of a group against one block of INT8 / INT4 keys (VNNI) --------------------
+#: Largest head size of :func:`_qkblk_i8` (its transposed block lives in a 4 KiB stack buffer).
+QKBLK_MAX_D = 256
+
+
+def _transpose16(builder, rows):
+    """16 x 16 int32 transpose of 16 ``<16 x i32>`` rows: returns ``cols`` with
+    ``cols[c][j] = rows[j][c]`` (unpack 32 / unpack 64 within 128-bit lanes, then two rounds of
+    128-bit lane shuffles: 64 two-source shuffles)."""
+    def shuf(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32T, 16), idx))
+
+    def lanes(pick):  # pick: 4 (source 0/1, 128-bit lane) pairs -> dword mask
+        return [src * 16 + 4 * ln + e for src, ln in pick for e in range(4)]
+
+    lo32 = [x for ln in range(4) for x in (4 * ln, 16 + 4 * ln, 4 * ln + 1, 16 + 4 * ln + 1)]
+    hi32 = [x for ln in range(4) for x in (4 * ln + 2, 16 + 4 * ln + 2, 4 * ln + 3, 16 + 4 * ln + 3)]
+    lo64 = [x for ln in range(4) for x in (4 * ln, 4 * ln + 1, 16 + 4 * ln, 16 + 4 * ln + 1)]
+    hi64 = [x for ln in range(4) for x in (4 * ln + 2, 4 * ln + 3, 16 + 4 * ln + 2, 16 + 4 * ln + 3)]
+    # t[r][k]: rows 4r..4r+3, lane L = dwords 4L+k of those rows
+    t = []
+    for r in range(4):
+        a = [shuf(rows[4 * r], rows[4 * r + 1], m) for m in (lo32, hi32)]
+        b = [shuf(rows[4 * r + 2], rows[4 * r + 3], m) for m in (lo32, hi32)]
+        t.append([shuf(a[0], b[0], lo64), shuf(a[0], b[0], hi64),
+                  shuf(a[1], b[1], lo64), shuf(a[1], b[1], hi64)])
+    cols = [None] * 16
+    for k in range(4):
+        u = [t[r][k] for r in range(4)]
+        a01 = shuf(u[0], u[1], lanes([(0, 0), (0, 1), (1, 0), (1, 1)]))
+        b01 = shuf(u[0], u[1], lanes([(0, 2), (0, 3), (1, 2), (1, 3)]))
+        a23 = shuf(u[2], u[3], lanes([(0, 0), (0, 1), (1, 0), (1, 1)]))
+        b23 = shuf(u[2], u[3], lanes([(0, 2), (0, 3), (1, 2), (1, 3)]))
+        cols[k] = shuf(a01, a23, lanes([(0, 0), (0, 2), (1, 0), (1, 2)]))
+        cols[4 + k] = shuf(a01, a23, lanes([(0, 1), (0, 3), (1, 1), (1, 3)]))
+        cols[8 + k] = shuf(b01, b23, lanes([(0, 0), (0, 2), (1, 0), (1, 2)]))
+        cols[12 + k] = shuf(b01, b23, lanes([(0, 1), (0, 3), (1, 1), (1, 3)]))
+    return cols
+
+
+def _row_ptr(builder, arr, row, i8=False):
+    """Address of ``arr[row, 0]`` of a 2-D array struct (any row stride; unit inner stride)."""
+    base = builder.ptrtoint(arr.data, ir.IntType(64))
+    st = builder.extract_value(arr.strides, 0)
+    return builder.add(base, builder.mul(row, st))
+
+
+def _make_qkblk(fmt4):
+    """The block score intrinsic of INT8 (``fmt4`` False: ``_qkblk_i8``) or INT4 key rows
+    (``_qkblk_i4``), AVX-512 VNNI only."""
+
+    @intrinsic
+    def qkblk(typingctx, q, ng, kaddr, row0, nrows, rowbytes, qsum, qmul, rmul, sc, off, mx):
+        """Scores of 16 keys against ``ng`` int8 query heads at once: ``sc[h, off + j] =
+        float32(S_hj) * (qmul[h] * rmul[row0 + j])`` for ``h < ng``, ``j < 16``, ``S_hj`` the
+        exact int32 dot product of ``q[h]`` (int8 [ng, D], for INT4 in the nibble order of
+        :func:`_quantize_heads`) with key row ``row0 + j`` of an INT8 / INT4 block side at
+        ``kaddr`` (rows ``rowbytes`` apart; rows ``>= nrows`` repeat the last one, never read out
+        of bounds); ``mx[h]`` becomes the max of itself and the first ``nrows`` scores. The 16
+        key rows are loaded once (as unsigned bytes ``k + 128`` / ``k + 8``), transposed in
+        registers (lane ``j`` = key ``j``, one vector per 4 features) and each head takes one
+        ``vpdpbusd`` per 4 features with its 4 query bytes broadcast: no horizontal sums; minus
+        ``128 * qsum[h]`` / ``8 * qsum[h]``. ``D % 64 == 0``, ``D <= QKBLK_MAX_D``. The sums
+        and the float epilogue are those of :func:`_qk16_i8` (bitwise equal results)."""
+        if not (isinstance(q, types.Array) and q.dtype == types.int8 and q.ndim == 2
+                and isinstance(sc, types.Array) and sc.dtype == types.float32 and sc.ndim == 2
+                and all(isinstance(a, types.Array) and a.ndim == 1 for a in (qsum, qmul, rmul, mx))
+                and qsum.dtype == types.int32 and qmul.dtype == types.float32
+                and rmul.dtype == types.float32 and mx.dtype == types.float32):
+            return None
+        sig = types.void(q, ng, kaddr, row0, nrows, rowbytes, qsum, qmul, rmul, sc, off, mx)
+
+        def codegen(context, builder, sig, args):
+            i64 = ir.IntType(64)
+            f32 = ir.FloatType()
+            v16f = ir.VectorType(f32, 16)
+            qa = context.make_array(sig.args[0])(context, builder, args[0])
+            qsa = context.make_array(sig.args[6])(context, builder, args[6])
+            qma = context.make_array(sig.args[7])(context, builder, args[7])
+            ra = context.make_array(sig.args[8])(context, builder, args[8])
+            sca = context.make_array(sig.args[9])(context, builder, args[9])
+            mxa = context.make_array(sig.args[11])(context, builder, args[11])
+            ng_v = context.cast(builder, args[1], sig.args[1], types.int64)
+            kaddr_v = context.cast(builder, args[2], sig.args[2], types.int64)
+            row0_v = context.cast(builder, args[3], sig.args[3], types.int64)
+            nrows_v = context.cast(builder, args[4], sig.args[4], types.int64)
+            rb = context.cast(builder, args[5], sig.args[5], types.int64)
+            off_v = context.cast(builder, args[10], sig.args[10], types.int64)
+            d = builder.extract_value(qa.shape, 1)
+            nch = builder.udiv(d, ir.Constant(i64, 64))
+            last = builder.sub(nrows_v, ir.Constant(i64, 1))
+            kbase = builder.inttoptr(kaddr_v, _I8T.as_pointer())
+            rowptrs = []
+            for j in range(16):
+                jj = ir.Constant(i64, j)
+                r = builder.select(builder.icmp_signed("<", jj, nrows_v), jj, last)
+                rowptrs.append(builder.gep(kbase, [builder.mul(builder.add(row0_v, r), rb)]))
+            tbuf = cgutils.alloca_once(builder, _V16I32, size=QKBLK_MAX_D // 4)
+            # 1. the block's key bytes, transposed: tbuf[16 c + e] lane j = dword e of chunk c of key j
+            with cgutils.for_range(builder, nch) as loop:
+                c = loop.index
+                rows = []
+                for j in range(16):
+                    if not fmt4:
+                        kv = builder.load(builder.bitcast(builder.gep(rowptrs[j], [builder.mul(
+                            c, ir.Constant(i64, 64))]), _V64I8.as_pointer()), align=1)
+                        kv = builder.xor(kv, ir.Constant(_V64I8, [-128] * 64))
+                    else:
+                        b = builder.load(builder.bitcast(builder.gep(rowptrs[j], [builder.mul(
+                            c, ir.Constant(i64, 32))]), _V32I8.as_pointer()), align=1)
+                        eight = ir.Constant(_V32I8, [8] * 32)
+                        lo = builder.xor(builder.and_(b, ir.Constant(_V32I8, [15] * 32)), eight)
+                        hi = builder.xor(builder.lshr(b, ir.Constant(_V32I8, [4] * 32)), eight)
+                        kv = _concat32(builder, lo, hi)
+                    rows.append(builder.bitcast(kv, _V16I32))
+                cols = _transpose16(builder, rows)
+                base = builder.mul(c, ir.Constant(i64, 16))
+                for e in range(16):
+                    builder.store(cols[e], builder.gep(tbuf, [builder.add(base, ir.Constant(i64, e))]))
+            # 2. per head: 16 vpdpbusd per 64 features, the float epilogue, the running max
+            dp = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16I32, [_V16I32, _V64I8, _V64I8]),
+                "llvm.x86.avx512.vpdpbusd.512")
+            rp = builder.gep(builder.bitcast(ra.data, f32.as_pointer()), [row0_v])
+            rm = builder.load(builder.bitcast(rp, v16f.as_pointer()), align=4)
+            lanes = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
+            live = builder.icmp_signed("<", lanes, _vsplat(builder, nrows_v, ir.VectorType(i64, 16)))
+            qsp = builder.bitcast(qsa.data, _I32T.as_pointer())
+            qmp = builder.bitcast(qma.data, f32.as_pointer())
+            mxp = builder.bitcast(mxa.data, f32.as_pointer())
+            accs = [cgutils.alloca_once(builder, _V16I32) for _ in range(4)]
+            with cgutils.for_range(builder, ng_v) as hl:
+                h = hl.index
+                qrow = builder.inttoptr(_row_ptr(builder, qa, h), _I8T.as_pointer())
+                for a in accs:
+                    builder.store(ir.Constant(_V16I32, [0] * 16), a)
+                with cgutils.for_range(builder, nch) as loop:
+                    c = loop.index
+                    qc = builder.gep(qrow, [builder.mul(c, ir.Constant(i64, 64))])
+                    base = builder.mul(c, ir.Constant(i64, 16))
+                    for e in range(16):
+                        qd = builder.load(builder.bitcast(builder.gep(qc, [ir.Constant(i64, 4 * e)]),
+                                                          _I32T.as_pointer()), align=1)
+                        qv = builder.bitcast(_vsplat(builder, qd, _V16I32), _V64I8)
+                        kv = builder.bitcast(builder.load(builder.gep(
+                            tbuf, [builder.add(base, ir.Constant(i64, e))])), _V64I8)
+                        a = accs[e % 4]
+                        builder.store(builder.call(dp, [builder.load(a), kv, qv]), a)
+                tot = builder.add(builder.add(builder.load(accs[0]), builder.load(accs[1])),
+                                  builder.add(builder.load(accs[2]), builder.load(accs[3])))
+                qs = builder.load(builder.gep(qsp, [h]))
+                corr = builder.mul(qs, ir.Constant(_I32T, 8 if fmt4 else 128))
+                tot = builder.sub(tot, _vsplat(builder, corr, _V16I32))
+                sf = builder.sitofp(tot, v16f)
+                qm = builder.load(builder.gep(qmp, [h]))
+                val = builder.fmul(sf, builder.fmul(_vsplat(builder, qm, v16f), rm))
+                srow = builder.inttoptr(_row_ptr(builder, sca, h), f32.as_pointer())
+                builder.store(val, builder.bitcast(builder.gep(srow, [off_v]), v16f.as_pointer()),
+                              align=4)
+                cur = builder.select(live, val, ir.Constant(v16f, [float("-inf")] * 16))
+                w = 16
+                while w > 1:
+                    half = w // 2
+                    hi = builder.shuffle_vector(cur, ir.Constant(v16f, ir.Undefined), ir.Constant(
+                        ir.VectorType(_I32T, 16), [half + i if i < half else 0 for i in range(16)]))
+                    cur = builder.select(builder.fcmp_ordered(">", hi, cur), hi, cur)
+                    w = half
+                bm = builder.extract_element(cur, ir.Constant(_I32T, 0))
+                mp = builder.gep(mxp, [h])
+                mo = builder.load(mp)
+                builder.store(builder.select(builder.fcmp_ordered(">", bm, mo), bm, mo), mp)
+            return context.get_dummy_value()
+        return sig, codegen
+    return qkblk
+
+
+_qkblk_i8 = _make_qkblk(False)
+_qkblk_i4 = _make_qkblk(True)
+
+
+# -- p @ V over INT8 / INT4 value rows, decoded in registers -------------------------------------
+def _make_pvq(nh, fmt4):
+    """Intrinsic ``o[orow + h] += sum_{j < nrows} p[prow + h, pcol + j] * (rmul[j] * code_j)``
+    for ``h < nh`` query heads over the value rows of an INT8 (``fmt4`` False: ``D`` signed bytes
+    per row) or INT4 block side (``D/2`` bytes, two's complement nibbles, low nibble first) at
+    ``vaddr``, rows ``rowbytes`` apart, ``D % 16 == 0``: per key and 16 features the codes are
+    sign-extended, converted to float32 and multiplied by the row's scale ``rmul[j]`` (the
+    decoded value, as :func:`_load_row`) in registers, then one fused multiply-add per head;
+    the accumulators of the ``nh`` heads stay in registers over the keys (no decoded copy of
+    the block)."""
+
+    @intrinsic
+    def pvq(typingctx, p, prow, pcol, vaddr, rowbytes, rmul, nrows, o, orow):
+        if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2
+                    for a in (p, o)) and isinstance(rmul, types.Array)
+                and rmul.dtype == types.float32):
+            return None
+        sig = types.void(p, prow, pcol, vaddr, rowbytes, rmul, nrows, o, orow)
+
+        def codegen(context, builder, sig, args):
+            i64 = ir.IntType(64)
+            f32 = ir.FloatType()
+            v16 = ir.VectorType(f32, 16)
+            pa = context.make_array(sig.args[0])(context, builder, args[0])
+            ra = context.make_array(sig.args[5])(context, builder, args[5])
+            oa = context.make_array(sig.args[7])(context, builder, args[7])
+            d = builder.extract_value(oa.shape, 1)
+            prow_v = context.cast(builder, args[1], sig.args[1], types.int64)
+            pcol_v = context.cast(builder, args[2], sig.args[2], types.int64)
+            va = context.cast(builder, args[3], sig.args[3], types.int64)
+            rb = context.cast(builder, args[4], sig.args[4], types.int64)
+            nr = context.cast(builder, args[6], sig.args[6], types.int64)
+            orow_v = context.cast(builder, args[8], sig.args[8], types.int64)
+            rbase = builder.bitcast(ra.data, f32.as_pointer())
+            vbase = builder.inttoptr(va, _I8T.as_pointer())
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                v16, [v16, v16, v16]), "llvm.fma.v16f32")
+            prows = [builder.gep(builder.inttoptr(_row_ptr(builder, pa, builder.add(
+                prow_v, ir.Constant(i64, h))), f32.as_pointer()), [pcol_v]) for h in range(nh)]
+            orows = [builder.inttoptr(_row_ptr(builder, oa, builder.add(
+                orow_v, ir.Constant(i64, h))), f32.as_pointer()) for h in range(nh)]
+            nch = builder.udiv(d, ir.Constant(i64, 16))
+            v8i8 = ir.VectorType(_I8T, 8)
+            with cgutils.for_range(builder, nch) as cl:
+                c16 = builder.mul(cl.index, ir.Constant(i64, 16))
+                optrs = [builder.bitcast(builder.gep(orows[h], [c16]), v16.as_pointer())
+                         for h in range(nh)]
+                accs = [cgutils.alloca_once_value(builder, builder.load(op, align=4))
+                        for op in optrs]
+                with cgutils.for_range(builder, nr) as kl:
+                    j = kl.index
+                    row = builder.gep(vbase, [builder.mul(j, rb)])
+                    if not fmt4:
+                        cv = builder.load(builder.bitcast(builder.gep(row, [c16]),
+                                                          _V16I8.as_pointer()), align=1)
+                    else:
+                        b = builder.load(builder.bitcast(builder.gep(row, [builder.udiv(
+                            c16, ir.Constant(i64, 2))]), v8i8.as_pointer()), align=1)
+                        four = ir.Constant(v8i8, [4] * 8)
+                        lo = builder.ashr(builder.shl(b, four), four)
+                        hi = builder.ashr(b, four)
+                        cv = builder.shuffle_vector(lo, hi, ir.Constant(
+                            ir.VectorType(_I32T, 16), [x for i in range(8) for x in (i, 8 + i)]))
+                    vf = builder.sitofp(builder.sext(cv, _V16I32), v16)
+                    vv = builder.fmul(vf, _vsplat(builder, builder.load(builder.gep(rbase, [j])), v16))
+                    for h in range(nh):
+                        pj = builder.load(builder.gep(prows[h], [j]))
+                        builder.store(builder.call(fma, [_vsplat(builder, pj, v16), vv,
+                                                         builder.load(accs[h])]), accs[h])
+                for h in range(nh):
+                    builder.store(builder.load(accs[h]), optrs[h], align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return pvq
+
+
+_pv8_1, _pv8_2, _pv8_3, _pv8_4, _pv8_5, _pv8_6, _pv8_7, _pv8_8 = (_make_pvq(n, False)
+                                                                 for n in range(1, 9))
+_pv4_1, _pv4_2, _pv4_3, _pv4_4, _pv4_5, _pv4_6, _pv4_7, _pv4_8 = (_make_pvq(n, True)
+                                                                 for n in range(1, 9))
+
+
+@njit(**JIT)
+def _accum_pvq(p, c0, ng, fmt, vaddr, rb, rmul, nt, o):
+    """``o[hh] += sum_{j < nt} p[hh, c0 + j] * rmul[j] * code_j`` over the value rows of an INT8
+    (``fmt`` 2) or INT4 (3) block side at ``vaddr`` (``D % 16 == 0``): up to eight query heads
+    per pass over the codes (:func:`_make_pvq`)."""
+    hh = 0
+    while hh < ng:
+        r = min(ng - hh, 8)
+        if fmt == 2:
+            if r == 8:
+                _pv8_8(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 7:
+                _pv8_7(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 6:
+                _pv8_6(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 5:
+                _pv8_5(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 4:
+                _pv8_4(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 3:
+                _pv8_3(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 2:
+                _pv8_2(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            else:
+                _pv8_1(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+        else:
+            if r == 8:
+                _pv4_8(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 7:
+                _pv4_7(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 6:
+                _pv4_6(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 5:
+                _pv4_5(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 4:
+                _pv4_4(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 3:
+                _pv4_3(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            elif r == 2:
+                _pv4_2(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+            else:
+                _pv4_1(p, hh, c0, vaddr, rb, rmul, nt, o, hh)
+        hh += r
+
+
 @njit(**JIT)
 def _quantize_heads(q, h0, h1, scale, qi, qip, qmul, qsum):
     """Query heads ``q[h0:h1]`` (float32 [., D]) to int8, one scale per head (as the int8
@@ -535,6 +846,13 @@ def _block_scores_i8(qi, qip, qmul, qsum, ng, fmt, addr, saddr, pt, g, bs, d, nk
     rb = d if fmt == 2 else d // 2
     base = addr + g * bs * rb
     is4 = fmt == 3
+    if vnni and d <= QKBLK_MAX_D:  # every head of the group per load of 16 keys
+        for jj in range(0, nk, 16):
+            if is4:
+                _qkblk_i4(qip, ng, base, jj, min(16, nk - jj), rb, qsum, qmul, rmul, sc, c0 + jj, mx)
+            else:
+                _qkblk_i8(qi, ng, base, jj, min(16, nk - jj), rb, qsum, qmul, rmul, sc, c0 + jj, mx)
+        return
     for hh in range(ng):
         qv = qip[hh] if is4 else qi[hh]
         qm = qmul[hh]
@@ -648,6 +966,18 @@ def _block_accum(p, c0, ng, fmt, addr, saddr, pt, g, bs, d, nk, o, scr, rmul):
     if d % 16 == 0:
         if fmt == 0:
             _accum_pv(p, c0, ng, _block_f32(addr, g, bs, d), nk, o)
+            return
+        if fmt == 2 or fmt == 3:  # codes decoded in registers, times the row's scale
+            if pt:
+                sc = carray(_f32p(saddr + g * bs * 4), (nk,))
+                for t in range(nk):
+                    rmul[t] = sc[t]
+            else:
+                s = carray(_f32p(saddr + g * 4), (1,))[0]
+                for t in range(nk):
+                    rmul[t] = s
+            rb = d if fmt == 2 else d // 2
+            _accum_pvq(p, c0, ng, fmt, addr + g * bs * rb, rb, rmul, nk, o)
             return
         _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, np.float32(1.0), scr, rmul)
         for hh in range(ng):
