@@ -170,6 +170,31 @@ def _match_layer(steps, i, x, constants):
     return layer, s7.outputs[0]
 
 
+#: Graph nodes (domain, op_type) of the decoders whose layers :func:`fuse_decoder_stack` fuses
+#: (the olv converter's ONNX Attention, onnxruntime-genai's GroupQueryAttention).
+_ATTENTION_OPS = {("", "Attention"), ("com.microsoft", "GroupQueryAttention")}
+
+
+def prestart_precompile(graph) -> bool:
+    """Session creation, before its plan is made: when ``graph`` has attention nodes (the
+    plan may fuse a :class:`DecoderStack`) and numba's cache holds no compiled driver, start
+    the compile worker now (:func:`olv_runtime.kernels.precompile.prestart`): it imports the
+    kernels while this process prepacks the weights, and compiles the driver as soon as the
+    stack gives its signature (:meth:`DecoderStack._start_precompile`). The session calls
+    :func:`~olv_runtime.kernels.precompile.release_idle` after the plan (a worker no stack
+    used exits). Returns whether a worker waits; only time depends on it, never results."""
+    from olv_runtime.kernels import precompile
+    from olv_runtime.ops.registry import canonical_domain
+
+    if not precompile.enabled():
+        return False
+    if not any((canonical_domain(n.domain), n.op_type) in _ATTENTION_OPS for n in graph.node):
+        return False
+    if precompile.cache_index_exists("decode_stack.py", ("_stack_thread", "_stack_par")):
+        return False
+    return precompile.prestart(("olv_runtime.kernels.decode_stack",))
+
+
 def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counters=None) -> list:
     """Replace the decoder-layer run of ``steps`` by one :class:`DecoderStack` (see the module
     docstring); returns the (possibly unchanged) step list."""
@@ -204,6 +229,9 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
         stack = DecoderStack("DecoderStack(" + run[0].name + " .. " + run[-1].name + ")",
                              layers, nf[0], lm, run, boundary_in, boundary_out, constants,
                              counters, rope_table=rope_table)
+        # cold numba cache: a worker process starts compiling the one-token driver now, while
+        # this process finishes the session and runs (and compiles) the prefill
+        stack._start_precompile()
         step = Step(stack.name, "DecoderStack", stack, boundary_in, boundary_out, stack)
         return steps[:i] + hoisted + [step] + rest
     return steps
@@ -558,10 +586,12 @@ class DecoderStack:
             self.interleaved, self.att_scale, self.inter, ws, np.zeros((1, self.vocab), np.float32))
 
     def _start_precompile(self) -> None:
-        """At the first generic (prefill) call on a cold numba cache: have a worker process
-        compile the driver the one-token calls after it will run, while this process runs the
-        prefill (:mod:`olv_runtime.kernels.precompile`). With any cache entry of the driver on
-        disk nothing happens (warm start: kernels.decode_stack is not even imported here)."""
+        """When the session makes this step (and again at the first generic call, if it did
+        not) on a cold numba cache: have a worker process compile the driver the one-token
+        calls will run, while this process finishes the session and runs the prefill
+        (:mod:`olv_runtime.kernels.precompile`; sessions asking for the same driver share one
+        worker). With any cache entry of the driver on disk nothing happens (warm start:
+        kernels.decode_stack is not even imported here)."""
         if self._precompile is not None:
             return
         self._precompile = False

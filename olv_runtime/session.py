@@ -230,7 +230,18 @@ class InferenceSession:
         self._check_input_types()
         self._outputs = list(graph.output)
         self._output_names = [o.name for o in self._outputs]
-        self._steps = self._plan(graph)
+        prestarted = False
+        if self.options.compiled_decode:  # cold numba cache: a compile worker starts now
+            from olv_runtime.decoder_stack import prestart_precompile
+
+            prestarted = prestart_precompile(graph)
+        try:
+            self._steps = self._plan(graph)
+        finally:
+            if prestarted:  # the plan's stack gave it its job, or it exits now
+                from olv_runtime.kernels import precompile
+
+                precompile.release_idle()
         from olv_runtime.structs.ggml_native import release_repacks
 
         release_repacks(self._encoded_values.values(), self._steps)

@@ -316,3 +316,26 @@ def test_float32_scales_not_float16_values_stay_float32(tmp_path, tiny_qwen2_dir
     olv_runtime.convert(tiny_qwen2_dir, path, weights="int4-block32", scale_dtype="float32")
     sess = _session(olv_runtime.load(path), True)
     assert all(s.dtype == np.float32 for s in _stack(sess).scales)
+
+
+def test_cold_cache_session_hands_the_driver_to_a_worker(qwen2_int4, monkeypatch):
+    """On a cold numba cache the session prestarts a compile worker before its plan (the
+    model has attention nodes) and its stack gives it the one-token driver's signature while
+    the session is made (not at the first call); the worker is released after the plan."""
+    from olv_runtime.kernels import precompile
+
+    calls = []
+    monkeypatch.setattr(precompile, "enabled", lambda: True)
+    monkeypatch.setattr(precompile, "cache_index_exists", lambda *a: False)
+    monkeypatch.setattr(precompile, "prestart", lambda mods=(): calls.append(("prestart", mods))
+                        or True)
+    monkeypatch.setattr(precompile, "start", lambda entries: calls.append(("start", entries))
+                        or None)
+    monkeypatch.setattr(precompile, "release_idle", lambda: calls.append(("release",)))
+    sess = _session(qwen2_int4, True)
+    assert [c[0] for c in calls] == ["prestart", "start", "release"]
+    assert calls[0][1] == ("olv_runtime.kernels.decode_stack",)
+    assert calls[1][1] == [_stack(sess)._decode_entry()]
+    calls.clear()
+    _session(qwen2_int4, False)  # no compiled step: no worker
+    assert calls == []

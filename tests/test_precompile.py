@@ -93,3 +93,39 @@ def test_cold_cache_detection(tmp_path, monkeypatch):
     assert not precompile.cache_index_exists("decode_stack.py", ("_stack_thread",))
     (tmp_path / sub / "decode_stack._stack_thread-457.py311.nbi").write_bytes(b"")
     assert precompile.cache_index_exists("decode_stack.py", ("_stack_thread", "_stack_par"))
+
+
+def test_prestarted_worker_takes_the_job(fresh_module):
+    """A worker started before its job is known (session creation) compiles the job given
+    by the next start; the same entries asked for again get the same job."""
+    f = fresh_module.affine
+    sig = (types.int16, types.int16)
+    assert precompile.prestart((fresh_module.__name__,))
+    assert precompile.prestart()  # one waiting worker at a time: the same one
+    idle = precompile._IDLE["worker"]
+    job = precompile.start([(f, sig)])
+    assert job is not None and job._proc is idle[0] and precompile._IDLE["worker"] is None
+    assert precompile.start([(f, sig)]) is job  # a second session: the same worker
+    assert job.wait() == 1
+    assert sum(f.stats.cache_misses.values()) == 0
+    assert f(np.int16(2), np.int16(5)) == 11
+    precompile.release_idle()  # nothing waiting: no-op
+
+
+def test_prestarted_worker_without_a_job_exits(fresh_module, monkeypatch):
+    assert precompile.prestart()
+    proc, tmp = precompile._IDLE["worker"]
+    precompile.release_idle()  # end of input: the worker removes its directory and exits
+    assert proc.wait(60) == 0
+    assert not os.path.exists(tmp)
+    # a waiting worker that died: the job goes to a new worker
+    assert precompile.prestart()
+    dead, _ = precompile._IDLE["worker"]
+    dead.kill()
+    dead.wait()
+    f = fresh_module.affine
+    job = precompile.start([(f, (types.int8, types.int8))])
+    assert job is not None and job._proc is not dead
+    assert job.wait() == 1
+    monkeypatch.setenv("OLV_COMPILE_WORKERS", "0")
+    assert not precompile.prestart()

@@ -3,10 +3,14 @@
 Cold start (issue 14): with an empty numba cache nearly all of the time before the first token is
 numba compiling (type inference, lowering, LLVM), single-threaded, one function after the other.
 When the main process knows early that it will need a compiled function with a given signature
-later -- the compiled decode step (:mod:`.decode_stack`), known at the first prefill call -- it
-hands that signature to a worker process, which compiles it on another core while the main
-process compiles and runs the prefill kernels. The main process then takes the worker's result
-instead of compiling it itself.
+later -- the compiled decode step (:mod:`.decode_stack`), known when the session makes its plan
+-- it hands that signature to a worker process, which compiles it on another core while the main
+process finishes the session and compiles and runs the prefill kernels. The main process then
+takes the worker's result instead of compiling it itself. A session on a cold cache starts the
+worker even before the signature is known (:func:`prestart`, before the weights are prepacked):
+the worker's own start-up (Python, numpy, numba, the kernel modules, numba's first-compilation
+set-up, about a second) then overlaps the main process's work, and the job arrives through the
+worker's stdin.
 
 Protocol (:func:`start` / :meth:`Job.wait`):
 
@@ -16,6 +20,10 @@ Protocol (:func:`start` / :meth:`Job.wait`):
   temporary directory (the worker never writes into the main process's cache: two processes
   saving different signatures of one function into one numba index at the same moment can
   mismatch index and data files).
+* Entries already asked for get their existing job (one worker per set of entries in a
+  process, however many sessions ask); a worker waiting from :func:`prestart` takes the job
+  (else a new one starts); :func:`release_idle` ends a waiting worker no job came to (it
+  removes its directory and exits at the end of its input).
 * The worker imports each dispatcher's module, compiles each signature (``dispatcher.compile``,
   which saves it into its private cache) and writes where the cache files are.
 * :meth:`Job.wait` (before the first call of a worker's function) waits for the worker, loads
@@ -45,12 +53,14 @@ import time
 import logging
 
 log = logging.getLogger("olv_runtime.precompile")
-__all__ = ["Job", "start", "enabled", "cache_index_exists", "WAIT_TIMEOUT"]
+__all__ = ["Job", "start", "prestart", "release_idle", "enabled", "cache_index_exists",
+           "WAIT_TIMEOUT"]
 
 #: Seconds :meth:`Job.wait` waits for a worker before ending it (then compiling in-process).
 WAIT_TIMEOUT = 600.0
 
 _LIVE: set = set()  # jobs whose worker may still run (ended at exit)
+_JOBS: dict = {}    # ((module, qualname, signature), ...) -> the Job compiling those entries
 
 
 def enabled() -> bool:
@@ -207,7 +217,9 @@ class Job:
 def start(entries) -> Job | None:
     """Start compiling ``entries`` -- ``(numba dispatcher, tuple of numba argument types)`` --
     in a worker process. Returns the :class:`Job`, or None when there is nothing to compile or
-    workers are not used (:func:`enabled`); never raises for environment reasons."""
+    workers are not used (:func:`enabled`); never raises for environment reasons. The same
+    entries asked for again while their job exists get that job (one worker per set of
+    entries in a process, however many sessions ask)."""
     if not enabled():
         return None
     todo = []
@@ -219,41 +231,138 @@ def start(entries) -> Job | None:
         return None
     if not todo:
         return None
+    key = tuple((*_name(d), s) for d, s in todo)
+    job = _JOBS.get(key)
+    if job is not None:  # another session asked for the same entries: one worker serves both
+        return job
+    job = _hand_over(todo)
+    if job is None:
+        job = _spawn_job(todo)
+    if job is None:
+        return None
+    _LIVE.add(job)
+    _JOBS[key] = job
+    log.debug("compile worker started for %s", ", ".join(".".join(_name(d)) for d, _ in todo))
+    return job
+
+
+def _job_bytes(todo) -> bytes:
+    # sys.path: the worker imports the same modules
+    return pickle.dumps((list(sys.path), [(*_name(d), s) for d, s in todo]))
+
+
+def _popen(tmp, args, stdin):
+    env = dict(os.environ, NUMBA_CACHE_DIR=os.path.join(tmp, "cache"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in
+                                                 env.get("PYTHONPATH", "").split(os.pathsep)
+                                                 if p])
+    return subprocess.Popen(
+        [sys.executable, "-m", "olv_runtime.kernels.precompile", *args],
+        env=env, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        close_fds=True)
+
+
+def _spawn_job(todo) -> Job | None:
     tmp = None
     try:
         tmp = tempfile.mkdtemp(prefix="olv-compile-")
         job_path = os.path.join(tmp, "job.pkl")
         result_path = os.path.join(tmp, "result.pkl")
-        with open(job_path, "wb") as f:  # sys.path: the worker imports the same modules
-            pickle.dump((list(sys.path), [(*_name(d), s) for d, s in todo]), f)
-        env = dict(os.environ, NUMBA_CACHE_DIR=os.path.join(tmp, "cache"))
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in
-                                                     env.get("PYTHONPATH", "").split(os.pathsep)
-                                                     if p])
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "olv_runtime.kernels.precompile", job_path, result_path],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, close_fds=True)
+        with open(job_path, "wb") as f:
+            f.write(_job_bytes(todo))
+        proc = _popen(tmp, [job_path, result_path], subprocess.DEVNULL)
     except Exception:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         return None
-    job = Job(todo, proc, tmp, result_path)
-    _LIVE.add(job)
-    log.debug("compile worker started for %s", ", ".join(".".join(_name(d)) for d, _ in todo))
-    return job
+    return Job(todo, proc, tmp, result_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# a worker started before its job is known (prestart / release_idle)
+# ------------------------------------------------------------------------------------------------
+_IDLE: dict = {"worker": None}  # (Popen with a stdin pipe, its temporary directory) or None
+
+
+def prestart(modules=()) -> bool:
+    """Start a worker that imports ``modules`` (and warms numba's compiler up) before its job
+    is known, so that the job -- given by the next :func:`start` -- begins compiling at once
+    instead of after the worker's start-up (about a second: Python, numpy, numba, the kernel
+    modules, numba's first-compilation set-up). At most one such worker waits at a time;
+    :func:`release_idle` (or the exit of this process) ends it if no job came. Returns whether
+    a worker is waiting; never raises for environment reasons."""
+    if not enabled():
+        return False
+    w = _IDLE["worker"]
+    if w is not None and w[0].poll() is None:
+        return True
+    _IDLE["worker"] = None
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(prefix="olv-compile-")
+        proc = _popen(tmp, ["--serve", os.path.join(tmp, "result.pkl"), *modules],
+                      subprocess.PIPE)
+    except Exception:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    _IDLE["worker"] = (proc, tmp)
+    return True
+
+
+def _hand_over(todo) -> Job | None:
+    """The job ``todo`` given to the waiting worker of :func:`prestart` (None: no live one)."""
+    w, _IDLE["worker"] = _IDLE["worker"], None
+    if w is None:
+        return None
+    proc, tmp = w
+    try:
+        if proc.poll() is not None:
+            raise OSError("the waiting worker has ended")
+        proc.stdin.write(_job_bytes(todo))
+        proc.stdin.close()
+    except Exception:
+        _end_idle(w)
+        return None
+    return Job(todo, proc, tmp, os.path.join(tmp, "result.pkl"))
+
+
+def release_idle() -> None:
+    """End the worker of :func:`prestart` if no job was given to it (it reads the end of its
+    input, removes its temporary directory and exits)."""
+    w, _IDLE["worker"] = _IDLE["worker"], None
+    if w is not None:
+        _end_idle(w)
+
+
+def _end_idle(w) -> None:
+    proc, tmp = w
+    try:
+        proc.stdin.close()
+    except Exception:
+        pass
+    if proc.poll() is not None:  # ended already: remove its directory here
+        shutil.rmtree(tmp, ignore_errors=True)
+    _RELEASED.append(w)
+
+
+_RELEASED: list = []  # released idle workers (killed and cleaned up at exit if still running)
 
 
 @atexit.register
 def _end_workers():
     for job in list(_LIVE):
         job._cleanup()
+    w, _IDLE["worker"] = _IDLE["worker"], None
+    for proc, tmp in _RELEASED + ([w] if w is not None else []):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _worker(job_path: str, result_path: str) -> int:
-    with open(job_path, "rb") as f:
-        path, todo = pickle.load(f)
+def _compile_job(path, todo, result_path: str) -> int:
     sys.path.extend(p for p in path if p not in sys.path)
     paths = []
     for module, qualname, sig in todo:
@@ -272,5 +381,39 @@ def _worker(job_path: str, result_path: str) -> int:
     return 0
 
 
+def _worker(job_path: str, result_path: str) -> int:
+    with open(job_path, "rb") as f:
+        path, todo = pickle.load(f)
+    return _compile_job(path, todo, result_path)
+
+
+def _warm_probe(x):  # compiled (not cached) by a waiting worker: numba's first-compile set-up
+    return x + 1
+
+
+def _serve(result_path: str, modules) -> int:
+    """A :func:`prestart` worker: import, warm up, then read the job from stdin (end of input
+    without a job: remove the directory and exit)."""
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception:
+            pass
+    try:
+        import numba
+
+        numba.njit(_warm_probe)(1)
+    except Exception:
+        pass
+    data = sys.stdin.buffer.read()
+    if not data:
+        shutil.rmtree(os.path.dirname(result_path), ignore_errors=True)
+        return 0
+    path, todo = pickle.loads(data)
+    return _compile_job(path, todo, result_path)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        sys.exit(_serve(sys.argv[2], sys.argv[3:]))
     sys.exit(_worker(sys.argv[1], sys.argv[2]))
