@@ -182,11 +182,14 @@ def prestart_precompile(graph) -> bool:
     kernels while this process prepacks the weights, and compiles the driver as soon as the
     stack gives its signature (:meth:`DecoderStack._start_precompile`). The session calls
     :func:`~olv_runtime.kernels.precompile.release_idle` after the plan (a worker no stack
-    used exits). Returns whether a worker waits; only time depends on it, never results."""
+    used exits). Not when this process has asked a worker for a driver already (a later
+    session most likely needs the same one: :func:`~olv_runtime.kernels.precompile.start`
+    gives it that job). Returns whether a worker waits; only time depends on it, never
+    results."""
     from olv_runtime.kernels import precompile
     from olv_runtime.ops.registry import canonical_domain
 
-    if not precompile.enabled():
+    if not precompile.enabled() or precompile.asked("olv_runtime.kernels.decode_stack"):
         return False
     if not any((canonical_domain(n.domain), n.op_type) in _ATTENTION_OPS for n in graph.node):
         return False

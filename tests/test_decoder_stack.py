@@ -325,6 +325,7 @@ def test_cold_cache_session_hands_the_driver_to_a_worker(qwen2_int4, monkeypatch
     from olv_runtime.kernels import precompile
 
     calls = []
+    monkeypatch.setattr(precompile, "_JOBS", {})  # no job asked for in this process yet
     monkeypatch.setattr(precompile, "enabled", lambda: True)
     monkeypatch.setattr(precompile, "cache_index_exists", lambda *a: False)
     monkeypatch.setattr(precompile, "prestart", lambda mods=(): calls.append(("prestart", mods))

@@ -106,6 +106,7 @@ def test_prestarted_worker_takes_the_job(fresh_module):
     job = precompile.start([(f, sig)])
     assert job is not None and job._proc is idle[0] and precompile._IDLE["worker"] is None
     assert precompile.start([(f, sig)]) is job  # a second session: the same worker
+    assert precompile.asked(fresh_module.__name__) and not precompile.asked("no.such.module")
     assert job.wait() == 1
     assert sum(f.stats.cache_misses.values()) == 0
     assert f(np.int16(2), np.int16(5)) == 11

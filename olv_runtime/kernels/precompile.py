@@ -53,7 +53,7 @@ import time
 import logging
 
 log = logging.getLogger("olv_runtime.precompile")
-__all__ = ["Job", "start", "prestart", "release_idle", "enabled", "cache_index_exists",
+__all__ = ["Job", "start", "prestart", "release_idle", "asked", "enabled", "cache_index_exists",
            "WAIT_TIMEOUT"]
 
 #: Seconds :meth:`Job.wait` waits for a worker before ending it (then compiling in-process).
@@ -244,6 +244,12 @@ def start(entries) -> Job | None:
     _JOBS[key] = job
     log.debug("compile worker started for %s", ", ".join(".".join(_name(d)) for d, _ in todo))
     return job
+
+
+def asked(module: str) -> bool:
+    """Whether this process has started a job for a function of ``module`` (a later session
+    then does not :func:`prestart` a worker: its driver is most likely that job's)."""
+    return any(m == module for key in _JOBS for m, _, _ in key)
 
 
 def _job_bytes(todo) -> bytes:
