@@ -17,6 +17,11 @@ numpy's float32 cos/sin), so the values are bitwise those of the operator chain 
 whose inputs are not the checked form (a past of rank other than 4, ids of rank other than 2)
 run the original steps one by one, which raise their own errors. A decode token then costs one
 plan step instead of 18 (ONNX Range, Cast, Mul, Cos, Sin: https://onnx.ai/onnx/operators/).
+
+Paged models (``olv convert --kv paged*``, :mod:`olv_runtime.models.paged`) read the past length
+from the first cache struct instead: ``past_len_1d = Unsqueeze(olv.StructGet(cache.0,
+fields=["length"]), [0])`` (19 operators); the fused step then takes the cache struct and
+reads its INT64 scalar ``length`` field (any other value: the original steps).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import numpy as np
 from olv_runtime.decoder_stack import run_leaks
 from olv_runtime.fusion import Step
 from olv_runtime.pool import empty
+from olv_runtime.structs.runtime import RuntimeStruct
 
 __all__ = ["RotaryPositions", "fuse_rotary_positions"]
 
@@ -98,9 +104,18 @@ def _match(steps, constants, cos_step, sin_step):
             or not _axes_are(sq_s, constants, [0]):
         return None
     sh_p, sh_s = src(sq_p.inputs[0], "Shape", 1), src(sq_s.inputs[0], "Shape", 1)
-    if sh_p is None or sh_s is None:
+    paged = []  # the paged form: Unsqueeze(olv.StructGet(cache.0, fields=["length"]), [0])
+    if sh_p is None:
+        un = src(sq_p.inputs[0], "Unsqueeze")
+        if un is None or not _axes_are(un, constants, [0]):
+            return None
+        sg = src(un.inputs[0], "StructGet", 1)
+        if sg is None or list(sg.impl.attrs["fields"]) != ["length"] or len(sg.outputs) != 1:
+            return None
+        sh_p, paged = sg, [un]
+    elif (sh_p.impl.attrs["start"], sh_p.impl.attrs["end"]) != (2, 3):
         return None
-    if (sh_p.impl.attrs["start"], sh_p.impl.attrs["end"]) != (2, 3):
+    if sh_s is None:
         return None
     if (sh_s.impl.attrs["start"], sh_s.impl.attrs["end"]) != (1, 2):
         return None
@@ -118,10 +133,10 @@ def _match(steps, constants, cos_step, sin_step):
     past, ids = sh_p.inputs[0], sh_s.inputs[0]
     if past in constants or ids in constants or past in prod or ids in prod:
         return None  # graph inputs
-    region += [uc, us, c, s, mul, up, ui, cast, rng, add, sq_p, sq_s, sh_p, sh_s, cat, sh_b]
+    region += [uc, us, c, s, mul, up, ui, cast, rng, add, sq_p, sq_s, sh_p, sh_s, cat, sh_b] + paged
     if len({id(r) for r in region}) != len(region):
         return None
-    return region, past, ids, np.ascontiguousarray(inv)
+    return region, past, ids, np.ascontiguousarray(inv), bool(paged)
 
 
 def fuse_rotary_positions(steps: list, constants: dict, graph_outputs: set) -> list:
@@ -137,14 +152,14 @@ def fuse_rotary_positions(steps: list, constants: dict, graph_outputs: set) -> l
             m = _match(steps, constants, cs, ss)
             if m is None:
                 continue
-            region, past, ids, inv = m
+            region, past, ids, inv, paged = m
             outs = [cs.outputs[0], ss.outputs[0]]
             if run_leaks(region, steps, outs, graph_outputs):
                 continue
             inside = {id(r) for r in region}
             order = [st for st in steps if id(st) in inside]  # plan order (generic path)
             rp = RotaryPositions("RotaryPositions(" + order[0].name + " .. " + order[-1].name + ")",
-                                 inv, order, (past, ids), tuple(outs), constants)
+                                 inv, order, (past, ids), tuple(outs), constants, paged)
             step = Step(rp.name, "RotaryPositions", rp, (past, ids), tuple(outs), rp)
             first = min(i for i, st in enumerate(steps) if id(st) in inside)
             out = []
@@ -158,12 +173,14 @@ def fuse_rotary_positions(steps: list, constants: dict, graph_outputs: set) -> l
 
 
 class RotaryPositions:
-    """``(past [B', KVH, T, D], input_ids [B, S]) -> (cos, sin)``, float32 ``[B, S, D/2]``:
+    """``(past [B', KVH, T, D] -- or the paged cache struct, T its ``length`` --, input_ids [B, S])
+    -> (cos, sin)``, float32 ``[B, S, D/2]``:
     ``cos[b, s, j] = cos(float32(T + s) * inv_freq[j])`` (and sin), numpy float32 arithmetic as
     the operator chain it replaces (see the module docstring)."""
 
-    def __init__(self, name, inv_freq, sub_steps, inputs, outputs, constants):
+    def __init__(self, name, inv_freq, sub_steps, inputs, outputs, constants, paged=False):
         self.name = name
+        self.paged = bool(paged)
         self.inv_freq = inv_freq
         self.inv_row = inv_freq.reshape(1, -1)
         self.r2 = inv_freq.size
@@ -173,10 +190,22 @@ class RotaryPositions:
         self.constants = constants
 
     def __call__(self, past, ids):
-        if not (type(past) is np.ndarray and past.ndim == 4 and type(ids) is np.ndarray
-                and ids.ndim == 2):
+        if type(ids) is not np.ndarray or ids.ndim != 2:
             return self._run_generic(past, ids)
-        t = past.shape[2]
+        if self.paged:  # T = the cache struct's INT64 scalar length field
+            if type(past) is not RuntimeStruct:
+                return self._run_generic(past, ids)
+            try:
+                ln = past["length"]
+            except KeyError:
+                return self._run_generic(past, ids)
+            if type(ln) is not np.ndarray or ln.dtype != _I64 or ln.ndim != 0:
+                return self._run_generic(past, ids)
+            t = int(ln)
+        elif type(past) is np.ndarray and past.ndim == 4:
+            t = past.shape[2]
+        else:
+            return self._run_generic(past, ids)
         b, s = ids.shape
         r2 = self.r2
         pos = empty((s, 1), _F32)  # Range (int64) then Cast to float32
