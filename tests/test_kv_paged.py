@@ -281,7 +281,7 @@ def test_workspace_independent_of_context_and_no_dequantized_bytes():
     # per (kv head, query) task: m, l, tile max, accumulators, two tiles of scores, one decoded
     # block and head with its row multipliers, the tile's block list
     # (kernels.paged_attention.workspace_bytes)
-    g, w, bs = 7, 64, 16
+    g, w, bs = 7, 256, 16  # w: paged_attention.PAGED_TILE
     assert peaks[64] == peaks[4096] == 2 * (4 * (3 * g + g * 64 + 2 * g * (w + 16) + bs * 64
                                                  + bs) + 16 * w)
 

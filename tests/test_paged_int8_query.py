@@ -90,7 +90,9 @@ def _cache(policy, scales, d, kvh, h, ctx, seed):
 CASES = [("int8", "token", 64, 2, 14, 150), ("int4", "token", 64, 2, 14, 150),
          ("int8", "block", 128, 2, 4, 37), ("int4", "block", 64, 4, 4, 100),
          ("float32:1,int8:2,int4", "token", 64, 2, 14, 170),
-         ("int8", "token", 48, 2, 4, 40)]  # D % 64 != 0: the float path (int8_query ignored)
+         ("int8", "token", 48, 2, 4, 40),  # D % 64 != 0: the float path (int8_query ignored)
+         # across softmax tiles (PAGED_TILE = 256 keys: running max / rescale between tiles)
+         ("int8", "token", 64, 2, 14, 600), ("float32:1,int8:2,int4", "token", 64, 2, 14, 700)]
 
 
 @pytest.mark.parametrize("policy,scales,d,kvh,h,ctx", CASES)
@@ -112,7 +114,7 @@ def test_int8_query_scores_follow_the_documented_rounding(policy, scales, d, kvh
     assert 0 < float(np.abs(out - exact).max()) < 0.05
 
 
-@pytest.mark.parametrize("policy,scales,d,kvh,h,ctx", CASES[:5])
+@pytest.mark.parametrize("policy,scales,d,kvh,h,ctx", CASES[:5] + CASES[6:])
 def test_vnni_and_avx2_int8_query_paths_bitwise_equal(policy, scales, d, kvh, h, ctx):
     cache, rows, q1 = _cache(policy, scales, d, kvh, h, ctx, seed=7 * d + ctx)
     outs = {}
@@ -252,3 +254,37 @@ def test_compiled_int8_mode_uses_int8_queries(d64_models, kv, monkeypatch):
     diff = np.abs(got["avx2"][1:] - ref[1:])
     assert 0 < float(diff.max()) < 0.05
     np.testing.assert_array_equal(got["avx2"][0], ref[0])  # the prompt: per-operator in both
+
+
+@pytest.mark.parametrize("kv", ["paged-int8", "paged-mixed"])
+def test_compiled_step_across_tiles(d64_models, kv, monkeypatch):
+    """A 600-token prompt: each of the compiled step's tasks takes 19 blocks, two softmax tiles
+    (16 + 3 blocks). Exact mode: the per-operator plan's logits within 1e-4; int8-activation
+    mode: close to it (int8 queries) and the VNNI and AVX2 paths bitwise equal."""
+    import olv_runtime
+    from olv_runtime import decoder_stack
+
+    monkeypatch.setattr(decoder_stack, "STACK_SERIAL_MAX_WORK", 0)
+    prompt = [(7 * i + 3) % 128 for i in range(600)]
+
+    def run(compiled, quant):
+        sess = olv_runtime.InferenceSession(d64_models[kv], olv_runtime.SessionOptions(
+            compiled_decode=compiled, quantize_activations=quant))
+        st = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
+        st.run({"input_ids": np.array([prompt], np.int64)})
+        return np.stack([st.run({"input_ids": np.array([[t]], np.int64)})["logits"][0, -1].copy()
+                         for t in FORCED[:3]])
+
+    np.testing.assert_allclose(run(True, False), run(False, False), atol=1e-4, rtol=0)
+    ref = run(False, True)
+    isas = ["avx2", "avx512vnni"] if packed_i8.HOST_VNNI else ["avx2"]
+    got = {}
+    try:
+        for isa in isas:
+            packed_i8.set_isa(isa)
+            got[isa] = run(True, True)
+    finally:
+        packed_i8.set_isa(None)
+    for isa in isas[1:]:
+        np.testing.assert_array_equal(got[isa], got["avx2"])
+    assert 0 < float(np.abs(got["avx2"] - ref).max()) < 0.05
