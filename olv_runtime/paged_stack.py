@@ -220,10 +220,16 @@ class PagedDecoderStack(DecoderStack):
                         self.kv_heads, self.head_dim, self.rotary_dim, self.interleaved,
                         self.att_scale, self.inter, st["ws"], logits.reshape(1, self.vocab))
         out = [logits]
-        for mgr, call in zip(self.managers, calls):
-            out.append(mgr.decode_end(call))
         c = self.managers[0].counters
+        # KV bytes read / committed: summed over the layers and counted once (when every layer
+        # counts into the same counters, as a session's do)
+        tally = [0, 0] if all(m.counters is c for m in self.managers) else None
+        for mgr, call in zip(self.managers, calls):
+            out.append(mgr.decode_end(call, tally))
         if c is not None:
+            if tally is not None:
+                c.add("bytes_read_kv_attention", tally[0])
+                c.add("kv_committed_bytes", tally[1])
             nb = 2 * 4 * self.kv_heads * self.head_dim * self.n_layers
             c.add("bytes_copied_kv_append", nb)
             g = self.managers[0].geom

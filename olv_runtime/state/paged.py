@@ -879,10 +879,13 @@ class PagedKV:
         pt.read += kvh * (ref.kc.side.row_bytes + ref.vc.side.row_bytes)
         return DecodeCall(blocks, refs, pt, past, t_in, checked)
 
-    def decode_end(self, call: DecodeCall) -> RuntimeStruct:
+    def decode_end(self, call: DecodeCall, tally: list | None = None) -> RuntimeStruct:
         """Sealing after the compiled step (as :meth:`run`: a block that just filled and the
         blocks whose age moved them to the next stage of the policy are converted); returns
-        the next cache value."""
+        the next cache value. The call's ``bytes_read_kv_attention`` and
+        ``kv_committed_bytes`` go to the counters, or, with ``tally`` (a two-element list),
+        are added to ``tally[0]`` / ``tally[1]`` for the caller to count once for all its
+        layers (the same totals)."""
         bs = self.geom.block_size
         kvh = self.geom.kv_heads
         blocks, refs, pt = call.blocks, call.refs, call.ptab
@@ -927,7 +930,10 @@ class PagedKV:
         new._acct = pt.accounting(id(new), len(blocks))
         if call.checked is not None and blocks is call.blocks:  # nothing sealed
             new._checked = call.checked
-        if c is not None:
+        if tally is not None:
+            tally[0] += read
+            tally[1] += pt.committed
+        elif c is not None:
             c.add("bytes_read_kv_attention", read)
             c.add("kv_committed_bytes", pt.committed)
         return new
