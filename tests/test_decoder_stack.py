@@ -340,3 +340,91 @@ def test_cold_cache_session_hands_the_driver_to_a_worker(qwen2_int4, monkeypatch
     calls.clear()
     _session(qwen2_int4, False)  # no compiled step: no worker
     assert calls == []
+
+def _claim_weight(rng, n, k):
+    from olv_runtime.kernels.packed_i8 import prepack_int4_i8
+
+    u = (rng.integers(-8, 8, size=n * k) & 15).astype(np.uint8)
+    payload = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    scale = (rng.random((n, k // 32), dtype=np.float32) * 0.05 + 1e-3).astype(np.float16)
+    return prepack_int4_i8(payload, scale, None, n, k, 32)
+
+
+def test_claims_partition_the_groups():
+    """kernels.decode_stack._claim: whatever order the tasks claim in, the chunks cover every
+    unit exactly once, each task starts in its own range, and every chunk starts at its
+    range's start plus a multiple of CHUNK_MULTIPLE (where the static split's multi-group
+    passes fall)."""
+    from olv_runtime.kernels import decode_stack as ds
+
+    rng = np.random.default_rng(3)
+    for nt, n, step in [(2, 37, 4), (3, 1000, 8), (2, 5, 4), (4, 3, 4), (3, 608, 4)]:
+        bar = np.zeros(ds.barrier_slots(nt), np.int64)
+        r = list(range(nt))
+        active = list(range(nt))
+        seen = np.zeros(n, np.int64)
+        first = {}
+        while active:
+            t = active[int(rng.integers(len(active)))]
+            u0, u1, r[t] = ds._claim(bar, nt, n, step, r[t])
+            if u0 < 0:
+                active.remove(t)
+                continue
+            first.setdefault(t, r[t])
+            assert u1 > u0
+            seen[u0:u1] += 1
+            s = r[t] * n // nt
+            assert s <= u0 and u1 <= (r[t] + 1) * n // nt
+            assert (u0 - s) % ds.CHUNK_MULTIPLE == 0
+        assert (seen == 1).all()
+        assert all(first[t] == t for t in first if (t + 1) * n // nt > t * n // nt)
+
+
+@pytest.mark.parametrize("mode", ["int8", "exact", "digits"])
+@pytest.mark.parametrize("order", [(1, 0), (0, 1)])
+def test_claimed_chunks_give_the_static_split_bits(mode, order):
+    """Dynamic work distribution changes no row: the two tasks' _linear_part run one after the
+    other (the first drains its own range, then takes every chunk of the other's; the second
+    finds nothing left), and the output (+ residual) is bitwise the static split's (each task
+    its own range in one group-kernel call), in every activation mode."""
+    from olv_runtime.kernels import decode_stack as ds, packed_f32, packed_f32_vnni, packed_i8
+
+    if mode == "digits" and not packed_i8.HOST_VNNI:
+        pytest.skip("the CPU has no AVX-512 VNNI (exact-mode digit kernels)")
+    rng = np.random.default_rng(11)
+    n, k = 8 * 37, 4096  # 37 groups: ranges of 18 and 19, several chunks each
+    pk = _claim_weight(rng, n, k)
+    codes, sc = pk.codes, pk.scale
+    ng, kb = codes.shape[0], codes.shape[1]
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    res = rng.standard_normal((1, n)).astype(np.float32)
+    facc32 = np.zeros(packed_f32.ROWS_MAX * 8, np.float32)
+    ref = np.zeros((1, n), np.float32)
+    halves = [(0, ng // 2), (ng // 2, ng)]  # the static split of 2 tasks
+    vnni = packed_i8.use_vnni()
+    if mode == "int8":
+        xq = packed_i8._aligned_empty((1, 32 * kb), np.int8)
+        xd = np.zeros((1, kb), np.float32)
+        xs8 = np.zeros((1, kb), np.int32)
+        facc8 = np.zeros((1, 8), np.float32)
+        packed_i8._quantize_rows_i8(x, 1, k, kb, xq, xd, xs8)
+        i8 = (xq, xd, xs8, facc8)
+        for g0, g1 in halves:
+            packed_i8._groups(codes, sc, g0, g1, xq, xd, xs8, 1, n, ref, facc8, vnni)
+    elif mode == "exact":
+        i8 = None
+        for g0, g1 in halves:
+            packed_f32._groups_m1(codes, sc, g0, g1, x, n, ref, facc32)
+    else:
+        dg, bz, xsc = packed_f32_vnni.digit_buffers(1, kb)
+        packed_f32_vnni._digits_rows(x, 1, k, dg, bz, xsc)
+        i8 = (dg, bz, xsc)
+        for g0, g1 in halves:
+            packed_f32_vnni._groups_m1(codes, sc, g0, g1, dg, bz, xsc, n, ref, facc32)
+    ref = ref + res
+    out = np.full((1, n), np.nan, np.float32)
+    bar = np.zeros(ds.barrier_slots(2), np.int64)
+    done = [ds._linear_part(t, 2, i8, codes, sc, x, out, facc32, vnni, bar, True, res)
+            for t in order]
+    assert done[0] >= 2 and done[1] == 0
+    assert np.array_equal(out, ref)

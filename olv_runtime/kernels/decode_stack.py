@@ -13,8 +13,9 @@ Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 
 1. ``h = RMSNorm(x) * w_in`` -- every thread computes it privately (E floats, no barrier), and in
    int8 mode quantizes it privately (:func:`~.packed_i8._quantize_rows_i8`; exact mode on the
    VNNI path: its block fixed-point digits, :func:`~.packed_f32_vnni._digits_rows`);
-2. ``qkv = h @ Wqkv.T (+ bias)`` -- 8-row groups split across threads
-   (:func:`~.packed_i8._groups` int8; exact: :func:`~.packed_f32_vnni._groups_m1` on
+2. ``qkv = h @ Wqkv.T (+ bias)`` -- chunks of 8-row groups claimed by the tasks
+   (:func:`_claim`: each task starts with its own share, then takes what is left of the
+   others'; :func:`~.packed_i8._groups` int8; exact: :func:`~.packed_f32_vnni._groups_m1` on
    activation digits where the CPU has VNNI, else :func:`~.packed_f32._groups_m1`); barrier;
 3. RoPE of q (every task into its private copy) and k (non-interleaved or interleaved halves,
    ``rotary_dim``); the last task, whose share of the keys ends with the new one, writes k and
@@ -24,16 +25,19 @@ Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 
    its query heads, 64-key tiles, online softmax): each task takes its share of the keys of every
    kv head (flash-decoding split); barrier; each task merges the partial softmax states into its
    private copy of the attention output (:func:`~.attention._merge_partials`);
-5. ``x1 = attn @ Wo.T + x`` (groups split, residual added per row); barrier;
-6. ``h2 = RMSNorm(x1) * w_post`` (private), ``gu = h2 @ Wgu.T`` (gate rows then up rows): each
-   task computes the same 8-row groups of the gate half and of the up half (when ``inter`` is a
-   multiple of 8; otherwise the groups are split over the whole and a barrier follows);
-7. ``a = g * sigmoid(g) * u`` on the task's own rows (same operations as the unfused SiLU:
+5. ``x1 = attn @ Wo.T + x`` (groups claimed, residual added per row); barrier;
+6. ``h2 = RMSNorm(x1) * w_post`` (private), ``gu = h2 @ Wgu.T`` (gate rows then up rows): a
+   claimed chunk is the same 8-row groups of the gate half and of the up half (when ``inter``
+   is a multiple of 8; otherwise the groups are claimed over the whole and a barrier follows);
+7. ``a = g * sigmoid(g) * u`` on the chunk's rows (same operations as the unfused SiLU:
    ``1 / (1 + exp(-g))``, then two products); barrier;
-8. ``x2 = a @ Wdown.T + x1`` (groups split); barrier.
+8. ``x2 = a @ Wdown.T + x1`` (groups claimed); barrier.
 
-After the last layer: ``RMSNorm(x) * w_final`` (private), ``logits = . @ Wlm.T`` (groups split).
-Five barriers per layer. Before each, a task prefetches the first 2 KiB of its share of the
+After the last layer: ``RMSNorm(x) * w_final`` (private), ``logits = . @ Wlm.T`` (groups
+claimed), a last barrier (it resets the claim offsets for the next call). Five barriers per
+layer. Every linear's groups are claimed in chunks (:func:`_claim`), so a task delayed by the
+machine (another process on its core) or by slower memory no longer makes the others wait at
+the barrier for its fixed share; which task computes a row never changes the row's result. Before each, a task prefetches the first 2 KiB of its share of the
 next weight (the group loop's own prefetch runs that far ahead of the stream, so a linear's
 start would otherwise wait for DRAM after the barrier).
 
@@ -74,6 +78,7 @@ from .norm import _rms_norm_row
 __all__ = ["decode_stack", "StackWorkspace", "WeightTable", "address", "BARRIER_SLOTS"]
 
 BARRIER_SLOTS = 16  # int64 [16]: counter at 0, generation at 8 (separate cache lines)
+WORK_SLOTS = 8      # per task, after the barrier: its range's claim offset (one cache line each)
 GROUP_ROWS = packed_i8.GROUP_ROWS
 GROUP_BLOCK_BYTES = packed_i8.GROUP_BLOCK_BYTES
 _OV = dict(fastmath=False, error_model="numpy")  # the JIT flags overload implementations take
@@ -188,16 +193,26 @@ def _view(typingctx, like, addr, shape):
 SPIN_LIMIT = 1 << 14  # pause-spins before a waiting task starts yielding its CPU
 
 
+def barrier_slots(nt: int) -> int:
+    """Length of the int64 barrier array of ``nt`` tasks (:func:`_barrier`, :func:`_claim`)."""
+    return BARRIER_SLOTS + WORK_SLOTS * nt
+
+
 @njit(**JIT)
 def _barrier(bar, nt):
     """All ``nt`` tasks wait here until every one has arrived (sense by generation count).
     A waiting task spins with ``pause``, then yields its CPU (``sched_yield``) so a descheduled
-    partner on a busy machine gets to run instead of the spinner burning its time slice."""
+    partner on a busy machine gets to run instead of the spinner burning its time slice.
+    The last task to arrive also resets the work ranges' claim offsets (:func:`_claim`) before
+    it releases the others: every task has then finished its claims of the linear before the
+    barrier, and none claims from the next one yet."""
     if nt == 1:
         return
     gen = _atomic_load(bar, 8)
     if _atomic_add(bar, 0, 1) == nt - 1:
         _atomic_store(bar, 0, 0)
+        for r in range(nt):
+            _atomic_store(bar, BARRIER_SLOTS + WORK_SLOTS * r, 0)
         _atomic_add(bar, 8, 1)
     else:
         spins = 0
@@ -237,7 +252,7 @@ class StackWorkspace:
         # exact mode on the VNNI path: per-task activation digits (packed_f32_vnni)
         self.dgt = tuple(a.reshape((nt, 1) + a.shape[1:]) for a in
                          packed_f32_vnni.digit_buffers(nt, kb if packed_i8.HOST_VNNI else 0))
-        self.bar = np.zeros(BARRIER_SLOTS, np.int64)
+        self.bar = np.zeros(barrier_slots(nt), np.int64)
         self.vocab = vocab
         self.i8 = (self.xq, self.xd, self.xs8, self.facc8)  # int8 mode's per-task buffers
         self._att = None
@@ -344,15 +359,82 @@ def _ov_linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
     return impl
 
 
+CHUNK_BYTES = 1 << 16  # codes bytes per claimed chunk of a linear (about 4 us of stream)
+CHUNK_MULTIPLE = 4     # groups per chunk: a multiple of packed_f32_vnni.NG_MULTI
+CHUNK_DIV = 2          # a claim takes 1/CHUNK_DIV of what is left in the range (guided)
+
+
 @njit(inline="always", **JIT)
-def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni):
-    """This task's share (8-row groups ``[g0, g1)``) of ``out[0, :] = xin[0, :] @ W.T``
-    (:func:`_linear_groups`); returns the rows ``(r0, r1)`` it wrote."""
+def _chunk_units(codes, per_unit):
+    """Units of ``per_unit`` groups per claimed chunk of a linear: about :data:`CHUNK_BYTES` of
+    codes, a multiple of :data:`CHUNK_MULTIPLE` units (at least that many)."""
+    ub = codes.shape[1] * GROUP_BLOCK_BYTES * per_unit * CHUNK_MULTIPLE
+    return CHUNK_MULTIPLE * max(np.int64(1), CHUNK_BYTES // ub)
+
+
+@njit(inline="always", **JIT)
+def _claim(bar, nt, n, step, r):
+    """Claim the next chunk of units ``[u0, u1)`` out of ``n`` (units: 8-row groups, or gate/up
+    group pairs), starting the search at range ``r``: returns ``(u0, u1, r)`` with the range
+    the chunk came from, or ``u0 = -1`` when every range is used up.
+
+    Dynamic work distribution. The ``n`` units are cut into ``nt`` ranges, range ``r`` being
+    task ``r``'s static share ``[r n / nt, (r + 1) n / nt)``; each has a claim offset in
+    ``bar`` (int64 slot ``BARRIER_SLOTS + WORK_SLOTS r``, advanced by an atomic add, reset to 0
+    by :func:`_barrier`). A claim takes ``1 / CHUNK_DIV`` of what is left of the range, at least
+    ``step`` units, rounded down to a multiple of :data:`CHUNK_MULTIPLE` (guided scheduling: few
+    long claims first, short ones at the end). A task claims chunks of its own range in order
+    (one contiguous stream, as the static split read it), then takes chunks from the front of
+    the other ranges, so a task that is delayed (descheduled, slower memory) no longer holds the
+    others up at the next barrier.
+
+    Results do not depend on which task computes a chunk, nor on where chunks end: every
+    output row is computed from its own weights and the shared activations only, by the same
+    serial group kernel. Chunks start at the range start plus a multiple of
+    :data:`CHUNK_MULTIPLE` groups, so the multi-group passes of exact mode on the VNNI path
+    (:func:`~.packed_f32_vnni._groups_m1`, 4 groups per pass) fall exactly where the static
+    split put them."""
+    for _ in range(nt):
+        s = r * n // nt
+        e = (r + 1) * n // nt
+        slot = BARRIER_SLOTS + WORK_SLOTS * r
+        rem = e - s - _atomic_load(bar, slot)
+        if rem > 0:
+            size = max(step, CHUNK_MULTIPLE * (rem // (CHUNK_DIV * CHUNK_MULTIPLE)))
+            off = _atomic_add(bar, slot, size)
+            if s + off < e:
+                return s + off, min(s + off + size, e), r
+        r = r + 1 if r + 1 < nt else 0
+    return np.int64(-1), np.int64(-1), r
+
+
+@njit(inline="always", **JIT)
+def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni, bar, add, addv):
+    """This task's part of ``out[0, :] = xin[0, :] @ W.T (+ addv)`` (:func:`_linear_groups`):
+    chunks of 8-row groups claimed with :func:`_claim` (with one task: all groups). ``add``:
+    the rows a chunk wrote get ``+ addv[0, r]`` (bias, residual) before the next claim.
+    Returns the number of chunks this task computed."""
     ng = codes.shape[0]
-    g0 = tid * ng // nt
-    g1 = (tid + 1) * ng // nt
-    _linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1)
-    return g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, out.shape[1])
+    n = out.shape[1]
+    if nt == 1:
+        _linear_groups(i8, codes, scale, xin, out, facc32, vnni, np.int64(0), ng)
+        if add:
+            for r in range(n):
+                out[0, r] = out[0, r] + addv[0, r]
+        return np.int64(1)
+    step = _chunk_units(codes, 1)
+    r = tid
+    done = np.int64(0)
+    while True:
+        g0, g1, r = _claim(bar, nt, ng, step, r)
+        if g0 < 0:
+            break
+        _linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1)
+        if add:
+            for j in range(g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, n)):
+                out[0, j] = out[0, j] + addv[0, j]
+        done += 1
+    return done
 
 
 @njit(inline="always", **JIT)
@@ -374,8 +456,8 @@ def _prefetch_head(codes, scale, g0):
 
 @njit(inline="always", **JIT)
 def _prefetch_part(tid, nt, wt, w, codes0, scale0):
-    """:func:`_prefetch_head` of this task's share of weight ``w`` (as :func:`_linear_part`
-    splits it)."""
+    """:func:`_prefetch_head` of this task's share of weight ``w`` (where its first claim,
+    :func:`_claim`, starts)."""
     cw, sw = _weight(wt, w, codes0, scale0)
     _prefetch_head(cw, sw, tid * cw.shape[0] // nt)
 
@@ -451,11 +533,7 @@ def _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms,
     _rms_norm_row(x[0], norms[2 * li], eps, h[0])
     cw, sw = _weight(wt, 4 * li, codes0, scale0)
     _quantize(i8, h, e, cw.shape[1])
-    r0, r1 = _linear_part(tid, nt, i8, cw, sw, h, qkv, f32, vnni)
-    if has_bias[li]:
-        b = biases[li]
-        for r in range(r0, r1):
-            qkv[0, r] = qkv[0, r] + b[r]
+    _linear_part(tid, nt, i8, cw, sw, h, qkv, f32, vnni, bar, has_bias[li], biases[li:li + 1])
     _prefetch_part(tid, nt, wt, 4 * li + 1, codes0, scale0)  # the output projection's start
     _barrier(bar, nt)
 
@@ -497,9 +575,7 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     xn = xa if nxt == 0 else xb
     cw, sw = _weight(wt, w + 1, codes0, scale0)
     _quantize(i8, attn, hd, cw.shape[1])
-    r0, r1 = _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni)
-    for r in range(r0, r1):
-        xn[0, r] = xn[0, r] + x[0, r]
+    _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni, bar, True, x)
     cw, sw = _weight(wt, w + 2, codes0, scale0)
     ng = cw.shape[0]
     # gate rows [0, inter), up rows [inter, 2 inter): when no 8-row group straddles the two,
@@ -508,7 +584,6 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     halves = inter % GROUP_ROWS == 0 and ng == 2 * (inter // GROUP_ROWS)
     gh = ng // 2
     a0 = tid * gh // nt
-    a1 = (tid + 1) * gh // nt
     if halves:
         _prefetch_head(cw, sw, a0)
         _prefetch_head(cw, sw, gh + a0)
@@ -521,43 +596,67 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     # 6: post-attention norm (private), gate/up projection
     _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
     _quantize(i8, h, e, cw.shape[1])
-    one = np.float32(1.0)
     if halves:
-        _linear_groups(i8, cw, sw, h, gu, f32, vnni, a0, a1)
-        _linear_groups(i8, cw, sw, h, gu, f32, vnni, gh + a0, gh + a1)
-        j0 = a0 * GROUP_ROWS
-        j1 = a1 * GROUP_ROWS
+        # chunks of gate/up group pairs (the same groups of both halves), claimed as the
+        # linears' groups are (_claim); SiLU * up on the chunk's rows
+        if nt == 1:
+            _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, np.int64(0), gh)
+        else:
+            step = _chunk_units(cw, 2)
+            r = tid
+            while True:
+                p0, p1, r = _claim(bar, nt, gh, step, r)
+                if p0 < 0:
+                    break
+                _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, p0, p1)
     else:
-        _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni)
+        _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni, bar, False, gu)
         _barrier(bar, nt)
-        j0 = tid * inter // nt
-        j1 = (tid + 1) * inter // nt
-    # 7: SiLU(gate) * up (same operations as fusion.SiluMul)
-    for j in range(j0, j1):
-        gv = gu[0, j]
-        sg = one / (np.exp(-gv) + one)
-        act[0, j] = (gv * sg) * gu[0, inter + j]
+        _silu_mul(gu, act, inter, tid * inter // nt, (tid + 1) * inter // nt)
     _prefetch_part(tid, nt, wt, w + 3, codes0, scale0)
     _barrier(bar, nt)
     # 8: down projection + residual
     cw, sw = _weight(wt, w + 3, codes0, scale0)
     _quantize(i8, act, inter, cw.shape[1])
-    r0, r1 = _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni)
-    for r in range(r0, r1):
-        xn[0, r] = xn[0, r] + x[0, r]
+    _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni, bar, True, x)
     _prefetch_part(tid, nt, wt, w + 4, codes0, scale0)  # next layer's qkv, or the lm_head
     _barrier(bar, nt)
     return xn, 1 - nxt
 
 
 @njit(inline="always", **JIT)
-def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni):
+def _silu_mul(gu, act, inter, j0, j1):
+    """Step 7 on rows ``[j0, j1)``: ``act = g * sigmoid(g) * u`` (same operations as
+    fusion.SiluMul: ``1 / (1 + exp(-g))``, then two products)."""
+    one = np.float32(1.0)
+    for j in range(j0, j1):
+        gv = gu[0, j]
+        sg = one / (np.exp(-gv) + one)
+        act[0, j] = (gv * sg) * gu[0, inter + j]
+
+
+@njit(inline="always", **JIT)
+def _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, p0, p1):
+    """Gate groups ``[p0, p1)``, the up groups ``gh + [p0, p1)`` (``gh = inter / 8``), then
+    SiLU * up on their rows."""
+    gh = cw.shape[0] // 2
+    _linear_groups(i8, cw, sw, h, gu, f32, vnni, p0, p1)
+    _linear_groups(i8, cw, sw, h, gu, f32, vnni, gh + p0, gh + p1)
+    _silu_mul(gu, act, inter, p0 * GROUP_ROWS, p1 * GROUP_ROWS)
+
+
+@njit(inline="always", **JIT)
+def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
+             bar):
+    """Final norm (private), ``logits = . @ Wlm.T``; a last barrier (it resets the claim
+    offsets for the next call)."""
     e = x.shape[1]
     _rms_norm_row(x[0], norms[2 * n_layers], eps, h[0])
     wl = 4 * n_layers
     cw, sw = _weight(wt, wl, codes0, scale0)
     _quantize(i8, h, e, cw.shape[1])
-    _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni)
+    _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni, bar, False, logits)
+    _barrier(bar, nt)
 
 
 @njit(**JIT)
@@ -618,7 +717,8 @@ def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
         x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
                              inter, attn, h, gu, act, f32, bar, vnni)
-    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni)
+    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
+             bar)
 
 
 @njit(**PJIT)
@@ -767,7 +867,8 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
         x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
                              inter, attn, h, gu, act, f32, bar, vnni)
-    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni)
+    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
+             bar)
 
 
 @njit(**PJIT)
