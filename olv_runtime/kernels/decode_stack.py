@@ -539,22 +539,6 @@ def _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms,
 
 
 @njit(inline="always", **JIT)
-def _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved):
-    """RoPE of this task's query heads and kv heads (in place in ``qkv``); returns the task's
-    kv-head range."""
-    hd = n_heads * d
-    h0 = tid * n_heads // nt
-    h1 = (tid + 1) * n_heads // nt
-    for hh in range(h0, h1):
-        _rope_head(qkv, hh * d, cos, sin, interleaved, rdim)
-    k0 = tid * n_kv // nt
-    k1 = (tid + 1) * n_kv // nt
-    for g in range(k0, k1):
-        _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
-    return k0, k1
-
-
-@njit(inline="always", **JIT)
 def _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p):
     """Every task combines the partial softmax states of all heads into its private copy of
     the attention output (no barrier needed before the output projection reads it)."""
@@ -807,13 +791,15 @@ def _write_open_row(tab, nb, g, bs, d, t_in, src, off):
 @njit(**JIT)
 def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
                         tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
-                        att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx, i8ws, facc32,
-                        bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, ascr, armul, apend,
-                        iq, aqi, aqip, aqmul, aqsum):
+                        att_scale, inter, xa, xb, qkv, qpa, qpa3, kvnew, gu, act, hx, i8ws,
+                        facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, ascr, armul,
+                        apend, iq, aqi, aqip, aqmul, aqsum):
     n_layers = len(tabs)
     hd = n_heads * d
     kvd = n_kv * d
     group = n_heads // n_kv
+    qp = qpa[tid]  # this task's rotated queries [1, H*D], as [H, D]
+    q3 = qpa3[tid]
     h = hx[tid]
     i8 = _task_i8(i8ws, tid)  # None in exact mode
     f32 = facc32[tid]
@@ -836,13 +822,21 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
                     qkv, f32, bar, vnni)
         tab = tabs[li]
         nb = nblk[li]
-        k0, k1 = _rope_part(tid, nt, qkv, cos, sin, n_heads, n_kv, d, rdim, interleaved)
-        for g in range(k0, k1):
-            for i in range(d):
-                kv[0, g * d + i] = qkv[0, hd + g * d + i]
-                kv[1, g * d + i] = qkv[0, hd + kvd + g * d + i]
-            _write_open_row(tab, nb, g, bs, d, tin[li], kv, g * d)
-        _barrier(bar, nt)
+        # RoPE: every task rotates all query heads into its private copy; the last task, whose
+        # share of the blocks ends with the open block, rotates the key heads and writes the
+        # new key and value there -- no other task reads the open block: no barrier before the
+        # attention (as the contiguous step)
+        for i in range(hd):
+            qp[0, i] = qkv[0, i]
+        for hh in range(n_heads):
+            _rope_head(qp, hh * d, cos, sin, interleaved, rdim)
+        if tid == nt - 1:
+            for g in range(n_kv):
+                _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
+                for i in range(d):
+                    kv[0, g * d + i] = qkv[0, hd + g * d + i]
+                    kv[1, g * d + i] = qkv[0, hd + kvd + g * d + i]
+                _write_open_row(tab, nb, g, bs, d, tin[li], kv, g * d)
         if iq:  # int8 queries for INT8/INT4 key blocks (every task quantizes all heads)
             pk._quantize_heads(q3, 0, n_heads, att_scale, qi, qip, qmul, qsum)
         b0 = tid * nb // nt
@@ -874,14 +868,14 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
 @njit(**PJIT)
 def _stack_par_paged(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, tabs, nblk, tin,
                      bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
-                     qkv, q3, kvnew, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po,
-                     attn_p, asc, ap, amx, ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum):
+                     qkv, qpa, qpa3, kvnew, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm, pl,
+                     po, attn_p, asc, ap, amx, ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum):
     for tid in prange(nt):
         _stack_thread_paged(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms,
                             eps, tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim,
-                            interleaved, att_scale, inter, xa, xb, qkv, q3, kvnew, gu, act, hx,
-                            i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx,
-                            ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum)
+                            interleaved, att_scale, inter, xa, xb, qkv, qpa, qpa3, kvnew, gu,
+                            act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap,
+                            amx, ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum)
 
 
 def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tabs, nblk,
@@ -893,8 +887,10 @@ def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tab
     (:mod:`.paged_attention`) and the weights are a :class:`WeightTable`: ``tabs`` a typed list of int64 [>= nblk[l], TABLE_COLS] arrays
     (one per layer), ``nblk`` int64 [L] rows used, ``tin`` int64 [L] the token index inside the
     last (open, float32/float16) block where the new key and value are written, ``block_size``
-    BS. Step 3 writes k, v there (the bookkeeping -- slot claim, allocation, sealing -- is the
-    caller's, :meth:`olv_runtime.state.paged.PagedKV.decode_begin` / ``decode_end``); step 4 runs
+    BS. Step 3 writes k, v there: the last task, whose share of the blocks ends with the open
+    block, so no barrier before the attention (the bookkeeping -- slot claim, allocation,
+    sealing -- is the caller's, :meth:`olv_runtime.state.paged.PagedKV.decode_begin` /
+    ``decode_end``); step 4 runs
     :func:`~.paged_attention._paged_rows` over this task's share of the blocks for every kv head
     and merges the partial states as the contiguous step does. In int8-activation mode
     (``quant``) the scores of INT8/INT4 key blocks are integer dot products against the query
@@ -906,7 +902,7 @@ def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tab
     scr, rmul, pend, kvnew, qi, qip, qmul, qsum = ws.paged(d, w, n_kv, int(block_size), n_heads)
     args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, tabs,
             nblk, tin, int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-            inter, ws.xa, ws.xb, ws.qkv, ws.q3(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
+            inter, ws.xa, ws.xb, ws.qkv, *ws.qprivate(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
             ws.exact_buffers(quant), ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att,
             scr, rmul, pend, bool(quant), qi, qip, qmul, qsum)
     if nt > 1:
