@@ -259,6 +259,14 @@ def _tile_max_init(mx, ng):
         mx[hh] = -np.inf
 
 
+# the same functions inlined into _attend_rows (numba IR, same flags): one library level less,
+# so numba's LLVM pass over every caller's closure (prefill driver, compiled decode step) is not
+# repeated for them (cold start); the paged kernels call the dispatchers above
+_tile_max_init_il = njit(inline="always", **JIT)(_tile_max_init.py_func)
+_scores_rows_il = njit(inline="always", **JIT)(_scores_rows.py_func)
+_softmax_tile_il = njit(inline="always", **JIT)(_softmax_tile.py_func)
+
+
 @njit(**JIT)
 def _attend_rows(qg, ng, k, v, j0, j1, scale, m, l, o, sc, p, mx):
     """Keys/values ``k[j0:j1]``, ``v[j0:j1]`` (float32 [T, D] rows of one kv head) into the
@@ -268,9 +276,9 @@ def _attend_rows(qg, ng, k, v, j0, j1, scale, m, l, o, sc, p, mx):
     zero = np.int64(0)  # not the literal 0: a literal argument is one more specialisation
     for t0 in range(j0, j1, TILE):
         nt = min(TILE, j1 - t0)
-        _tile_max_init(mx, ng)
-        _scores_rows(qg, ng, k, t0, nt, scale, sc, zero, mx)
-        _softmax_tile(sc, ng, nt, mx, m, l, o, p)
+        _tile_max_init_il(mx, ng)
+        _scores_rows_il(qg, ng, k, t0, nt, scale, sc, zero, mx)
+        _softmax_tile_il(sc, ng, nt, mx, m, l, o, p)
         _accum_rows(p, zero, ng, v, t0, nt, o, one)
 
 
@@ -317,7 +325,7 @@ def _merge_partials(pm, pl, po, n, h, out):
         out[i] *= inv
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out):
     """Task ``t`` of ``B*KVH*S``: query row ``s`` of every head of kv head ``g`` (GQA: one pass
     over the kv head's keys/values serves its ``H/KVH`` query heads)."""

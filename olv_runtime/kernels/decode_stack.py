@@ -56,7 +56,14 @@ an ``overload``), so only one mode's kernels are compiled; the serial entry is
 :func:`_stack_thread` itself (one specialisation shared with the parallel driver, whose task
 index is cast to int64); the packed weights and KV buffers arrive as int64 address tables turned
 into array views inside the program (:func:`_view`), not as numba typed lists (whose methods
-are compiled again in every process and box on every call).
+are compiled again in every process and box on every call). Helpers called at many places of
+the program (:func:`_linear_part`, :func:`_weight`, the prefetches) are functions of their own,
+compiled once; numba's IR inlining (``inline="always"``) is kept for the once-called layer
+parts: inlining a helper re-translates and re-types it at every call site (measured: ~2 s of
+the step's ~9 s compilation when the many-site helpers were inlined). A library level costs
+LLVM work too -- each compiled function's LLVM module re-optimises and re-emits everything
+linked into it -- so small helpers called from one place are inlined (``inline="always"`` in
+:mod:`.attention` and :mod:`.packed_f32_vnni`).
 """
 from __future__ import annotations
 
@@ -408,7 +415,7 @@ def _claim(bar, nt, n, step, r):
     return np.int64(-1), np.int64(-1), r
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni, bar, add, addv):
     """This task's part of ``out[0, :] = xin[0, :] @ W.T (+ addv)`` (:func:`_linear_groups`):
     chunks of 8-row groups claimed with :func:`_claim` (with one task: all groups). ``add``:
@@ -437,7 +444,7 @@ def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni, bar, add, ad
     return done
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def _prefetch_head(codes, scale, g0):
     """Prefetch the first :data:`~.packed_i8.PF_BYTES` of the codes and scales stream that
     starts at group ``g0`` (the part the group loop's own prefetch, that far ahead, never
@@ -454,7 +461,7 @@ def _prefetch_head(codes, scale, g0):
             packed_i8._prefetch(scale, sb + off)
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def _prefetch_part(tid, nt, wt, w, codes0, scale0):
     """:func:`_prefetch_head` of this task's share of weight ``w`` (where its first claim,
     :func:`_claim`, starts)."""
@@ -516,7 +523,7 @@ def _rope_head(buf, off, cos, sin, interleaved, rdim):
             buf[0, off + half + i] = sin[i] * x1 + cos[i] * x2
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def _weight(wt, w, codes0, scale0):
     """Packed weight ``w`` (codes, scale) from the address table (see :func:`decode_stack`)."""
     ng = wt[w, 2]

@@ -292,7 +292,7 @@ _xb_r4 = _make_xblock(1, 4)
 # ------------------------------------------------------------------------------------------------
 # activation digits
 # ------------------------------------------------------------------------------------------------
-@njit(**JIT)
+@njit(inline="always", **JIT)  # into its callers: one library level less
 def _digits_row(x, i, k, dg, bz, xsc):
     """Digits of row ``i`` of ``x`` (float32 [., >= k]); returns its number of non-finite
     blocks."""
@@ -318,7 +318,7 @@ def _digits_rows(x, m, k, dg, bz, xsc):
 # ------------------------------------------------------------------------------------------------
 # group loops
 # ------------------------------------------------------------------------------------------------
-@njit(**JIT)
+@njit(inline="always", **JIT)  # into its callers: one library level less
 def _pass_m1(codes, scale, g, ngrp, dg, bz, xsc, facc):
     """``facc[8 gi : 8 gi + 8] = y[0, 8 (g + gi) : +8]`` for ``gi < ngrp`` (1 or NG_MULTI).
 
@@ -378,7 +378,7 @@ def _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc):
         g += ngrp
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)  # into its callers: one library level less
 def _pass_rows(codes, scale, g, i0, nr, dg, bz, xsc, facc):
     """``facc[8 r : 8 r + 8] = y[i0 + r, 8 g : 8 g + 8]`` for ``r < nr`` (1, 2 or 4 rows sharing
     the decoded codes of group g)."""
