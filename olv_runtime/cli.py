@@ -275,6 +275,9 @@ def cmd_demo(args) -> int:
     from olv_runtime.models.random_checkpoint import write_random_qwen2
 
     _session_options(args)  # validate --threads before building anything
+    from olv_runtime.decoder_stack import prestart_precompile
+
+    prestart_precompile()  # empty numba cache: the compile worker starts up during the build
     work = pathlib.Path(args.workdir) if args.workdir else pathlib.Path(tempfile.mkdtemp(prefix="olv-demo-"))
     ckpt = work / "checkpoint"
     print(f"[1/3] building a small random Qwen2 checkpoint in {ckpt} (no download)", flush=True)

@@ -175,14 +175,16 @@ def _match_layer(steps, i, x, constants):
 _ATTENTION_OPS = {("", "Attention"), ("com.microsoft", "GroupQueryAttention")}
 
 
-def prestart_precompile(graph) -> bool:
+def prestart_precompile(graph=None) -> bool:
     """Session creation, before its plan is made: when ``graph`` has attention nodes (the
     plan may fuse a :class:`DecoderStack`) and numba's cache holds no compiled driver, start
     the compile worker now (:func:`olv_runtime.kernels.precompile.prestart`): it imports the
     kernels while this process prepacks the weights, and compiles the driver as soon as the
     stack gives its signature (:meth:`DecoderStack._start_precompile`). The session calls
     :func:`~olv_runtime.kernels.precompile.release_idle` after the plan (a worker no stack
-    used exits). Not when this process has asked a worker for a driver already (a later
+    used exits). ``graph`` None: no check of the graph (``olv demo`` calls it before it
+    builds its model: the worker's start-up then overlaps the conversion). Not when this
+    process has asked a worker for a driver already (a later
     session most likely needs the same one: :func:`~olv_runtime.kernels.precompile.start`
     gives it that job). Returns whether a worker waits; only time depends on it, never
     results."""
@@ -191,7 +193,8 @@ def prestart_precompile(graph) -> bool:
 
     if not precompile.enabled() or precompile.asked("olv_runtime.kernels.decode_stack"):
         return False
-    if not any((canonical_domain(n.domain), n.op_type) in _ATTENTION_OPS for n in graph.node):
+    if graph is not None and not any((canonical_domain(n.domain), n.op_type) in _ATTENTION_OPS
+                                     for n in graph.node):
         return False
     if precompile.cache_index_exists("decode_stack.py", ("_stack_thread", "_stack_par")):
         return False

@@ -420,6 +420,9 @@ def _serve(result_path: str, modules) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--serve":
-        sys.exit(_serve(sys.argv[2], sys.argv[3:]))
-    sys.exit(_worker(sys.argv[1], sys.argv[2]))
+    _rc = _serve(sys.argv[2], sys.argv[3:]) if sys.argv[1] == "--serve" else \
+        _worker(sys.argv[1], sys.argv[2])
+    # the result file is complete (written, renamed) and the cache files are closed: skip the
+    # interpreter's teardown of numba and LLVM (~0.5 s during which the waiting main process
+    # would still see the worker running)
+    os._exit(_rc)
