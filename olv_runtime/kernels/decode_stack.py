@@ -415,6 +415,13 @@ def _claim(bar, nt, n, step, r):
     return np.int64(-1), np.int64(-1), r
 
 
+# the add flag of _linear_part: module-level numpy bools, which numba types as plain booleans;
+# a literal True / False argument would make one more specialisation of _linear_part each
+# (cold start: measured 3 compilations of it instead of 1)
+_YES = np.bool_(True)
+_NO = np.bool_(False)
+
+
 @njit(**JIT)
 def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni, bar, add, addv):
     """This task's part of ``out[0, :] = xin[0, :] @ W.T (+ addv)`` (:func:`_linear_groups`):
@@ -566,7 +573,7 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     xn = xa if nxt == 0 else xb
     cw, sw = _weight(wt, w + 1, codes0, scale0)
     _quantize(i8, attn, hd, cw.shape[1])
-    _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni, bar, True, x)
+    _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni, bar, _YES, x)
     cw, sw = _weight(wt, w + 2, codes0, scale0)
     ng = cw.shape[0]
     # gate rows [0, inter), up rows [inter, 2 inter): when no 8-row group straddles the two,
@@ -601,7 +608,7 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
                     break
                 _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, p0, p1)
     else:
-        _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni, bar, False, gu)
+        _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni, bar, _NO, gu)
         _barrier(bar, nt)
         _silu_mul(gu, act, inter, tid * inter // nt, (tid + 1) * inter // nt)
     _prefetch_part(tid, nt, wt, w + 3, codes0, scale0)
@@ -609,7 +616,7 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     # 8: down projection + residual
     cw, sw = _weight(wt, w + 3, codes0, scale0)
     _quantize(i8, act, inter, cw.shape[1])
-    _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni, bar, True, x)
+    _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni, bar, _YES, x)
     _prefetch_part(tid, nt, wt, w + 4, codes0, scale0)  # next layer's qkv, or the lm_head
     _barrier(bar, nt)
     return xn, 1 - nxt
@@ -646,7 +653,7 @@ def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits
     wl = 4 * n_layers
     cw, sw = _weight(wt, wl, codes0, scale0)
     _quantize(i8, h, e, cw.shape[1])
-    _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni, bar, False, logits)
+    _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni, bar, _NO, logits)
     _barrier(bar, nt)
 
 
