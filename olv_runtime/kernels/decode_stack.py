@@ -301,18 +301,30 @@ class StackWorkspace:
         multipliers ``[nt, BS + 16]``, a tile's block list ``[nt, width, 2]`` int64, the new
         key/value rows ``[nt, 2, KVH*D]``; the int8 queries of int8-activation mode
         (:func:`~.paged_attention._quantize_heads`): codes and INT4-order codes ``[nt, H, D]``
-        int8, ``qmul [nt, H]`` float32, ``qsum [nt, H]`` int32."""
+        int8, ``qmul [nt, H]`` float32, ``qsum [nt, H]`` int32; the partial softmax max/sum
+        ``pm, pl [nt, H]`` and the tile max ``[nt, H/KVH]`` of the paged step. Rows of the
+        small per-task arrays are padded to whole 64-byte lines (views of ``[nt, >= 16]``
+        arrays): the tasks update them all through the attention, and two tasks' rows in one
+        cache line would bounce it between the cores."""
         a = getattr(self, "_paged", None)
         if a is None or a[2].shape[1] != width or a[0].shape[1] != bs or a[4].shape[1] != n_heads:
             nt = self.nt
+
+            def padded(n, dtype):  # [nt, n] rows 64-byte aligned apart
+                w = -(-n // 16) * 16
+                return np.zeros((nt, w), dtype)[:, :n]
+
             a = self._paged = (np.zeros((nt, bs, d), np.float32),
                                np.zeros((nt, bs + SLACK), np.float32),
                                np.zeros((nt, width, 2), np.int64),
                                np.zeros((nt, 2, n_kv * d), np.float32),
                                np.zeros((nt, n_heads, d), np.int8),
                                np.zeros((nt, n_heads, d), np.int8),
-                               np.zeros((nt, n_heads), np.float32),
-                               np.zeros((nt, n_heads), np.int32))
+                               padded(n_heads, np.float32),
+                               padded(n_heads, np.int32),
+                               padded(n_heads, np.float32),
+                               padded(n_heads, np.float32),
+                               padded(n_heads // n_kv, np.float32))
         return a
 
     @property
@@ -913,7 +925,9 @@ def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tab
     """
     w = pk.tile_width(block_size)
     att = ws.attention(n_heads, n_kv, d, w)
-    scr, rmul, pend, kvnew, qi, qip, qmul, qsum = ws.paged(d, w, n_kv, int(block_size), n_heads)
+    scr, rmul, pend, kvnew, qi, qip, qmul, qsum, pm, pl, amx = ws.paged(d, w, n_kv,
+                                                                    int(block_size), n_heads)
+    att = (pm, pl) + tuple(att[2:6]) + (amx,)  # line-padded per-task max/sum rows
     args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, tabs,
             nblk, tin, int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
             inter, ws.xa, ws.xb, ws.qkv, *ws.qprivate(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
