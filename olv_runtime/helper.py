@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import ml_dtypes
 import numpy as np
 
 from olv_runtime.proto import (
@@ -49,8 +48,7 @@ _NP_TO_ONNX: dict[np.dtype, int] = {
     np.dtype(np.uint32): TensorProto.UINT32,
     np.dtype(np.uint64): TensorProto.UINT64,
     np.dtype(np.bool_): TensorProto.BOOL,
-    np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16,  # raw_data: the 16-bit patterns
-}
+}  # + bfloat16 (raw_data: the 16-bit patterns), added by _bfloat16() when first needed
 _ONNX_TO_NP: dict[int, np.dtype] = {v: k for k, v in _NP_TO_ONNX.items()}
 
 # Sub-byte storage types: bits per code and signedness.
@@ -81,6 +79,8 @@ def np_dtype_to_tensor_type(dtype) -> int:
         If the dtype has no dense ONNX equivalent handled here.
     """
     dt = np.dtype(dtype)
+    if dt.name == "bfloat16":
+        _bfloat16()
     try:
         return _NP_TO_ONNX[dt]
     except KeyError:
@@ -104,12 +104,25 @@ def tensor_type_to_np_dtype(elem_type: int) -> np.dtype:
     TypeError
         If the element type is not a dense type handled here.
     """
+    if elem_type == TensorProto.BFLOAT16:
+        _bfloat16()
     try:
         return _ONNX_TO_NP[int(elem_type)]
     except KeyError:
         raise TypeError(
             f"ONNX element type {elem_type} ({_type_name(elem_type)}) has no numpy dtype here"
         ) from None
+
+
+def _bfloat16() -> None:
+    """Add bfloat16 to the dtype tables (ml_dtypes is imported only when a bfloat16 value is
+    met: its import costs 0.1-0.9 s)."""
+    if TensorProto.BFLOAT16 not in _ONNX_TO_NP:
+        from olv_runtime.structs.layout import bfloat16_dtype
+
+        dt = bfloat16_dtype()
+        _NP_TO_ONNX[dt] = TensorProto.BFLOAT16
+        _ONNX_TO_NP[TensorProto.BFLOAT16] = dt
 
 
 def _type_name(elem_type: int) -> str:

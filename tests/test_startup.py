@@ -20,7 +20,8 @@ NOT_IMPORTED = ("onnx", "onnx.defs", "scipy.linalg", "numpy.f2py", "olv_runtime.
                 "olv_runtime.models.qwen", "transformers", "jinja2", "tokenizers", "torch",
                 "olv_runtime.structs.ggml", "olv_runtime.ops.com_microsoft",
                 "olv_runtime.state.paged", "olv_runtime.prompt_cache",
-                "olv_runtime.kernels.packed_zp")
+                "olv_runtime.kernels.packed_zp",
+                "ml_dtypes")  # 0.1-0.9 s to import; only bfloat16 values need it
 
 _CHILD = r"""
 import json, sys
@@ -97,3 +98,22 @@ def test_models_package_is_lazy():
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["False", "olv_runtime.models.qwen", "olv_runtime.models.qwen",
                                 "True"]
+
+
+def test_bfloat16_tables_import_ml_dtypes_when_first_needed():
+    """bfloat16 (GGUF BF16 fields, helper tensors) works in a fresh interpreter although
+    ``import olv_runtime`` no longer imports ml_dtypes."""
+    code = ("import sys, olv_runtime\n"
+            "from olv_runtime.proto import TensorProto as T\n"
+            "from olv_runtime.structs.layout import LEAF_TYPES\n"
+            "from olv_runtime.helper import np_dtype_to_tensor_type, tensor_type_to_np_dtype\n"
+            "before = 'ml_dtypes' in sys.modules\n"
+            "bits, kind, dt = LEAF_TYPES[T.BFLOAT16]\n"
+            "import ml_dtypes\n"
+            "print(before, T.BFLOAT16 in LEAF_TYPES, bits, kind, dt == ml_dtypes.bfloat16,\n"
+            "      tensor_type_to_np_dtype(T.BFLOAT16) == ml_dtypes.bfloat16,\n"
+            "      np_dtype_to_tensor_type(ml_dtypes.bfloat16) == T.BFLOAT16,\n"
+            "      LEAF_TYPES.get(12345))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "True", "16", "float", "True", "True", "True", "None"]

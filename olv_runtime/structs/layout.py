@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import ml_dtypes
 import numpy as np
 
 from olv_runtime.errors import LayoutError, SizeOverflowError
@@ -35,10 +34,33 @@ UINT64_MAX = (1 << 64) - 1
 
 #: Fixed-width ONNX scalar leaves: data type -> (bit width, kind, numpy dtype of the field array).
 #: Sub-byte integers come back widened to int8/uint8; BOOL is one byte (0 = False).
-LEAF_TYPES: dict[int, tuple[int, str, np.dtype]] = {
+#: BFLOAT16 (GGUF BF16 tensors) is resolved at its first lookup: its numpy dtype comes from
+#: ml_dtypes, whose import costs 0.1-0.9 s (0.5.4 / 0.7.0) that models without a bfloat16 field
+#: should not pay at ``import olv_runtime``.
+class _LeafTypes(dict):
+    def __missing__(self, key):
+        if key == TensorProto.BFLOAT16:
+            self[key] = value = (16, "float", bfloat16_dtype())
+            return value
+        raise KeyError(key)
+
+    def __contains__(self, key):
+        return key == TensorProto.BFLOAT16 or dict.__contains__(self, key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
+def bfloat16_dtype() -> np.dtype:
+    """numpy dtype of bfloat16 (ml_dtypes, imported at the first call)."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+LEAF_TYPES: dict[int, tuple[int, str, np.dtype]] = _LeafTypes({
     TensorProto.FLOAT: (32, "float", np.dtype("<f4")),
     TensorProto.FLOAT16: (16, "float", np.dtype("<f2")),
-    TensorProto.BFLOAT16: (16, "float", np.dtype(ml_dtypes.bfloat16)),  # GGUF BF16 tensors
     TensorProto.DOUBLE: (64, "float", np.dtype("<f8")),
     TensorProto.INT8: (8, "int", np.dtype("i1")),
     TensorProto.UINT8: (8, "uint", np.dtype("u1")),
@@ -53,7 +75,7 @@ LEAF_TYPES: dict[int, tuple[int, str, np.dtype]] = {
     TensorProto.UINT4: (4, "uint", np.dtype("u1")),
     TensorProto.INT2: (2, "int", np.dtype("i1")),
     TensorProto.UINT2: (2, "uint", np.dtype("u1")),
-}
+})
 
 
 def component_type(bit_width: int) -> tuple[int, np.dtype]:
