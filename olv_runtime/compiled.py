@@ -641,6 +641,7 @@ class CompiledEntries:
         self._why: dict = {}  # device index -> device-rule miss reason (None: compatible)
         self._dir = _cache_dir()  # verified-digest cache, read from the environment once
         self._ranges: tuple = (None, None)  # (number of mapped files, _mapped_ranges)
+        self._plans: dict = {}  # checked field plans (_field_plan)
 
     # -- per-entry rules ---------------------------------------------------------------------
     def _miss(self, i: int, reason: str) -> None:
@@ -724,10 +725,52 @@ class CompiledEntries:
                     f"{location!r} ({size} bytes): truncated")
         return (mm, offset, length)
 
+    def _field_plan(self, root, lay, source) -> tuple | str:
+        """(ints, [(array name, dtype, shape, byte offset in the record)]) of a physical type
+        for ``source``'s shape, or a miss reason. The checks depend only on the declaration,
+        the layout and the source's [N, K] / zero point / scale dtype: entries sharing them
+        (the same linear of every layer) are checked once per session."""
+        layout = root.layout
+        n, k = source.shape
+        key = (id(layout), lay.name, n, k, source.zero_point is not None,
+               np.dtype(source.scale.dtype).str)
+        got = self._plans.get(key)
+        if got is not None and got[0] is layout:  # (the id of a live declaration)
+            return got[1]
+        ints = {}
+        plan = None
+        for name in lay.ints:
+            c = layout.constant(name)
+            if c is None or c.value.size != 1:
+                plan = f"physical type {lay.name!r} has no scalar constant field {name!r}"
+                break
+            ints[name] = int(c.value.reshape(-1)[0])
+        if plan is None and (ints.get("n"), ints.get("k")) != (n, k):
+            plan = (f"compiled entry is for [N, K] = [{ints.get('n')}, {ints.get('k')}], the "
+                    f"source {source.name!r} is [{n}, {k}]")
+        if plan is None:
+            want = lay.shapes(n, k, source.zero_point is not None, source.scale.dtype)
+            fields = []
+            for name in lay.arrays:
+                leaf = layout.leaf(name)
+                dt, shape = want[name]
+                dt, shape = np.dtype(dt), tuple(shape)
+                if leaf is None:
+                    plan = f"physical type {lay.name!r} has no field {name!r}"
+                    break
+                if leaf.dtype != dt or tuple(leaf.shape) != shape or not leaf.byte_aligned():
+                    plan = (f"field {name!r} is {leaf.dtype}{list(leaf.shape)}, the layout "
+                            f"needs {dt}{list(shape)} for [N, K] = [{n}, {k}]")
+                    break
+                fields.append((name, dt, shape, leaf.offset // 8))
+            else:
+                plan = (ints, fields)
+        self._plans[key] = (layout, plan)
+        return plan
+
     def _fields(self, i: int, root, lay, source) -> tuple | str:
         """(packed part, {array: (buffer, offset)}, hashed parts) or a miss reason."""
         e = self.entries[i]
-        layout = root.layout
         got = self._payload(e.value, root.record_bytes)
         if isinstance(got, str):
             return got
@@ -735,30 +778,15 @@ class CompiledEntries:
         if nbytes != root.record_bytes:
             return (f"compiled payload has {nbytes} bytes, the olv layouts store one record of "
                     f"{root.record_bytes} bytes")
-        ints = {}
-        for name in lay.ints:
-            c = layout.constant(name)
-            if c is None or c.value.size != 1:
-                return f"physical type {lay.name!r} has no scalar constant field {name!r}"
-            ints[name] = int(c.value.reshape(-1)[0])
-        n, k = source.shape
-        if (ints.get("n"), ints.get("k")) != (n, k):
-            return (f"compiled entry is for [N, K] = [{ints.get('n')}, {ints.get('k')}], the "
-                    f"source {source.name!r} is [{n}, {k}]")
-        want = lay.shapes(n, k, source.zero_point is not None, source.scale.dtype)
+        plan = self._field_plan(root, lay, source)
+        if isinstance(plan, str):
+            return plan
+        ints, fields = plan
         arrays, where, parts = {}, {}, []
-        for name in lay.arrays:
-            leaf = layout.leaf(name)
-            dt, shape = want[name]
-            if leaf is None:
-                return f"physical type {lay.name!r} has no field {name!r}"
-            if leaf.dtype != np.dtype(dt) or tuple(leaf.shape) != tuple(shape) or \
-                    not leaf.byte_aligned():
-                return (f"field {name!r} is {leaf.dtype}{list(leaf.shape)}, the layout needs "
-                        f"{np.dtype(dt)}{list(shape)} for [N, K] = [{n}, {k}]")
-            off = off0 + leaf.offset // 8
-            if np.dtype(dt).itemsize and off % np.dtype(dt).alignment:
-                return f"field {name!r} at byte {off} is not {np.dtype(dt).alignment}-byte aligned"
+        for name, dt, shape, rel in fields:
+            off = off0 + rel
+            if dt.itemsize and off % dt.alignment:
+                return f"field {name!r} at byte {off} is not {dt.alignment}-byte aligned"
             if buf is None or 0 in shape:
                 arr = np.zeros(shape, dt)
             else:

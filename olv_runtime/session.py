@@ -365,6 +365,10 @@ class InferenceSession:
                 producers[o] = i
         order = self._toposort(nodes, producers)
         impls: dict[int, Any] = {}
+        constants = self._constants
+        structured_inputs = {name for name, vi in self._input_infos.items()
+                             if name not in constants
+                             and vi.type.WhichOneof("value") == "struct_type"}
         for i in order:
             node = nodes[i]
             domain = canonical_domain(node.domain)
@@ -375,10 +379,9 @@ class InferenceSession:
                 )
             cls = control.resolve(self, domain, node.op_type)  # model-local functions first
             for name in node.input:
-                enc = self._constants.get(name) if name else None
-                structured = (name in self._input_infos and name not in self._constants
-                              and self._input_infos[name].type.WhichOneof("value") == "struct_type")
-                if isinstance(enc, (AffineValue, StructValue)) or structured:
+                enc = constants.get(name)
+                structured = name in structured_inputs
+                if structured or (enc is not None and isinstance(enc, (AffineValue, StructValue))):
                     what = "an encoded value" if enc is not None else "a structured graph input"
                     recognized = (name in self._recognized and domain == ""
                                   and node.op_type == "DequantizeLinear")
@@ -599,17 +602,18 @@ class InferenceSession:
     def _strided_inputs(self, graph) -> frozenset:
         """Graph inputs read only as Attention past_key/past_value (or by Shape/Size): they may be
         strided views (e.g. a previous call's present, a prefix of a KV capacity buffer)."""
+        infos = self._input_infos
         uses: dict[str, set] = {}
         for node in graph.node:
+            op = None
             for j, name in enumerate(node.input):
-                if name:
-                    any_strides = (node.op_type == "Attention" and j in (4, 5)) or \
-                        (node.op_type == "GroupQueryAttention" and j in (3, 4)) or \
-                        node.op_type in ("Shape", "Size")
+                if name in infos:  # only graph inputs matter (most inputs are node outputs)
+                    op = op or node.op_type
+                    any_strides = (op == "Attention" and j in (4, 5)) or \
+                        (op == "GroupQueryAttention" and j in (3, 4)) or op in ("Shape", "Size")
                     uses.setdefault(name, set()).add("past" if any_strides else "other")
         outs = set(self._output_names)
-        return frozenset(n for n, u in uses.items()
-                         if u == {"past"} and n in self._input_infos and n not in outs)
+        return frozenset(n for n, u in uses.items() if u == {"past"} and n not in outs)
 
     def accepts_strided(self, name: str) -> bool:
         """True if input ``name`` may be fed as a non-contiguous view (KV past inputs)."""
