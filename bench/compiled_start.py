@@ -13,6 +13,13 @@ time), peak RSS (VmHWM) and the resident split after decode (RssAnon / RssFile).
 row (llama-cpp-python, mmap on, same threads, same prompt length and tokens) reports peak RSS
 and decode tok/s. The numba cache must be warm (run once before; bench/cold_start.py measures
 the cold case). Run on a quiet machine.
+
+Python bytecode: a wheel install (``pip install olv_runtime``) byte-compiles the package, so its
+imports read ``.pyc`` files; an editable install writes them at the first import unless
+``PYTHONDONTWRITEBYTECODE`` is set (it is in some sandboxes), in which case every process
+compiles each module it imports from source: ~0.05 s more session creation (the kernel modules
+a session imports) and more import time. The header line says which case was measured;
+``--byte-compile`` first byte-compiles the package (``compileall``, as pip does for a wheel).
 """
 from __future__ import annotations
 
@@ -100,6 +107,31 @@ def child_llama(spec: dict) -> dict:
             **_status()}
 
 
+def bytecode_status() -> str:
+    """How many of olv_runtime's modules have an up-to-date .pyc, and whether Python writes
+    them (PYTHONDONTWRITEBYTECODE)."""
+    import importlib.util
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "olv_runtime"
+    srcs = list(root.rglob("*.py"))
+    fresh = 0
+    for src in srcs:
+        pyc = pathlib.Path(importlib.util.cache_from_source(str(src)))
+        if pyc.is_file() and pyc.stat().st_mtime >= src.stat().st_mtime:
+            fresh += 1
+    writes = "not written (PYTHONDONTWRITEBYTECODE set)" if sys.flags.dont_write_bytecode \
+        else "written at first import"
+    return f"bytecode: {fresh} of {len(srcs)} olv_runtime modules byte-compiled; .pyc files {writes}"
+
+
+def byte_compile() -> None:
+    """Byte-compile the olv_runtime package (what pip does when it installs a wheel)."""
+    import compileall
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "olv_runtime"
+    compileall.compile_dir(str(root), quiet=1)
+
+
 def run_child(kind: str, spec: dict) -> dict:
     r = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(spec)],
                        capture_output=True, text=True)
@@ -122,12 +154,17 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--quantize-activations", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="runs per model (all printed)")
+    ap.add_argument("--byte-compile", action="store_true",
+                    help="byte-compile olv_runtime first (compileall), as a wheel install does")
     ns = ap.parse_args(argv)
+    if ns.byte_compile:
+        byte_compile()
     base = {"threads": ns.threads, "prompt_len": ns.prompt_len, "new_tokens": ns.new_tokens,
             "quantize": ns.quantize_activations}
     print(f"threads {ns.threads}, prompt {ns.prompt_len}, {ns.new_tokens} new tokens, "
           f"activations {'int8' if ns.quantize_activations else 'float32'}; load average "
           f"{os.getloadavg()[0]:.2f}")
+    print(bytecode_status())
     mb = 1e6
     for path in ns.models:
         for _ in range(ns.repeat):
