@@ -16,6 +16,11 @@ same loop written inline in the ``prange`` body is not vectorised by numba 0.68 
 :func:`stream_bandwidth` returns the best variant and every variant's figure;
 :func:`stream_sum` is the fastest integer kernel, for scripts that stream their own buffers
 (e.g. to evict caches). :func:`check_vectorised` inspects the assembly for vector adds.
+
+On this machine kind the 2 vCPUs move over the host and the 2-thread streaming read swings
+between ~33 and ~58 GB/s from one minute to the next, so a "% of stream" is only meaningful
+against a stream figure of the same moment: :class:`StreamProbe` keeps one buffer and measures
+the streaming read on demand, for benchmarks that interleave it with their own timed calls.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from numba import njit, prange
 
 from olv_runtime.kernels import config  # noqa: F401  (same threading layer as the runtime)
 
-__all__ = ["stream_sum", "stream_bandwidth", "check_vectorised", "above_bound"]
+__all__ = ["stream_sum", "stream_bandwidth", "StreamProbe", "check_vectorised", "above_bound"]
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -129,6 +134,46 @@ def stream_bandwidth(nbytes: int = 1 << 30, reps: int = 7, threads: int | None =
     if detail:
         return best, med, variants
     return best, med
+
+
+class StreamProbe:
+    """The streaming read of :func:`stream_bandwidth` on demand, for interleaving with other
+    timed work (a figure of the same minutes as the work it is compared with).
+
+    Parameters
+    ----------
+    nbytes : int
+        Buffer size (default 1 GiB: the full streaming read, far beyond the caches).
+    threads : int, optional
+        Threads of the read kernels (default: numba's current count).
+
+    :meth:`rate` reads the whole buffer ``reps`` times with each multi-threaded variant
+    (``f32``, ``u32``; ``numpy`` is single-threaded and never the fastest here) and returns the
+    best rate in GB/s (1e9 bytes/s).
+    """
+
+    def __init__(self, nbytes: int = 1 << 30, threads: int | None = None):
+        import numba
+
+        self.nbytes = int(nbytes)
+        self.nt = int(threads or numba.get_num_threads())
+        self._raw = np.ones(self.nbytes, np.uint8)
+        f32 = self._raw.view(np.float32)
+        u32 = self._raw.view(np.uint32)
+        nt = self.nt
+        self._fns = (lambda: _sum_f32(f32, nt), lambda: _sum_u32(u32, nt))
+        for fn in self._fns:
+            fn()  # compile / load, first touch
+
+    def rate(self, reps: int = 2) -> float:
+        """Best streaming-read rate (GB/s) of ``reps`` reads per variant, measured now."""
+        best = float("inf")
+        for _ in range(int(reps)):
+            for fn in self._fns:
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+        return self.nbytes / best / 1e9
 
 
 def check_vectorised() -> dict:
