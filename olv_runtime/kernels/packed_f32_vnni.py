@@ -73,8 +73,8 @@ from numba.core.extending import intrinsic
 
 from .config import JIT, PJIT
 from .packed_i8 import (
-    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, _check_array_arg, _elem_ptr, _is_scale_array,
-    _load_scales8, _prefetch, _splat,
+    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, V8F32, _check_array_arg, _elem_ptr, _fstore,
+    _is_scale_array, _load_scales8, _prefetch, _splat,
 )
 
 __all__ = ["PIECES", "DG_BYTES", "digit_buffers"]
@@ -93,7 +93,7 @@ DG_BYTES = PIECES * BLOCK  # digit bytes per (row, block)
 NG_MULTI = 4               # groups per pass of the M = 1 multi-group variant
 NG4_MIN_K = 2048           # M = 1: K from which the multi-group variant always runs ...
 NG1_MIN_N = 32768          # ... below it, N from which one group per pass runs (lm_head)
-PF_BYTES = 4096            # software prefetch distance in each codes stream
+PF_BYTES = 4096           # software prefetch distance in each codes stream
 DIGITS_PAR_MIN_M = 8       # rows from which the digits are computed in a parallel loop
 
 
@@ -189,11 +189,20 @@ def _xdigits(typingctx, x, xoff, ln, dg, bz, xsc, rb):
     return types.boolean(x, types.intp, types.intp, dg, bz, xsc, types.intp), codegen
 
 
-def _emit_xblocks(context, builder, sig, args, ngrp, nrows):
+def _emit_xblocks(context, builder, sig, args, ngrp, nrows, regs=False):
     """IR of one block of ``ngrp`` consecutive groups for ``nrows`` activation rows:
-    ``facc[8 (gi * nrows + r) : +8] = fma(T, scale * xsc, .)`` (see the module docstring)."""
-    codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc = args
-    aty = sig.args
+    ``acc = fma(T, scale * xsc, acc)`` (see the module docstring) for the accumulator of each
+    (group gi, row r): ``facc[8 (gi * nrows + r) : +8]`` in memory, or (``regs``, one row) the
+    ``gi``-th vector of the accumulator tuple, returned updated; ``regs`` also prefetches
+    (``llvm.prefetch``) each group's codes ``pfc`` bytes (two lines) and its scales ``pfs``
+    elements after the block's."""
+    if regs:
+        accs, codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, pfc, pfs = args
+        kbw = ir.Constant(rb0.type, 0)
+        aty = sig.args[1:]
+    else:
+        codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc = args
+        aty = sig.args
     it = rb0.type
 
     def ci(v):
@@ -207,6 +216,12 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows):
     rbs = [builder.add(rb0, builder.mul(kbw, ci(r))) for r in range(nrows)]
     gcb = [builder.add(cb, builder.mul(gsc, ci(gi))) for gi in range(ngrp)]
     gso = [builder.add(so, builder.mul(gss, ci(gi))) for gi in range(ngrp)]
+    if regs and PF_BYTES > 0:
+        for gi in range(ngrp):
+            pa = builder.add(gcb[gi], pfc)
+            _emit_prefetch(context, builder, aty[0], codes, pa)
+            _emit_prefetch(context, builder, aty[0], codes, builder.add(pa, ci(64)))
+            _emit_prefetch(context, builder, aty[3], scale, builder.add(gso[gi], pfs))
     raw = {}
 
     def code_vec(gi, c, h):
@@ -253,6 +268,13 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows):
                                            builder.sitofp(b, _LV8F32)])
     xss = [_splat(builder, builder.load(_elem_ptr(context, builder, aty[8], xsc, rbs[r], _F32)),
                   _LV8F32) for r in range(nrows)]
+    if regs:
+        out = []
+        for gi in range(ngrp):
+            sc = _load_scales8(context, builder, aty[3], scale, gso[gi])
+            acc = builder.extract_value(accs, gi)
+            out.append(builder.call(fma, [tv[gi, 0], builder.fmul(sc, xss[0]), acc]))
+        return context.make_tuple(builder, sig.return_type, out)
     for gi in range(ngrp):
         sc = _load_scales8(context, builder, aty[3], scale, gso[gi])
         for r in range(nrows):
@@ -261,6 +283,18 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows):
             builder.store(builder.call(fma, [tv[gi, r], builder.fmul(sc, xss[r]), acc]), p,
                           align=4)
     return context.get_dummy_value()
+
+
+def _emit_prefetch(context, builder, aty, arr, off):
+    """``prefetcht0`` of element ``off`` of array ``arr`` (may lie past the end: never faults)."""
+    ary = context.make_array(aty)(context, builder, arr)
+    esz = context.get_abi_sizeof(context.get_data_type(aty.dtype))
+    p = builder.bitcast(ary.data, _I8.as_pointer())
+    p = builder.gep(p, [builder.mul(off, ir.Constant(off.type, esz))])
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
+        "llvm.prefetch.p0i8")
+    builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
 def _make_xblock(ngrp, nrows):
@@ -283,7 +317,42 @@ def _make_xblock(ngrp, nrows):
     return _xblock
 
 
-_xb_g4 = _make_xblock(NG_MULTI, 1)
+def _make_xacc(ngrp):
+    @intrinsic
+    def _xacc(typingctx, accs, codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb, pfc, pfs):
+        """``accs`` (``ngrp`` float32 x 8 vectors, one per group) after one block (codes byte
+        ``cb``, scale element ``so``; group strides ``gsc`` / ``gss``) of ``ngrp`` groups for
+        one row (digit row-block ``rb``), accumulated in registers; prefetches each group's
+        codes ``pfc`` bytes and its scales ``pfs`` elements ahead of the block's."""
+        if not (isinstance(accs, types.UniTuple) and accs.count == ngrp and accs.dtype == V8F32
+                and _check_array_arg(codes, types.uint8) and _is_scale_array(scale)
+                and _check_array_arg(dg, types.int8) and _check_array_arg(bz, types.int32)
+                and _check_array_arg(xsc, types.float32)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _emit_xblocks(context, builder, sig, args, ngrp, 1, regs=True)
+        sig = accs(accs, codes, types.intp, types.intp, scale, types.intp, types.intp, dg, bz,
+                   xsc, types.intp, types.intp, types.intp)
+        return sig, codegen
+    return _xacc
+
+
+def _make_zeros(ngrp):
+    @intrinsic
+    def _zeros(typingctx):
+        """``ngrp`` float32 x 8 zero vectors (the register accumulators of one pass)."""
+        def codegen(context, builder, sig, args):
+            return context.make_tuple(builder, sig.return_type,
+                                      [ir.Constant(_LV8F32, [0.0] * 8)] * ngrp)
+        return types.UniTuple(V8F32, ngrp)(), codegen
+    return _zeros
+
+
+_xa_g4 = _make_xacc(NG_MULTI)
+_xa_g1 = _make_xacc(1)
+_z_g4 = _make_zeros(NG_MULTI)
+_z_g1 = _make_zeros(1)
 _xb_g1 = _make_xblock(1, 1)
 _xb_r2 = _make_xblock(1, 2)
 _xb_r4 = _make_xblock(1, 4)
@@ -319,63 +388,64 @@ def _digits_rows(x, m, k, dg, bz, xsc):
 # group loops
 # ------------------------------------------------------------------------------------------------
 @njit(inline="always", **JIT)  # into its callers: one library level less
-def _pass_m1(codes, scale, g, ngrp, dg, bz, xsc, facc):
-    """``facc[8 gi : 8 gi + 8] = y[0, 8 (g + gi) : +8]`` for ``gi < ngrp`` (1 or NG_MULTI).
-
-    The ngrp groups are ngrp interleaved streams (block b of each in turn); each is prefetched
-    PF_BYTES ahead, continuing into the same stream of the next ngrp-group pass (the group ngrp
-    further on) when it runs past the end of its group."""
-    kb = codes.shape[1]
-    for t in range(GROUP_ROWS * ngrp):
-        facc[t] = np.float32(0.0)
-    base = g * kb
-    gsc = kb * GROUP_BLOCK_BYTES
-    gss = kb * GROUP_ROWS
-    pq = PF_BYTES // gsc
-    pr = PF_BYTES - pq * gsc
-    sq = (PF_BYTES // 16) // gss
-    sr = PF_BYTES // 16 - sq * gss
-    for b in range(kb):
-        cb = (base + b) * GROUP_BLOCK_BYTES
-        so = (base + b) * GROUP_ROWS
-        if PF_BYTES > 0:
-            for gi in range(ngrp):
-                pa = (g + gi + ngrp * pq) * gsc + pr
-                _prefetch(codes, pa)
-                _prefetch(codes, pa + 64)
-                _prefetch(scale, (g + gi + ngrp * sq) * gss + sr)
-            pr += GROUP_BLOCK_BYTES
-            if pr >= gsc:
-                pr -= gsc
-                pq += 1
-            sr += GROUP_ROWS
-            if sr >= gss:
-                sr -= gss
-                sq += 1
-        if ngrp == NG_MULTI:
-            _xb_g4(codes, cb, gsc, scale, so, gss, dg, bz, xsc, b, kb, facc)
-        else:
-            _xb_g1(codes, cb, gsc, scale, so, gss, dg, bz, xsc, b, kb, facc)
+def _store_row8(acc, g, n, out, facc):
+    """``out[0, 8 g : 8 g + 8] = acc`` (the part below ``n``; a partial group through
+    ``facc``)."""
+    r0 = g * GROUP_ROWS
+    if r0 + GROUP_ROWS <= n:
+        _fstore(out, r0, acc)
+    else:
+        _fstore(facc, 0, acc)
+        for c in range(n - r0):
+            out[0, r0 + c] = facc[c]
 
 
 @njit(**JIT)
 def _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc):
     """Groups ``g0..g1-1`` of ``out[0]`` for a one-row ``x`` whose digits are row 0 of
-    ``dg`` / ``bz`` / ``xsc`` (``facc``: float32 >= 32 scratch)."""
+    ``dg`` / ``bz`` / ``xsc`` (``facc``: float32 >= 8 scratch).
+
+    Passes of NG_MULTI groups (accumulators in registers), then one group at a time; tall
+    weights with short rows (K < NG4_MIN_K, N >= NG1_MIN_N: the lm_head) one group at a time
+    throughout. A pass over NG_MULTI groups reads NG_MULTI interleaved streams (block b of
+    each in turn); each is prefetched PF_BYTES ahead, continuing into the same stream of the
+    next pass (the group NG_MULTI further on) when it runs past the end of its group: at stream
+    position ``s = 128 b + PF_BYTES`` bytes into group ``g + gi`` the target lies
+    ``q = s // gsc`` groups of its stream further, ``PF_BYTES + (NG_MULTI - 1) q gsc`` bytes
+    after the block's codes (the scales: the same in units of 16 bytes of codes per scale
+    element). One group at a time: one stream, prefetched PF_BYTES ahead."""
     kb = codes.shape[1]
-    ngm = NG_MULTI
-    if kb * BLOCK < NG4_MIN_K and codes.shape[0] * GROUP_ROWS >= NG1_MIN_N:
-        ngm = 1
+    gsc = kb * GROUP_BLOCK_BYTES
+    gss = kb * GROUP_ROWS
     g = g0
+    if not (kb * BLOCK < NG4_MIN_K and codes.shape[0] * GROUP_ROWS >= NG1_MIN_N):
+        while g + NG_MULTI <= g1:
+            base = g * kb
+            q = PF_BYTES // gsc
+            r = PF_BYTES - q * gsc
+            pfc = PF_BYTES + (NG_MULTI - 1) * q * gsc
+            pfs = PF_BYTES // 16 + (NG_MULTI - 1) * q * gss
+            accs = _z_g4()
+            for b in range(kb):
+                accs = _xa_g4(accs, codes, (base + b) * GROUP_BLOCK_BYTES, gsc, scale,
+                              (base + b) * GROUP_ROWS, gss, dg, bz, xsc, b, pfc, pfs)
+                r += GROUP_BLOCK_BYTES
+                if r >= gsc:
+                    r -= gsc
+                    pfc += (NG_MULTI - 1) * gsc
+                    pfs += (NG_MULTI - 1) * gss
+            for gi in range(NG_MULTI):
+                _store_row8(accs[gi], g + gi, n, out, facc)
+            g += NG_MULTI
     while g < g1:
-        ngrp = ngm if g + ngm <= g1 else 1
-        _pass_m1(codes, scale, g, ngrp, dg, bz, xsc, facc)
-        for gi in range(ngrp):
-            r0 = (g + gi) * GROUP_ROWS
-            nc = min(GROUP_ROWS, n - r0)
-            for c in range(nc):
-                out[0, r0 + c] = facc[gi * GROUP_ROWS + c]
-        g += ngrp
+        base = g * kb
+        accs1 = _z_g1()
+        for b in range(kb):
+            accs1 = _xa_g1(accs1, codes, (base + b) * GROUP_BLOCK_BYTES, gsc, scale,
+                           (base + b) * GROUP_ROWS, gss, dg, bz, xsc, b, PF_BYTES,
+                           PF_BYTES // 16)
+        _store_row8(accs1[0], g, n, out, facc)
+        g += 1
 
 
 @njit(inline="always", **JIT)  # into its callers: one library level less
