@@ -59,7 +59,7 @@ from .packed import _pad_rows, prepare_call, workspace_args
 from . import packed_f32_vnni
 from .packed_i8 import (
     BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, HOST_VNNI, PackedInt4I8, _check_array_arg, _elem_ptr,
-    _is_scale_array, _load_scales8, _prefetch, _splat, use_vnni,
+    _is_scale_array, _load_scales8, _prefetch, _splat, fast_call_rows, num_threads, use_vnni,
 )
 
 __all__ = ["PackedF32Workspace", "make_workspace_f32", "linear_packed_i8_exact"]
@@ -431,16 +431,20 @@ def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray 
         inf or NaN get the float path's IEEE results.
     """
     vnni = use_vnni()
-    m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedF32Workspace,
-                              make_workspace_f32,
-                              ws_rows=1 if (packed.k == packed.k_padded and not vnni) else None)
-    if m == 0:
-        return out
+    ws = workspace
+    m = fast_call_rows(x, packed, out, ws, PackedInt4I8, PackedF32Workspace)
+    if m < 0:
+        m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedF32Workspace,
+                                  make_workspace_f32,
+                                  ws_rows=1 if (packed.k == packed.k_padded and not vnni)
+                                  else None)
+        if m == 0:
+            return out
     k, n, kp = packed.k, packed.n, packed.k_padded
-    ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
+    # too small to pay for a parallel region; and a weight below the bound always runs short
+    # row counts serially, so a small model compiles no parallel driver for them
+    ntasks = min(ws.n_tasks, num_threads(), packed.n_groups)
     if m * n * kp < SERIAL_MAX_WORK or (m < 8 and n * kp < SERIAL_MAX_WORK):
-        # too small to pay for a parallel region; and a weight below the bound always runs
-        # short row counts serially, so a small model compiles no parallel driver for them
         ntasks = 1
     if vnni:
         if ntasks <= 1:

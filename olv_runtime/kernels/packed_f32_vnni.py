@@ -74,7 +74,7 @@ from numba.core.extending import intrinsic
 from .config import JIT, PJIT
 from .packed_i8 import (
     BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, V8F32, _check_array_arg, _elem_ptr, _fstore,
-    _is_scale_array, _load_scales8, _prefetch, _splat,
+    _is_scale_array, _load_scales8, _prefetch, _splat, prefetch_task_head,
 )
 
 __all__ = ["PIECES", "DG_BYTES", "digit_buffers"]
@@ -511,16 +511,17 @@ def _linear_vnni_par(x, m, k, codes, scale, n, out, ntasks, facc, dg, bz, xsc):
     """:func:`_linear_vnni_ser` with the groups split over ``ntasks`` tasks (and the digits of
     M >= DIGITS_PAR_MIN_M rows over the rows)."""
     bad = 0
+    ng = codes.shape[0]
     if m >= DIGITS_PAR_MIN_M:
         for i in prange(m):
             bad += _digits_row(x, i, k, dg, bz, xsc)
     else:
         bad = _digits_rows(x, m, k, dg, bz, xsc)
-    ng = codes.shape[0]
     for task in prange(ntasks):
         g0 = task * ng // ntasks
         g1 = (task + 1) * ng // ntasks
         if m == 1:
+            prefetch_task_head(codes, scale, g0, g1, NG_MULTI, PF_BYTES)
             _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc[task])
         else:
             _groups_rows(codes, scale, g0, g1, m, dg, bz, xsc, n, out, facc[task])

@@ -45,13 +45,18 @@ Inner loop per (group, block, activation row): 8 x (``vpbroadcastd`` of 4 int8 a
 (the symmetric offset: ``sum q*x = sum u*x - 8 sum x``), ``vcvtdq2ps``, 2 ``vmulps``, ``vaddps``;
 the code vectors (4 loads, ``vpand``/``vpsrlw``) are decoded once per (group, block) and shared
 by up to 4 activation rows whose accumulators stay in registers (rows in chunks of 4, 2, 1; a
-later chunk re-reads the group's codes from L1/L2, not DRAM). M = 1 is memory-bound (about 14
-cycles of ALU work per 160 bytes and thread); M >= 2 is bound by the ~8 vector ALU uops per
+later chunk re-reads the group's codes from L1/L2, not DRAM). M = 1 (:func:`_groups_m1`) runs
+two groups per pass instead: each activation broadcast feeds both groups, each group's 8
+``vpdpbusd`` run as two chains of 4 (11-12 cycles per group and block from L2, one thread,
+against ~15 for one group at a time). M >= 2 is bound by the ~8 vector ALU uops per
 (8 rows x 32 codes x activation row), i.e. vpmaddubsw throughput plus the vpaddw reduction.
 
-Memory: the codes and scales of a task are one contiguous stream each; the group loops issue
-``prefetcht0`` :data:`PF_BYTES` (2 KiB) ahead of the codes stream (and the matching scales) --
-without it the kernel reached only ~60 % of the streaming-read bandwidth at M = 1.
+Memory: the codes and scales of a group are one contiguous stream each; the group loops issue
+``prefetcht0`` :data:`PF_BYTES` (4 KiB) ahead in each codes stream (and the matching scales) --
+without it the kernel reached only ~60 % of the streaming-read bandwidth at M = 1; 4 KiB gave
++12 % over 2 KiB on the 4864 x 896 weight from DRAM (one thread, two streams), 8 KiB -10 % on
+896 x 4864. The parallel driver prefetches the head of each task's streams when the task
+starts (:func:`prefetch_task_head`).
 Activation quantization of full 32-blocks is also vector IR (``vdivps``/``vroundps``, the same
 IEEE operations as the scalar loop, so ``xq``/``d`` are bitwise those of ``_quantize_rows``).
 
@@ -87,7 +92,7 @@ from .config import JIT, PJIT, check_array, check_int, check_out
 from .half import scale_bits
 from .packed import _quantize_block, prepare_call, workspace_args  # shared
 
-__all__ = ["isa", "set_isa", "use_vnni", "HOST_VNNI", "PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
+__all__ = ["isa", "set_isa", "use_vnni", "fast_call_rows", "num_threads", "HOST_VNNI", "PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
 
 def _host_vnni() -> bool:
@@ -100,19 +105,29 @@ def _host_vnni() -> bool:
 #: The host has AVX-512 VNNI with 256-bit forms (``vpdpbusd ymm``); numba compiles for the host,
 #: so without it the VNNI instruction is never emitted.
 HOST_VNNI = _host_vnni()
-_ISA = {"forced": None}
+
+
+def _env_isa():
+    import os
+
+    return os.environ.get("OLV_ISA", "").strip().lower() or None
+
+
+#: ``forced``: set by :func:`set_isa`; ``env``: the ``OLV_ISA`` environment variable, read once
+#: when this module is imported (a per-call ``os.environ`` lookup costs ~1 us, as much as the
+#: rest of a small call's Python)
+_ISA = {"forced": None, "env": _env_isa()}
 
 
 def isa() -> str:
     """The instruction path of the int8 dot products, chosen at run time from the CPU's
     features: ``"avx512vnni"`` (``vpdpbusd``) where the CPU has AVX-512 VNNI (+VL), else
-    ``"avx2"`` (``vpmaddubsw`` + ``vpmaddwd``). :func:`set_isa` (or ``OLV_ISA=avx2``) forces
-    the fallback. Both paths compute the same exact integer sums: results are bitwise equal."""
+    ``"avx2"`` (``vpmaddubsw`` + ``vpmaddwd``). :func:`set_isa` (or ``OLV_ISA=avx2`` in the
+    environment when olv_runtime is imported) forces the fallback. Both paths compute the same
+    exact integer sums: results are bitwise equal."""
     forced = _ISA["forced"]
     if forced is None:
-        import os
-
-        forced = os.environ.get("OLV_ISA", "").strip().lower() or None
+        forced = _ISA["env"]
     if forced == "avx2" or not HOST_VNNI:
         return "avx2"
     return "avx512vnni"
@@ -134,12 +149,56 @@ def use_vnni() -> bool:
     return isa() == "avx512vnni"
 
 
+_NT = {"get": None}
+
+
+def num_threads() -> int:
+    """``numba.get_num_threads()`` in ~0.2 us instead of ~0.7: once numba's threads are up, its
+    C getter (the one ``numba.get_num_threads`` ends in, same thread-local count) is called
+    directly; the public function where that getter is not found (another numba version)."""
+    get = _NT["get"]
+    if get is None:
+        n = numba.get_num_threads()  # launches the threading layer
+        from numba.np.ufunc import parallel
+
+        get = getattr(parallel, "_get_num_threads", None)
+        _NT["get"] = get if callable(get) else numba.get_num_threads
+        return n
+    return get()
+
+
+_F32 = np.dtype(np.float32)
+
+
+def fast_call_rows(x, packed, out, workspace, packed_cls, ws_cls) -> int:
+    """``M`` of a call whose arguments are all given and valid as they usually are in a decode
+    loop (``x`` float32 ``[M, K]`` and ``out`` float32 ``[M, N]`` C-contiguous, ``out``
+    writeable, ``M >= 1``, a workspace of ``ws_cls`` large enough, ``packed`` exactly a
+    ``packed_cls``), else -1: the wrapper then runs the full checks of
+    :func:`~.packed.prepare_call`, which name what is wrong. About 0.7 us instead of ~3."""
+    if (type(packed) is not packed_cls or type(workspace) is not ws_cls
+            or type(x) is not np.ndarray or type(out) is not np.ndarray
+            or x.dtype is not _F32 or out.dtype is not _F32):
+        return -1
+    xs = x.shape
+    if len(xs) != 2 or xs[1] != packed.k:
+        return -1
+    m = xs[0]
+    if (m < 1 or out.shape != (m, packed.n) or workspace.m_max < m
+            or workspace.k_max < packed.k_padded):
+        return -1
+    fo = out.flags
+    if not (x.flags.c_contiguous and fo.c_contiguous and fo.writeable):
+        return -1
+    return m
+
+
 GROUP_ROWS = 8      # rows per group: the 8 lanes of one ymm of int32 / float32
 BLOCK = 32          # quantization block along K (the only block size supported)
 GROUP_BLOCK_BYTES = 128  # codes bytes per (group, block): 8 rows x 32 codes x 4 bits
 SERIAL_MAX_WORK = 1 << 18  # M*N*Kp below this: serial driver (a parallel region costs more)
 ALIGN = 64
-PF_BYTES = 2048    # software prefetch distance ahead of the codes stream (0: off)
+PF_BYTES = 4096    # software prefetch distance ahead of the codes stream (0: off)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1016,14 +1075,33 @@ def _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
 # ------------------------------------------------------------------------------------------------
 # drivers
 # ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def prefetch_task_head(codes, scale, g0, g1, nstreams, pf):
+    """Prefetch the first ``pf`` codes bytes (and the matching scales) of each of the first
+    ``nstreams`` groups of ``[g0, g1)``: the part of a task's streams that the group loops'
+    own prefetch (``pf`` ahead) never covers. Issued when a task starts, so the DRAM latency
+    of its first blocks overlaps instead of stalling each stream in turn."""
+    kb = codes.shape[1]
+    gsc = kb * GROUP_BLOCK_BYTES
+    gss = kb * GROUP_ROWS
+    nb = min(pf, gsc)
+    for g in range(g0, min(g1, g0 + nstreams)):
+        for off in range(0, nb, 64):
+            _prefetch(codes, g * gsc + off)
+        for off in range(0, nb // GROUP_BLOCK_BYTES * GROUP_ROWS, 64 // scale.itemsize):
+            _prefetch(scale, g * gss + off)
+
 @njit(**PJIT)
-def _linear_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc, vnni):
+def _linear_par(x, m, k, codes, scale, n, out, ntmax, xq, xd, xs8, facc, vnni):
+    """``min(ntmax, groups)`` tasks."""
     kb = codes.shape[1]
     _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
     ng = codes.shape[0]
+    ntasks = min(ntmax, ng)
     for task in prange(ntasks):
         g0 = task * ng // ntasks
         g1 = (task + 1) * ng // ntasks
+        prefetch_task_head(codes, scale, g0, g1, 2, PF_BYTES)
         _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc[task], vnni)
 
 
@@ -1052,21 +1130,26 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
         From :func:`make_workspace_i8` with ``m_max >= M`` and ``k_max >= K``. With ``out`` and
         ``workspace`` given the call allocates no array data. One workspace per concurrent call.
     """
-    m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedI8Workspace,
-                              make_workspace_i8)
-    if m == 0:
-        return out
+    ws = workspace
+    m = fast_call_rows(x, packed, out, ws, PackedInt4I8, PackedI8Workspace)
+    if m < 0:
+        m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedI8Workspace,
+                                  make_workspace_i8)
+        if m == 0:
+            return out
     k, n, kp = packed.k, packed.n, packed.k_padded
-    ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
-    if m >= 8 and m * n * kp >= SERIAL_MAX_WORK and use_vnni():
+    vnni = use_vnni()
+    if m >= 8 and m * n * kp >= SERIAL_MAX_WORK and vnni:
         # prefill: the register-blocked VNNI tile GEMM (same bits; compiled at its first use)
         from .packed_i8_gemm import gemm_i8_vnni
 
+        ntasks = min(ws.n_tasks, num_threads(), packed.n_groups)
         return gemm_i8_vnni(x, m, k, packed, out, ws, max(1, ntasks))
-    if m * n * kp < SERIAL_MAX_WORK or ntasks == 1:
+    ntasks = min(ws.n_tasks, num_threads())
+    if m * n * kp < SERIAL_MAX_WORK or ntasks == 1 or packed.n_groups == 1:
         _linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
-                    ws.facc[0], use_vnni())
-    else:
-        _linear_par(x, m, k, packed.codes, packed.scale, n, out, ntasks, ws.xq, ws.xd, ws.xs8,
-                    ws.facc, use_vnni())
+                    ws.facc[0], vnni)
+    else:  # the driver takes min(ntasks, groups) tasks
+        _linear_par(x, m, k, packed.codes, packed.scale, n, out, ntasks, ws.xq, ws.xd,
+                    ws.xs8, ws.facc, vnni)
     return out
