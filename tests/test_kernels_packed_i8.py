@@ -210,6 +210,48 @@ def test_invalid_arguments():
     assert linear_packed_i8(np.empty((0, k), np.float32), pk).shape == (0, n)
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_all_arguments_given_still_checked(exact):
+    """With out and workspace given the wrappers take a fast path (fast_call_rows); every
+    argument it does not accept goes through the full checks, which raise as before, and an
+    accepted call gives the bytes of the fully checked one (out=None, workspace=None)."""
+    from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact, make_workspace_f32
+
+    fn, mkws = ((linear_packed_i8_exact, make_workspace_f32) if exact
+                else (linear_packed_i8, make_workspace_i8))
+    other_ws = make_workspace_i8 if exact else make_workspace_f32
+    rng = np.random.default_rng(5)
+    n, k = 24, 96
+    _, payload, scale = _weight(n, k, rng)
+    pk = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    ws = mkws(2, k)
+    out = np.empty((2, n), np.float32)
+    np.testing.assert_array_equal(fn(x, pk, out, workspace=ws), fn(x, pk))
+    ro = np.empty((2, n), np.float32)
+    ro.flags.writeable = False
+    wide = np.empty((2, 2 * k), np.float32)
+    cases = [
+        ("x", dict(x=x.astype(np.float64))),
+        ("x", dict(x=wide[:, ::2])),                       # not C-contiguous
+        ("x", dict(x=x[:, :-1].copy())),
+        ("x", dict(x=x.astype(">f4"))),                     # non-native byte order
+        ("out", dict(out=ro)),
+        ("out", dict(out=np.empty((2, 2 * n), np.float32)[:, ::2])),
+        ("out", dict(out=np.empty((2, n), np.float64))),
+        ("out", dict(out=np.empty((3, n), np.float32))),
+        ("workspace", dict(workspace=mkws(1, k))),
+        ("workspace", dict(workspace=mkws(2, k - 32))),
+        ("workspace", dict(workspace=other_ws(2, k))),
+        ("packed", dict(packed=prepack_int4(payload, scale, None, n, k, 32))),
+    ]
+    for name, kw in cases:
+        args = dict(x=x, packed=pk, out=out, workspace=ws)
+        args.update(kw)
+        with pytest.raises(InvalidArgument, match=name):
+            fn(args["x"], args["packed"], args["out"], workspace=args["workspace"])
+
+
 def test_wide_dynamic_range_activations():
     """Vectorised full-block quantization = the scalar one (values over 1e-40 .. 1e6, ties)."""
     rng = np.random.default_rng(13)
