@@ -315,41 +315,6 @@ def test_vnni_and_avx2_paths_bitwise_equal(n, k, m):
     assert packed_i8.isa() == ("avx512vnni" if packed_i8.HOST_VNNI else "avx2")
 
 
-@pytest.mark.parametrize("isa", ["avx2", None])
-@pytest.mark.parametrize("n,k", [(8, 32), (24, 96), (130, 100), (200, 2048), (72, 4864)])
-def test_one_row_group_loop_over_any_range(n, k, isa):
-    """M = 1 runs two groups per pass (_groups_m1; the compiled decode step calls it on the
-    chunks it claims): over any range of groups it gives the bytes of the one-group kernel
-    (_group_r1), on either instruction path."""
-    from olv_runtime.kernels import packed_i8 as pi
-
-    rng = np.random.default_rng(n + 7 * k)
-    _, payload, scale = _weight(n, k, rng)
-    p = prepack_int4_i8(payload, scale.astype(np.float16), None, n, k, 32)
-    x = rng.standard_normal((1, k)).astype(np.float32)
-    ws = make_workspace_i8(1, k, 1)
-    kb = p.k_blocks
-    pi._quantize_rows_i8(x, 1, k, kb, ws.xq, ws.xd, ws.xs8)
-    ng = p.n_groups
-    try:
-        pi.set_isa(isa)
-        vnni = pi.use_vnni()
-        ref = np.zeros((1, n), np.float32)
-        for g in range(ng):
-            pi._group_r1(p.codes, p.scale, g, ws.xq, ws.xd, ws.xs8, 0, n, ref, ws.facc[0], vnni)
-        for g0, g1 in ((0, ng), (1, ng), (ng // 2, ng), (1, min(ng, 4)), (0, 1)):
-            if g0 >= g1:
-                continue
-            out = np.zeros((1, n), np.float32)
-            pi._groups_m1(p.codes, p.scale, g0, g1, ws.xq, ws.xd, ws.xs8, n, out, ws.facc[0],
-                          vnni)
-            lo, hi = 8 * g0, min(8 * g1, n)
-            np.testing.assert_array_equal(out[:, lo:hi], ref[:, lo:hi])
-            assert not out[:, :lo].any() and not out[:, hi:].any()
-    finally:
-        pi.set_isa(None)
-
-
 def test_isa_selection_and_errors():
     from olv_runtime.kernels import packed_i8
 

@@ -45,18 +45,21 @@ Inner loop per (group, block, activation row): 8 x (``vpbroadcastd`` of 4 int8 a
 (the symmetric offset: ``sum q*x = sum u*x - 8 sum x``), ``vcvtdq2ps``, 2 ``vmulps``, ``vaddps``;
 the code vectors (4 loads, ``vpand``/``vpsrlw``) are decoded once per (group, block) and shared
 by up to 4 activation rows whose accumulators stay in registers (rows in chunks of 4, 2, 1; a
-later chunk re-reads the group's codes from L1/L2, not DRAM). M = 1 (:func:`_groups_m1`) runs
-two groups per pass instead: each activation broadcast feeds both groups, each group's 8
-``vpdpbusd`` run as two chains of 4 (11-12 cycles per group and block from L2, one thread,
-against ~15 for one group at a time). M >= 2 is bound by the ~8 vector ALU uops per
-(8 rows x 32 codes x activation row), i.e. vpmaddubsw throughput plus the vpaddw reduction.
+later chunk re-reads the group's codes from L1/L2, not DRAM). On the VNNI path the 8
+``vpdpbusd`` of a (group, block, row) run as two chains of 4 (chunks 0, 2 and 1, 3; about 10 %
+faster from L2 than one chain of 8). M = 1 reads one group after the other: one sequential
+stream per task. Two groups per pass (two interleaved streams, each activation broadcast
+feeding both) ran 16 % faster from L2 but 0.58x as fast from DRAM on the 4864 x 896 weight (one
+thread), and the decode step 0.67-0.76x: on this machine the memory side wants one sequential
+stream per core. M >= 2 is bound by the ~8 vector ALU uops per (8 rows x 32 codes x
+activation row), i.e. vpmaddubsw throughput plus the vpaddw reduction.
 
-Memory: the codes and scales of a group are one contiguous stream each; the group loops issue
-``prefetcht0`` :data:`PF_BYTES` (4 KiB) ahead in each codes stream (and the matching scales) --
-without it the kernel reached only ~60 % of the streaming-read bandwidth at M = 1; 4 KiB gave
-+12 % over 2 KiB on the 4864 x 896 weight from DRAM (one thread, two streams), 8 KiB -10 % on
-896 x 4864. The parallel driver prefetches the head of each task's streams when the task
-starts (:func:`prefetch_task_head`).
+Memory: the codes and scales of a task are one contiguous stream each; the group loops issue
+``prefetcht0`` :data:`PF_BYTES` ahead of the codes stream (and the matching scales) -- without
+it the kernel reached only ~60 % of the streaming-read bandwidth at M = 1. 4 KiB ran 15 % faster
+than 2 KiB from DRAM (one thread, 4864 x 896 and 896 x 4864); 8 KiB 11 % slower on 896 x 4864.
+The parallel driver
+prefetches the head of each task's stream when the task starts (:func:`prefetch_task_head`).
 Activation quantization of full 32-blocks is also vector IR (``vdivps``/``vroundps``, the same
 IEEE operations as the scalar loop, so ``xq``/``d`` are bitwise those of ``_quantize_rows``).
 
@@ -730,11 +733,12 @@ def _emit_block_dot(context, builder, sig, args, nrows):
             "llvm.x86.avx512.vpdpbusd.256")
         out = []
         for r in range(nrows):
-            acc = ir.Constant(_LV8I32, [0] * 8)
+            # two independent chains of 4 (chunks 0, 2 and 1, 3), summed: the same integers
+            acc = [ir.Constant(_LV8I32, [0] * 8), ir.Constant(_LV8I32, [0] * 8)]
             for c in range(4):
                 for h, u in enumerate((lo[c], hi[c])):
-                    acc = builder.call(dp, [acc, u, xs[r][2 * c + h]])
-            out.append(acc)
+                    acc[c & 1] = builder.call(dp, [acc[c & 1], u, xs[r][2 * c + h]])
+            out.append(builder.add(acc[0], acc[1]))
         return out
 
     if HOST_VNNI:
@@ -790,116 +794,6 @@ def _dot_r4(typingctx, codes, cb, xq, xo0, xo1, xo2, xo3, vnni):
     sig = _block_dot_typer(4, codes, xq, (xo0, xo1, xo2, xo3, vnni))
     return sig, (lambda context, builder, sig, args:
                  _emit_block_dot(context, builder, sig, args, 4))
-
-
-def _emit_dot_groups(context, builder, sig, args, ngrp):
-    """IR: the int32 lanes (8 output rows) of ``sum_{j<32} u * xq`` over one block of
-    ``ngrp`` consecutive groups (codes byte ``cb``, group stride ``gsc``) for one activation
-    row (``xq`` byte ``xo``), each group's codes prefetched ``pfc`` bytes ahead. The
-    activation broadcasts are shared by the groups; on the VNNI path each group's 8
-    ``vpdpbusd`` run as two independent chains of 4 (summed: the same exact integers)."""
-    codes, cb, gsc, xq, xo, pfc, vnni = args
-    aty = sig.args
-    it = cb.type
-
-    def ci(v):
-        return ir.Constant(it, v)
-    m0f = ir.Constant(_LV32I8, [0x0F] * 32)
-    gcb = [builder.add(cb, builder.mul(gsc, ci(gi))) for gi in range(ngrp)]
-    if PF_BYTES > 0:
-        for gi in range(ngrp):
-            pa = builder.add(gcb[gi], pfc)
-            for off in (0, 64):
-                _emit_prefetch_bytes(context, builder, aty[0], codes, builder.add(pa, ci(off)))
-    u = []
-    for gi in range(ngrp):
-        lo, hi = [], []
-        for c in range(4):
-            off = builder.add(gcb[gi], ci(32 * c))
-            v = builder.load(_elem_ptr(context, builder, aty[0], codes, off, _LV32I8), align=1)
-            lo.append(builder.and_(v, m0f))
-            vh = builder.bitcast(builder.lshr(builder.bitcast(v, _LV16I16),
-                                              ir.Constant(_LV16I16, [4] * 16)), _LV32I8)
-            hi.append(builder.and_(vh, m0f))
-        u.append((lo, hi))
-    xs = []
-    for c in range(4):
-        for half in (0, 16):
-            p = _elem_ptr(context, builder, aty[3], xq, builder.add(xo, ci(half + 4 * c)), _I32)
-            xs.append(builder.bitcast(_splat(builder, builder.load(p, align=1), _LV8I32),
-                                      _LV32I8))
-
-    def avx2():
-        mub = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8]),
-            "llvm.x86.avx2.pmadd.ub.sw")
-        mwd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_LV8I32, [_LV16I16, _LV16I16]),
-            "llvm.x86.avx2.pmadd.wd")
-        ones = ir.Constant(_LV16I16, [1] * 16)
-        out = []
-        for gi in range(ngrp):
-            s16 = None
-            for c in range(4):
-                for h in range(2):
-                    t = builder.call(mub, [u[gi][h][c], xs[2 * c + h]])
-                    s16 = t if s16 is None else builder.add(s16, t)
-            out.append(builder.call(mwd, [s16, ones]))
-        return out
-
-    def avx512vnni():
-        dp = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_LV8I32, [_LV8I32, _LV32I8, _LV32I8]),
-            "llvm.x86.avx512.vpdpbusd.256")
-        out = []
-        for gi in range(ngrp):
-            acc = [ir.Constant(_LV8I32, [0] * 8), ir.Constant(_LV8I32, [0] * 8)]
-            for c in range(4):
-                for h in range(2):
-                    acc[c & 1] = builder.call(dp, [acc[c & 1], u[gi][h][c], xs[2 * c + h]])
-            out.append(builder.add(acc[0], acc[1]))
-        return out
-
-    if HOST_VNNI:
-        pred = builder.icmp_unsigned("!=", vnni, ir.Constant(vnni.type, 0))
-        with builder.if_else(pred) as (then, otherwise):
-            with then:
-                r_v = avx512vnni()
-                b_v = builder.block
-            with otherwise:
-                r_a = avx2()
-                b_a = builder.block
-        res = []
-        for x1, x2 in zip(r_v, r_a):
-            phi = builder.phi(_LV8I32)
-            phi.add_incoming(x1, b_v)
-            phi.add_incoming(x2, b_a)
-            res.append(phi)
-    else:  # the VNNI instruction cannot even be compiled here
-        res = avx2()
-    return context.make_tuple(builder, sig.return_type, res)
-
-
-def _emit_prefetch_bytes(context, builder, aty, arr, off):
-    """``prefetcht0`` of byte ``off`` of a uint8 array (may lie past the end: never faults)."""
-    ary = context.make_array(aty)(context, builder, arr)
-    p = builder.gep(builder.bitcast(ary.data, _I8.as_pointer()), [off])
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
-        "llvm.prefetch.p0i8")
-    builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-
-
-@intrinsic
-def _dot_g2(typingctx, codes, cb, gsc, xq, xo, pfc, vnni):
-    """Exact int32 block sums of two consecutive groups (codes byte ``cb`` and ``cb + gsc``)
-    for one activation row (see :func:`_emit_dot_groups`)."""
-    if not (_check_array_arg(codes, types.uint8) and _check_array_arg(xq, types.int8)):
-        return None
-    sig = types.UniTuple(V8I32, 2)(codes, types.intp, types.intp, xq, types.intp, types.intp,
-                                   types.boolean)
-    return sig, (lambda context, builder, sig, args:
-                 _emit_dot_groups(context, builder, sig, args, 2))
 
 
 @intrinsic
@@ -1010,56 +904,10 @@ def _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
 
 
 @njit(**JIT)
-def _groups_m1(codes, scale, g0, g1, xq, xd, xs8, n, out, facc, vnni):
-    """Groups g0..g1-1 of ``out[0]`` (one activation row): two groups per pass (two streams,
-    the activation broadcasts shared, accumulators in registers), an odd last group alone.
-
-    Each stream is prefetched PF_BYTES ahead, continuing into the same stream of the next pass
-    (the group two further on) when it runs past the end of its group: at stream position
-    ``s = 128 b + PF_BYTES`` bytes into its group the target lies ``q = s // gsc`` groups of
-    its stream further, ``PF_BYTES + q gsc`` bytes after the block's codes (the scales: the
-    same distance in blocks, ``PF_BYTES / 16 + q gss`` elements)."""
-    kb = codes.shape[1]
-    gsc = kb * GROUP_BLOCK_BYTES
-    gss = kb * GROUP_ROWS
-    g = g0
-    while g + 2 <= g1:
-        base = g * kb
-        q = PF_BYTES // gsc
-        r = PF_BYTES - q * gsc
-        pfc = PF_BYTES + q * gsc
-        pfs = PF_BYTES // 16 + q * gss  # the same distance in blocks (8 scales per block)
-        a0 = _fzero()
-        a1 = _fzero()
-        for b in range(kb):
-            so = (base + b) * GROUP_ROWS
-            if PF_BYTES > 0:
-                _prefetch(scale, so + pfs)
-                _prefetch(scale, so + gss + pfs)
-            s = _dot_g2(codes, (base + b) * GROUP_BLOCK_BYTES, gsc, xq, b * BLOCK, pfc, vnni)
-            a0 = _block_acc32(a0, s[0], xs8[0, b], scale, so, xd[0, b])
-            a1 = _block_acc32(a1, s[1], xs8[0, b], scale, so + gss, xd[0, b])
-            r += GROUP_BLOCK_BYTES
-            if r >= gsc:
-                r -= gsc
-                pfc += gsc
-                pfs += gss
-        _store_group(a0, facc, g, 0, n, out)
-        _store_group(a1, facc, g + 1, 0, n, out)
-        g += 2
-    if g < g1:
-        _group_r1(codes, scale, g, xq, xd, xs8, np.int64(0), n, out, facc, vnni)
-
-
-@njit(**JIT)
 def _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
     """Groups g0..g1-1 of ``out[:m]``: activation rows in chunks of 4, 2, 1 per group (the
     group's codes, <= 128 * KB bytes, are re-read from L1/L2 by later chunks, not from DRAM).
-    ``facc``: float32 [>= 1, 8] scratch of this task (partial last group). One row:
-    :func:`_groups_m1` (the same bits)."""
-    if m == 1:
-        _groups_m1(codes, scale, g0, g1, xq, xd, xs8, n, out, facc, vnni)
-        return
+    ``facc``: float32 [>= 1, 8] scratch of this task (partial last group)."""
     for g in range(g0, g1):
         i0 = np.int64(0)  # not Literal[int](0): one specialisation of the callees
         while m - i0 >= 4:
@@ -1101,7 +949,7 @@ def _linear_par(x, m, k, codes, scale, n, out, ntmax, xq, xd, xs8, facc, vnni):
     for task in prange(ntasks):
         g0 = task * ng // ntasks
         g1 = (task + 1) * ng // ntasks
-        prefetch_task_head(codes, scale, g0, g1, 2, PF_BYTES)
+        prefetch_task_head(codes, scale, g0, g1, 1, PF_BYTES)
         _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc[task], vnni)
 
 
