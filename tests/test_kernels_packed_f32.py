@@ -385,7 +385,7 @@ def test_nonfinite_rows_get_the_float_path_results():
 @pytest.mark.parametrize("n,k", [(8, 32), (100, 96), (13, 160), (200, 2048), (72, 2080), (40, 4864),
                                  (32776, 64)])
 def test_vnni_variants_bitwise_equal(n, k):
-    """The M = 1 loops (4 groups per pass, or 1 for tall short-row weights) and the multi-row
+    """The M = 1 loops (4 groups per pass for long rows, else 1) and the multi-row
     loop give the same bytes over any range of groups: a row's result does not depend on the
     variant."""
     from olv_runtime.kernels import packed_f32_vnni as pv

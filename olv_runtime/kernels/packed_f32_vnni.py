@@ -52,13 +52,17 @@ sit on elements much smaller than their block's largest). A row with a non-finit
 :func:`~.packed_f32.linear_packed_i8_exact` recomputes it with the float path (IEEE inf / NaN
 semantics); the compiled decode step gives NaN for its every output.
 
-Variants (M = 1, decode): 4 groups at a time (each broadcast activation digit vector feeds 4
-``vpdpbusd``: 16 independent chains, 4x fewer digit loads -- the digits of a K = 4864 row are
-19 KB, as large as L1 holds beside the codes stream), except for tall weights with short rows
-(K < :data:`NG4_MIN_K`, N >= :data:`NG1_MIN_N`: the lm_head), which run one group at a time
-(one sequential codes stream per task: measured faster from DRAM there); codes prefetched
-:data:`PF_BYTES` ahead in each of the streams. M >= 2: 4, 2, 1 rows per pass share the decoded
-codes of one group.
+Variants (M = 1, decode), accumulators in registers: for long rows (K >= :data:`NG4_MIN_K`)
+4 groups at a time (each broadcast activation digit vector feeds 4 ``vpdpbusd``: 16
+independent chains, 4x fewer digit loads -- the digits of a K = 4864 row are 19 KB, as large as
+L1 holds beside the codes stream; ~18.5 cycles per group and block from L2, one thread, near
+the 16 of 32 ``vpdpbusd`` at 2 per cycle); shorter rows one group at a time (one sequential
+codes stream per task, ~23 cycles from L2: the 32 digit loads per group and block are not
+shared). From DRAM (one thread) the single stream is the faster one for K = 896 (4864 x 896:
+20.4 against 16.7 GB/s; short 3.5 KB group streams, four of them interleaved, defeat the
+memory side), the 4 streams for K = 4864 (896 x 4864: 20.1 against 16.3 GB/s). Codes are
+prefetched :data:`PF_BYTES` ahead in each stream. M >= 2: 4, 2, 1 rows per pass share the
+decoded codes of one group.
 
 Only compiled and run where the CPU has AVX-512 VNNI + VL (:func:`~.packed_i8.use_vnni`); the
 fallback is the float path of :mod:`.packed_f32` (tests force it).
@@ -91,8 +95,7 @@ _LV32F32 = ir.VectorType(_F32, 32)
 PIECES = 4                 # base-256 digits per activation (31-bit block fixed point)
 DG_BYTES = PIECES * BLOCK  # digit bytes per (row, block)
 NG_MULTI = 4               # groups per pass of the M = 1 multi-group variant
-NG4_MIN_K = 2048           # M = 1: K from which the multi-group variant always runs ...
-NG1_MIN_N = 32768          # ... below it, N from which one group per pass runs (lm_head)
+NG4_MIN_K = 2048           # M = 1: K from which the multi-group variant runs (below: 1 group)
 PF_BYTES = 4096           # software prefetch distance in each codes stream
 DIGITS_PAR_MIN_M = 8       # rows from which the digits are computed in a parallel loop
 
@@ -405,9 +408,8 @@ def _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc):
     """Groups ``g0..g1-1`` of ``out[0]`` for a one-row ``x`` whose digits are row 0 of
     ``dg`` / ``bz`` / ``xsc`` (``facc``: float32 >= 8 scratch).
 
-    Passes of NG_MULTI groups (accumulators in registers), then one group at a time; tall
-    weights with short rows (K < NG4_MIN_K, N >= NG1_MIN_N: the lm_head) one group at a time
-    throughout. A pass over NG_MULTI groups reads NG_MULTI interleaved streams (block b of
+    Passes of NG_MULTI groups (accumulators in registers), then one group at a time; weights
+    with short rows (K < NG4_MIN_K) one group at a time throughout (one sequential stream). A pass over NG_MULTI groups reads NG_MULTI interleaved streams (block b of
     each in turn); each is prefetched PF_BYTES ahead, continuing into the same stream of the
     next pass (the group NG_MULTI further on) when it runs past the end of its group: at stream
     position ``s = 128 b + PF_BYTES`` bytes into group ``g + gi`` the target lies
@@ -418,7 +420,7 @@ def _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc):
     gsc = kb * GROUP_BLOCK_BYTES
     gss = kb * GROUP_ROWS
     g = g0
-    if not (kb * BLOCK < NG4_MIN_K and codes.shape[0] * GROUP_ROWS >= NG1_MIN_N):
+    if kb * BLOCK >= NG4_MIN_K:
         while g + NG_MULTI <= g1:
             base = g * kb
             q = PF_BYTES // gsc
