@@ -63,12 +63,10 @@ Counter names (integers; bytes unless noted):
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import threading
 import weakref
-from typing import Iterator
 
 import numpy as np
 
@@ -108,6 +106,9 @@ LEVELS = frozenset({"workspace_peak", "retained_state_bytes", "retained_state_bu
 
 #: Level counters that merge as a maximum (peaks).
 PEAKS = frozenset({"workspace_peak", "attention_workspace_peak"})
+
+_SUMS = tuple(k for k in NAMES if k not in LEVELS)
+_SET_LEVELS = tuple(k for k in NAMES if k in LEVELS and k not in PEAKS)
 
 #: The Counters objects recording on the current thread / context (innermost last).
 _scopes: contextvars.ContextVar[tuple] = contextvars.ContextVar("olv_counters_scopes", default=())
@@ -151,7 +152,17 @@ class Counters:
         """Add ``amount`` to counter ``name`` (KeyError for an unknown name).
 
         ``propagate=False`` leaves active :func:`recording` scopes alone."""
-        self._dispatch("add", name, amount, propagate)
+        values = self._values
+        if name not in values:
+            raise KeyError(f"unknown counter {name!r}; counters are {list(NAMES)}")
+        amount = int(amount)
+        with self._lock:
+            values[name] += amount
+        if propagate:
+            for scope in _scopes.get():
+                if scope is not self:
+                    with scope._lock:
+                        scope._values[name] += amount
 
     def set_max(self, name: str, value: int, *, propagate: bool = True) -> None:
         """Raise counter ``name`` to ``value`` if larger (peaks)."""
@@ -164,15 +175,19 @@ class Counters:
     def merge(self, other: "Counters | dict[str, int]") -> None:
         """Accumulate per-call figures ``other``: sums added, levels as in ``other`` (peaks max)."""
         values = other.snapshot() if isinstance(other, Counters) else other
+        get = values.get
         with self._lock:
-            for k in NAMES:
-                v = int(values.get(k, 0))
-                if k in PEAKS:
-                    self._values[k] = max(self._values[k], v)
-                elif k in LEVELS:
-                    self._values[k] = v
-                else:
-                    self._values[k] += v
+            mine = self._values
+            for k in _SUMS:
+                v = get(k, 0)
+                if v:
+                    mine[k] += int(v)
+            for k in _SET_LEVELS:
+                mine[k] = int(get(k, 0))
+            for k in PEAKS:
+                v = int(get(k, 0))
+                if v > mine[k]:
+                    mine[k] = v
 
     def snapshot(self) -> dict[str, int]:
         """A copy of all counters."""
@@ -198,9 +213,9 @@ class Counters:
         return "Counters(" + ", ".join(f"{k}={v}" for k, v in self._values.items()) + ")"
 
 
-@contextlib.contextmanager
-def recording() -> Iterator[Counters]:
-    """Collect everything counted on this thread while the block runs.
+class recording:
+    """Collect everything counted on this thread while the block runs
+    (``with recording() as rec:``).
 
     Yields
     ------
@@ -209,12 +224,19 @@ def recording() -> Iterator[Counters]:
         :class:`Counters` (session counters, the process counters of :data:`PROCESS`, ...)
         from this thread (context) until the block exits. Scopes nest.
     """
-    rec = Counters()
-    token = _scopes.set(_scopes.get() + (rec,))
-    try:
-        yield rec
-    finally:
-        _scopes.reset(token)
+
+    __slots__ = ("rec", "_token")
+
+    def __init__(self):
+        self.rec = Counters()
+
+    def __enter__(self) -> Counters:
+        self._token = _scopes.set(_scopes.get() + (self.rec,))
+        return self.rec
+
+    def __exit__(self, *exc) -> bool:
+        _scopes.reset(self._token)
+        return False
 
 
 #: Process-wide counters: model serializations counted by :func:`install_model_guard`.
@@ -222,6 +244,9 @@ PROCESS = Counters()
 
 
 # -- allocations and workspace of one run ------------------------------------------------------
+_committed_length = None  # olv_runtime.state.kv.committed_length, imported at first use
+
+
 class RunMeter:
     """Counts the arrays a run allocates and the peak of their live bytes.
 
@@ -238,8 +263,11 @@ class RunMeter:
                  "__weakref__")
 
     def __init__(self, counters: Counters, pool=None):
-        from olv_runtime.state.kv import committed_length  # lazy: kv imports this module
+        global _committed_length
+        if _committed_length is None:
+            from olv_runtime.state.kv import committed_length  # lazy: kv imports this module
 
+            _committed_length = committed_length
         self.counters = counters
         self._pool = pool
         self._seen: dict[int, weakref.ref] = {}
@@ -247,7 +275,7 @@ class RunMeter:
         self._peak = 0
         self._count = 0
         self._bytes = 0
-        self._kv = committed_length
+        self._kv = _committed_length
 
     def step(self, args, results) -> None:
         """Record the outputs ``results`` of one step that read ``args``."""

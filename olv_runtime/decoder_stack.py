@@ -39,16 +39,19 @@ import numba
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, ValidationError
-from olv_runtime.fusion import LAST_ONLY, KVResults, LinearStep, RopeAttention, SiluMul, Step, last_position_args
-from olv_runtime.kernels import config
+from olv_runtime.fusion import (LAST_ONLY, KVAppended, KVResults, LinearStep, RopeAttention,
+                                SiluMul, Step, last_position_args)
+from olv_runtime.kernels import config, packed_i8
 from olv_runtime.kernels.packed_i8 import PackedInt4I8
 from olv_runtime.pool import current as current_pool
 from olv_runtime.pool import empty
 from olv_runtime.state import kv
+from olv_runtime.state.kv import claim_all as kv_claim_all
 
 __all__ = ["DecoderStack", "fuse_decoder_stack"]
 
 _F32 = np.dtype(np.float32)
+_ALL = slice(None)
 
 #: The compiled step runs serially (no parallel region, no barriers) when every linear of the
 #: stack has fewer than this many weight elements (N * Kp): the rule by which the per-operator
@@ -490,6 +493,8 @@ class DecoderStack:
                             for lin in [L[n] for L in layers for n in ("qkv", "o", "gu", "down")]
                             + [lm])
         self._local = threading.local()
+        # bytes one token appends to the KV cache (keys and values of every layer, float32)
+        self._append_bytes = 2 * 4 * self.kv_heads * self.head_dim * self.n_layers
         self.tasks = 0  # tasks of the last compiled call (1: serial driver)
         # the compiled step's compilation in a worker process, started at the first generic
         # (prefill) call on a cold numba cache (kernels.precompile); None: not started, False:
@@ -547,8 +552,12 @@ class DecoderStack:
                   "kb_py": [None] * self.n_layers, "vb_py": [None] * self.n_layers,
                   "tpos": tpos,
                   # steady decode (_reserve_kv): the presents of the last call, the buffers'
-                  # registry entries and read-only whole-buffer views, the smallest capacity
-                  "last": None, "entries": [], "ro": [], "cap": 0}
+                  # registry entries and read-only whole-buffer views, the smallest capacity;
+                  # whether this call claimed in place (the pasts' own buffers, one length)
+                  "last": None, "entries": [], "ro": [], "cap": 0, "steady": False,
+                  # the compiled function and its argument list (kernels.decode_stack
+                  # .prepared_call), with the ISA choice it was built for
+                  "call": None}
             self._local.st = st
             if self.counters is not None:
                 nbytes = ws.nbytes + kv0.nbytes + kvt.nbytes + st["tpos"].nbytes
@@ -571,7 +580,7 @@ class DecoderStack:
     def _task_count(self) -> int:
         nt = 1
         if self.max_work >= STACK_SERIAL_MAX_WORK and config.threading_layer() == "omp":
-            nt = numba.get_num_threads()
+            nt = config.thread_count_fns()[1]()
         return nt
 
     def _tasks(self) -> int:
@@ -630,7 +639,7 @@ class DecoderStack:
             return False
         st = getattr(self._local, "st", None)
         last = st["last"] if st is not None else None
-        if last is not None and len(pasts) == len(last) and all(map(operator.is_, pasts, last)):
+        if last is not None and _is_span(last, pasts):
             return True  # the presents of this thread's last call (float32 [1, KVH, T, D])
         shp = (1, self.kv_heads)
         for p in pasts:
@@ -678,24 +687,83 @@ class DecoderStack:
         if self._precompile:  # the worker compiling this driver: its result, not a 2nd compile
             self._precompile.wait()
             self._precompile = False
-        self.run_kernel(nt, self.quant, x0.reshape(1, self.e), self.weights,
-                        self.biases, self.has_bias, self.norms, self.eps, st["kvt"], st["kv0"],
-                        st["tpos"], cos.reshape(-1), sin.reshape(-1), self.heads, self.kv_heads,
-                        self.head_dim, self.rotary_dim, self.interleaved, self.att_scale,
-                        self.inter, st["ws"], logits.reshape(1, self.vocab))
-        out = [logits]
-        if t is not None:
-            n = t + 1
-            presents = [ro[:, :, :n] for ro in st["ro"]]  # read-only prefix views
-            st["last"] = presents
-            out += presents
-        else:  # layers of different lengths
-            out += [kv.present(b, int(st["tpos"][li]) + 1)
-                    for li in range(self.n_layers) for b in (st["kb_py"][li], st["vb_py"][li])]
+        self._kernel(st, nt, x0, cos, sin, logits)
         c = self.kv_opts.get("counters")
         if c is not None:
-            c.add("bytes_copied_kv_append", 2 * 4 * self.kv_heads * self.head_dim * self.n_layers)
+            c.add("bytes_copied_kv_append", self._append_bytes)
+        if t is not None:
+            span = st["last"] = KVSpan(st["ro"], t + 1)
+            presents = span.views()  # read-only prefix views
+            if st["steady"]:  # the pasts' own buffers, one token longer
+                return KVAppended([logits, *presents])
+            return KVResults([logits, *presents])
+        out = [logits]  # layers of different lengths
+        out += [kv.present(b, int(st["tpos"][li]) + 1)
+                for li in range(self.n_layers) for b in (st["kb_py"][li], st["vb_py"][li])]
         return KVResults(out)  # the executor books only the logits (the presents: kv registry)
+
+    def _kernel(self, st, nt, x0, cos, sin, logits) -> None:
+        """One token through the compiled driver (``run_kernel``; the default one through the
+        argument list prepared for this thread's workspace, :func:`.kernels.decode_stack
+        .prepared_call`)."""
+        x2, c1, s1, l2 = (x0.reshape(1, self.e), cos.reshape(-1), sin.reshape(-1),
+                          logits.reshape(1, self.vocab))
+        rk = self.run_kernel
+        if rk is self._ds.decode_stack:  # the prepared argument list (same arguments)
+            vnni = packed_i8.use_vnni()
+            call = st["call"]
+            if call is None or call[3] != vnni:
+                call = st["call"] = self._ds.prepared_call(
+                    nt, self.quant, x2, self.weights, self.biases, self.has_bias, self.norms,
+                    self.eps, st["kvt"], st["kv0"], st["tpos"], c1, s1, self.heads,
+                    self.kv_heads, self.head_dim, self.rotary_dim, self.interleaved,
+                    self.att_scale, self.inter, st["ws"], l2) + (vnni,)
+            fn, args, (i0, i1, i2, i3) = call[0], call[1], call[2]
+            args[i0], args[i1], args[i2], args[i3] = x2, c1, s1, l2
+            fn(*args)
+        else:  # replaced (tests, benchmarks)
+            rk(nt, self.quant, x2, self.weights, self.biases, self.has_bias, self.norms, self.eps,
+               st["kvt"], st["kv0"], st["tpos"], c1, s1, self.heads, self.kv_heads,
+               self.head_dim, self.rotary_dim, self.interleaved, self.att_scale, self.inter,
+               st["ws"], l2)
+
+    # -- the steady decode of a state (InferenceSession's decode program) -----------------------
+    def steady_begin(self, kv) -> int | None:
+        """Claim slot ``T`` of every KV buffer when ``kv`` -- a :class:`KVSpan`, or the list of
+        the step's KV input arrays in order -- is this thread's last call's result and every
+        buffer has room; returns ``T`` (None: nothing claimed, run the step generically). The
+        caller then runs :meth:`steady_run` (one-token hidden state and RoPE rows) or, if that
+        cannot happen, leaves the claim: a later call sees the claimed slot and copies."""
+        st = getattr(self._local, "st", None)
+        if st is None:
+            return None
+        last = st["last"]
+        if last is None or not (kv is last or (type(kv) is list and _is_span(last, kv))):
+            return None
+        t = last.n
+        if t >= st["cap"] or st["nt"] != self._tasks() or not kv_claim_all(st["entries"], t, 1):
+            return None
+        st["last"] = None
+        st["tpos"].fill(t)
+        st["steady"] = True
+        return t
+
+    def steady_run(self, x0, cos, sin, t: int):
+        """The token after :meth:`steady_begin` returned ``t``: ``x0`` float32 [1, 1, E], ``cos``,
+        ``sin`` float32 [1, 1, rotary_dim / 2] (C-contiguous; the caller made them). Returns
+        (logits float32 [1, 1, V] from the buffer pool, the :class:`KVSpan` of length ``t + 1``
+        over the same buffers), counting the appended bytes as the step does."""
+        st = self._local.st
+        logits = empty((1, 1, self.vocab), np.float32)
+        if self._precompile:
+            self._precompile.wait()
+            self._precompile = False
+        self._kernel(st, st["nt"], x0, cos, sin, logits)
+        c = self.kv_opts.get("counters")
+        if c is not None:
+            c.add("bytes_copied_kv_append", self._append_bytes)
+        span = st["last"] = KVSpan(st["ro"], t + 1)
+        return logits, span
 
     def _reserve_kv(self, st, pasts):
         """Claim slot ``T`` of every layer's key and value capacity buffer; returns ``T`` (None
@@ -707,14 +775,15 @@ class DecoderStack:
         :func:`olv_runtime.state.kv.reserve` (in place, or a copy into a new buffer when the
         past is shared or full) and the address table is updated."""
         last = st["last"]
-        if last is not None and len(pasts) == len(last):
-            t = last[0].shape[2]
-            if (t < st["cap"] and all(map(operator.is_, pasts, last))
-                    and kv.claim_all(st["entries"], t, 1)):
+        if last is not None and _is_span(last, pasts):
+            t = last.n
+            if t < st["cap"] and kv.claim_all(st["entries"], t, 1):
                 st["last"] = None
-                st["tpos"][:] = t
+                st["tpos"].fill(t)
+                st["steady"] = True
                 return t
         st["last"] = None
+        st["steady"] = False
         kvt, kb_py, vb_py, tpos = st["kvt"], st["kb_py"], st["vb_py"], st["tpos"]
         opts = self.kv_opts
         t = 0
@@ -776,6 +845,35 @@ class DecoderStack:
         # the outputs keep this reference until the run ends (BufferPool.end_run); the executor
         # adds and drops its own
         return tuple(env[n] for n in self.outputs)
+
+
+class KVSpan:
+    """The KV values a compiled step's call produced, as its thread state keeps them: the
+    read-only whole-buffer views ``ros`` (one per KV value, in the step's KV order) and the
+    length ``n``; :meth:`views` makes the ``[:, :, :n]`` prefix views once (what the step returns
+    and a state retains; a state on the decode program's path makes them only when they are
+    read)."""
+
+    __slots__ = ("ros", "n", "_views")
+
+    def __init__(self, ros: list, n: int):
+        self.ros = ros
+        self.n = n
+        self._views = None
+
+    def views(self) -> list:
+        """The read-only ``[1, KVH, n, D]`` prefix views, in the step's KV order (made once)."""
+        v = self._views
+        if v is None:
+            key = (_ALL, _ALL, slice(0, self.n))
+            v = self._views = [ro[key] for ro in self.ros]
+        return v
+
+
+def _is_span(span: KVSpan, pasts) -> bool:
+    """``pasts`` are the views ``span`` handed out (the same objects, in order)."""
+    v = span._views
+    return v is not None and len(pasts) == len(v) and all(map(operator.is_, pasts, v))
 
 
 def _readonly_view(buf: np.ndarray) -> np.ndarray:

@@ -68,6 +68,17 @@ class KVResults(tuple):
     pooled = 1
 
 
+class KVAppended(KVResults):
+    """:class:`KVResults` of a step that appended one token in place: the values after the
+    first are, in the order of the step's KV inputs, the read-only ``[:, :, :T + 1]`` prefix
+    views of the very capacity buffers behind those inputs (``[:, :, :T]``, every one of the
+    same length ``T``), so they have the inputs' dtype and every dimension but axis 2, and
+    their buffers are the inputs' buffers. A state whose retained values went in as those
+    inputs may retain the outputs without re-checking them (:meth:`State.run`'s steady call)."""
+
+    __slots__ = ()
+
+
 class Step:
     """One executable step: ``fn(*input values) -> tuple of outputs``.
 
@@ -385,6 +396,28 @@ class EncodedGather:
     def __init__(self, name: str, weight: AffineValue):
         self.name = name
         self.w = weight
+        self._one = None  # the validated arguments of one_token's kernel call
+
+    def one_token(self, ids):
+        """``__call__`` for int64 ids of shape [1, 1] (a decode token): the matrix arguments
+        validated once, the index range checked here, the serial kernel called directly.
+        Returns float32 [1, 1, K] from the buffer pool. Same values and errors as ``__call__``."""
+        one = self._one
+        if one is None:
+            w = self.w
+            n, k = w.shape
+            n, k, bs, zp = kernels.affine._check_int4_matrix(w.codes, w.scale, w.zero_point, n,
+                                                             k, w.block_size)
+            one = self._one = (w.codes, kernels.half.scale_bits(w.scale), zp,
+                               w.zero_point is not None, n, k, bs)
+        payload, sbits, zp, has_zp, n, k, bs = one
+        i = int(ids[0, 0])
+        if i < -n or i >= n:
+            raise InvalidArgument(f"ids: expected indices in [{-n}, {n}), got {i}")
+        out = empty((1, 1, k), np.float32)
+        kernels.affine._gather_int4_ser(payload, sbits, zp, has_zp, n, k, bs, ids.reshape(1),
+                                        out.reshape(1, k))
+        return out
 
     def __call__(self, ids):
         if ids.dtype not in (np.int64, np.int32):

@@ -25,6 +25,10 @@ from olv_runtime.session import InferenceSession, SessionOptions
 from olv_runtime.state import empty_cache, make_state
 
 
+#: The output generate reads (one tuple object: a state's steady decode calls pass the same).
+_LOGITS = ("logits",)
+
+
 @dataclasses.dataclass
 class GenerationStats:
     """Token counts and timings of one :func:`generate` call.
@@ -451,7 +455,8 @@ def generate(
             step_ids = np.asarray(feed, np.int64).reshape(1, -1)
             # only the last row of the prompt's logits is read (the lm_head of the other
             # positions is not computed, as in llama.cpp)
-            logits = state.run({"input_ids": step_ids}, last_only=("logits",))["logits"]
+            logits = state.run({"input_ids": step_ids}, last_only=_LOGITS,
+                               outputs=_LOGITS)["logits"]
             state.tokens, state.cached_tokens = list(history), len(history)
             stats.prefill_tokens = len(feed)
             step = np.empty((1, 1), np.int64)
@@ -483,7 +488,7 @@ def generate(
                     break
                 step[0, 0] = tok
                 session.recycle(logits)  # consumed: its buffer serves the next call
-                logits = state.run({"input_ids": step})["logits"]
+                logits = state.run({"input_ids": step}, outputs=_LOGITS)["logits"]
                 state.cached_tokens += 1
             stats.decode_seconds = time.perf_counter() - t1
             closed_ok = True

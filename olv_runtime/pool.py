@@ -20,6 +20,13 @@ import numpy as np
 _local = threading.local()
 
 
+#: ``dtype.str`` of the dtypes the kernels allocate, by the objects they pass (``np.float32``,
+#: ``np.dtype(np.float32)``, ...): a pool lookup without making a dtype.
+_DTYPE_STR = {t: np.dtype(t).str for t in (np.float32, np.float64, np.int64, np.int32, np.int8,
+                                           np.uint8, np.uint16, np.float16, np.bool_)}
+_DTYPE_STR.update({np.dtype(t): s for t, s in list(_DTYPE_STR.items())})
+
+
 def owner(arr: np.ndarray) -> np.ndarray:
     base = arr.base
     while isinstance(base, np.ndarray):
@@ -46,13 +53,17 @@ class BufferPool:
     # -- allocation -----------------------------------------------------------------------------
     def take(self, shape, dtype) -> np.ndarray:
         """A buffer of ``shape``/``dtype`` (contents undefined), reused when one is free."""
-        shape = tuple(int(s) for s in shape)
-        dt = np.dtype(dtype)
-        free = self._free.get((shape, dt.str))
+        dts = _DTYPE_STR.get(dtype)  # float32 / int64 ... given as numpy types: no np.dtype()
+        if dts is None:
+            dts = np.dtype(dtype).str
+        if type(shape) is not tuple:
+            shape = tuple(int(s) for s in shape)
+        free = self._free.get((shape, dts))  # numpy ints hash and compare as ints
         if free:
             buf = free.pop()
         else:
-            buf = np.empty(shape, dt)
+            shape = tuple(int(s) for s in shape)
+            buf = np.empty(shape, np.dtype(dtype))
             self.total_bytes += buf.nbytes
             if self.counters is not None and buf.nbytes:
                 self.counters.add("arrays_allocated", 1)

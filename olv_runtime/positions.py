@@ -25,6 +25,8 @@ reads its INT64 scalar ``length`` field (any other value: the original steps).
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from olv_runtime.decoder_stack import run_leaks
@@ -172,6 +174,10 @@ def fuse_rotary_positions(steps: list, constants: dict, graph_outputs: set) -> l
     return steps
 
 
+#: Positions whose RoPE rows :meth:`RotaryPositions.rows` makes at once.
+ROWS_AHEAD = 64
+
+
 class RotaryPositions:
     """``(past [B', KVH, T, D] -- or the paged cache struct, T its ``length`` --, input_ids [B, S])
     -> (cos, sin)``, float32 ``[B, S, D/2]``:
@@ -188,6 +194,35 @@ class RotaryPositions:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.constants = constants
+        self._local = threading.local()
+
+    def rows(self, t: int):
+        """``(cos, sin)`` float32 ``[1, 1, D/2]`` of position ``t`` alone: what a call with a past
+        of length ``t`` and one id returns, by the same numpy operations on the same shapes
+        (so bitwise the same). A decode token asks for ``t``, then ``t + 1``, ...: the rows of
+        :data:`ROWS_AHEAD` positions from ``t`` are made at once (one position at a time, as
+        a call would) and kept for this thread, so most tokens find theirs made (the decode
+        program of :class:`~olv_runtime.InferenceSession` hands them to the compiled step;
+        they must not be written)."""
+        blk = getattr(self._local, "blk", None)
+        if blk is not None:
+            i = t - blk[0]
+            if 0 <= i < ROWS_AHEAD:
+                return blk[1][i]
+        rows = []
+        ti = np.empty((1, 1), _I64)
+        pos = np.empty((1, 1), _F32)
+        freqs = np.empty((1, self.r2), _F32)
+        for u in range(t, t + ROWS_AHEAD):
+            ti[0, 0] = u  # Range (int64) then Cast to float32, as __call__
+            np.copyto(pos, ti, casting="unsafe")
+            np.multiply(pos, self.inv_row, out=freqs)
+            cos, sin = np.empty((1, 1, self.r2), _F32), np.empty((1, 1, self.r2), _F32)
+            np.cos(freqs, out=cos.reshape(1, -1))
+            np.sin(freqs, out=sin.reshape(1, -1))
+            rows.append((cos, sin))
+        self._local.blk = (t, rows)
+        return rows[0]
 
     def __call__(self, past, ids):
         if type(ids) is not np.ndarray or ids.ndim != 2:

@@ -32,6 +32,7 @@ from olv_runtime.recognize import linear_weight as affine_linear_weight
 from olv_runtime.fusion import (
     LAST_ONLY,
     EncodedGather,
+    KVAppended,
     KVResults,
     LinearStep,
     PlanesGather,
@@ -771,7 +772,22 @@ class InferenceSession:
         """
         return self.buffer_pool().recycle(array)
 
-    def run_env(self, feeds: dict[str, Any], last_only: frozenset = frozenset()) -> dict[str, Any]:
+    def decode_program(self) -> "DecodeProgram | None":
+        """The plan's :class:`DecodeProgram` (None when the plan is not of its form)."""
+        d = self.__dict__
+        if "_program" not in d:
+            d["_program"] = DecodeProgram.build(self)
+        return d["_program"]
+
+    def _slot_plan(self) -> "_SlotPlan":
+        plan = self.__dict__.get("_slots")
+        if plan is None:
+            plan = self._slots = _SlotPlan(self._steps, self._constants, self._input_infos,
+                                           self._output_names)
+        return plan
+
+    def run_env(self, feeds: dict[str, Any], last_only: frozenset = frozenset(),
+                appended: list | None = None) -> dict[str, Any]:
         """Execute the plan on prepared feeds; returns the graph outputs by name.
 
         ``last_only``: graph output names needed at the last position only (axis -2, e.g. the
@@ -779,23 +795,40 @@ class InferenceSession:
         output is produced directly by a row-wise linear step (a fused Decode/MatMul:
         ``y[..., s, :]`` depends only on ``x[..., s, :]``), the step runs on the last row of
         its input and the output has size 1 on axis -2; other outputs are computed in full.
+
+        ``appended``: a list that receives, per step that appended to its KV inputs in place
+        (:class:`~olv_runtime.fusion.KVAppended`), the tuple of ``(output, input)`` name pairs
+        of those values (one tuple object per step, the same at every run; a
+        :class:`~olv_runtime.state.State` retains such outputs without a second check).
+
+        The values live in a list indexed by slots fixed when the plan was made
+        (:class:`_SlotPlan`): a run copies one list of the constants the steps read, not a
+        dict of every initializer.
         """
         self.model.check_external_files()  # PayloadError if a mapped file changed (no SIGBUS)
-        env = dict(self._constants)
-        env.update(feeds)
-        self.counters.add("runs", 1)
+        plan = self._slots if "_slots" in self.__dict__ else self._slot_plan()
+        vals = plan.template.copy()
+        slot = plan.slot
+        for n, v in feeds.items():
+            i = slot.get(n)
+            if i is not None:
+                vals[i] = v
+        counters = self.counters
+        counters.add("runs", 1)
         if self.options.num_threads is not None:
             # numba's thread count is per calling thread: apply this session's on every run
-            kernels.set_num_threads(int(self.options.num_threads))
-        pool = self.buffer_pool()
-        meter = self.counters.run_meter(pool)  # arrays allocated, workspace peak
+            kernels.config.thread_count_fns()[0](int(self.options.num_threads))
+        pool = self._pools.pool if hasattr(self._pools, "pool") else self.buffer_pool()
+        meter = counters.run_meter(pool)  # arrays allocated, workspace peak
         prev = pool_mod.activate(pool)
-        token = LAST_ONLY.set(frozenset(last_only))
+        token = LAST_ONLY.set(frozenset(last_only)) if last_only else None
+        if token is None and LAST_ONLY.get():
+            token = LAST_ONLY.set(frozenset())
         ok = False
-        kv_names = ()  # graph values that are KV views (KVResults): no pool buffers to escape
+        kv_slots = None  # slots of values that are KV views (KVResults): no pool buffers
         try:
-            for step in self._steps:
-                args = [env[n] if n else None for n in step.inputs]
+            for step, ins, outs, rel in plan.steps:
+                args = [vals[i] for i in ins]
                 if last_only:
                     args = last_position_args(step, args, last_only)
                 try:
@@ -806,36 +839,204 @@ class InferenceSession:
                     raise InvalidArgument(
                         f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}"
                     ) from exc
-                if type(results) is KVResults:
+                tr = type(results)
+                if tr is KVResults or tr is KVAppended:
                     k = results.pooled
-                    names = step.outputs
-                    env.update(zip(names[k:], results[k:]))
-                    kv_names = names[k:] if not kv_names else set(kv_names) | set(names[k:])
-                    names, results = names[:k], results[:k]
-                else:
-                    names = step.outputs
-                for n, v in zip(names, results):
-                    if n:
-                        env[n] = v
+                    tail = outs[k:]
+                    for i, v in zip(tail, results[k:]):
+                        if i >= 0:
+                            vals[i] = v
+                    kv_slots = set(tail) if kv_slots is None else kv_slots | set(tail)
+                    if tr is KVAppended and appended is not None:
+                        appended.append(plan.kv_pairs(step, k))
+                    outs, results = outs[:k], results[:k]
+                for i, v in zip(outs, results):
+                    if i >= 0:
+                        vals[i] = v
                         pool.ref(v)
                 meter.step(args, results)
-                for n in step.release:
-                    pool.unref(env.pop(n, None))
-            outputs = {n: env[n] for n in self._output_names}
-            if kv_names:
-                kv_names = frozenset(kv_names)
-                pool.escape([v for n, v in outputs.items() if n not in kv_names])
+                for i in rel:
+                    v = vals[i]
+                    vals[i] = None
+                    pool.unref(v)
+            outputs = {n: vals[i] for n, i in plan.outputs}
+            if kv_slots:
+                pool.escape([vals[i] for _, i in plan.outputs if i not in kv_slots])
             else:
                 pool.escape(outputs.values())
             pool.end_run()
             ok = True
         finally:
-            LAST_ONLY.reset(token)
+            if token is not None:
+                LAST_ONLY.reset(token)
             pool_mod.restore(prev)
             if not ok:
                 pool.abort_run()
         meter.finish()
         return outputs
+
+
+class _SlotPlan:
+    """The plan's values as list slots, fixed once: ``template`` holds the constants the steps
+    (or the graph outputs) read, every other slot None; ``slot`` maps a value name to its slot
+    (graph inputs included); ``steps`` is ``(step, input slots, output slots, released slots)``
+    per step (slot -1: an omitted output; a name-less input reads the slot of ``""``, always
+    None); ``outputs`` the graph outputs' ``(name, slot)``. ``step.fn`` is read at every run
+    (tests and benchmarks replace it)."""
+
+    __slots__ = ("template", "slot", "steps", "outputs", "_pairs")
+
+    def __init__(self, steps, constants, input_infos, output_names):
+        slot: dict[str, int] = {"": 0}
+        template: list = [None]
+
+        def at(name: str) -> int:
+            i = slot.get(name)
+            if i is None:
+                i = slot[name] = len(template)
+                template.append(constants[name] if name in constants and name not in input_infos
+                                else None)
+            return i
+
+        for name in input_infos:
+            at(name)
+        for name in input_infos:  # an input with an initializer: its default unless fed
+            if name in constants:
+                template[slot[name]] = constants[name]
+        plan = []
+        for st in steps:
+            ins = tuple(at(n) for n in st.inputs)
+            outs = tuple(at(n) if n else -1 for n in st.outputs)
+            rel = tuple(slot[n] for n in st.release if n in slot)
+            plan.append((st, ins, outs, rel))
+        self.outputs = tuple((n, at(n)) for n in output_names)
+        self.template = template
+        self.slot = slot
+        self.steps = tuple(plan)
+        self._pairs: dict = {}
+
+    def kv_pairs(self, step, k: int) -> tuple:
+        """``(output name, input name)`` of a :class:`~olv_runtime.fusion.KVAppended` step's KV
+        values: its outputs after the ``k`` pooled ones and its last inputs, in order."""
+        key = (id(step), k)
+        got = self._pairs.get(key)
+        if got is None or got[0] is not step:
+            outs = step.outputs[k:]
+            ins = step.inputs[len(step.inputs) - len(outs):]
+            got = self._pairs[key] = (step, tuple(zip(outs, ins)))
+        return got[1]
+
+
+class DecodeProgram:
+    """A steady decode token of a plan of the converter's decoder form, run without the
+    executor's per-step bookkeeping: ``[EncodedGather(ids) -> x, RotaryPositions(past_0, ids) ->
+    cos, sin, DecoderStack(x, cos, sin, pasts...) -> logits, presents...]`` (every graph output
+    made by the stack). :meth:`run` takes the token's ids (int64 [1, 1]) and the stack's KV
+    values of the last call (a :class:`~olv_runtime.decoder_stack.KVSpan` or the arrays) and
+    returns the logits and the new span, or None when the call is not the steady one (the
+    caller then runs the plan generically). The values are those of the executor's run: the
+    same step objects compute them (``one_token``, ``rows``, ``steady_run``), the pool serves
+    the buffers and the same counters are counted; a step whose ``fn`` was replaced (tests,
+    benchmarks) sends every call to the executor.
+
+    Attributes
+    ----------
+    feed : str
+        The ids input.
+    kv_inputs, kv_outputs : tuple of str
+        The stack's past inputs and present outputs, in its KV order.
+    pairs : tuple
+        The stack's ``(output, input)`` KV pairs, the object :meth:`InferenceSession.run_env`
+        reports for its in-place appends.
+    """
+
+    def __init__(self, session, steps, pairs):
+        self.session = session
+        self.steps = steps
+        g, r, s = steps
+        self.feed = g.inputs[0]
+        self.kv_inputs = tuple(s.inputs[3:])
+        self.kv_outputs = tuple(s.outputs[1:])
+        self.logits = s.outputs[0]
+        self.pairs = pairs
+
+    @staticmethod
+    def build(session) -> "DecodeProgram | None":
+        from olv_runtime.decoder_stack import DecoderStack
+        from olv_runtime.fusion import EncodedGather
+        from olv_runtime.positions import RotaryPositions
+
+        steps = session._steps
+        if len(steps) != 3:
+            return None
+        g, r, s = steps
+        if not (type(g.impl) is EncodedGather and type(r.impl) is RotaryPositions
+                and type(s.impl) is DecoderStack and g.fn is g.impl and r.fn is r.impl
+                and s.fn is s.impl):
+            return None
+        stack, rope = s.impl, r.impl
+        if stack.rope_table or rope.paged or len(g.inputs) != 1 or len(g.outputs) != 1:
+            return None
+        ids = g.inputs[0]
+        if (ids not in session._input_name_set or len(s.inputs) < 4 or len(r.inputs) != 2
+                or r.inputs != (s.inputs[3], ids) or s.inputs[0] != g.outputs[0]
+                or tuple(s.inputs[1:3]) != tuple(r.outputs)):
+            return None
+        if any(n not in session._input_name_set for n in s.inputs[3:]):
+            return None
+        if sorted(session._output_names) != sorted(s.outputs) or len(set(s.outputs)) != len(s.outputs):
+            return None
+        if g.impl.w.shape[1] != stack.e or rope.r2 != stack.rotary_dim // 2:
+            return None
+        return DecodeProgram(session, (g, r, s), session._slot_plan().kv_pairs(s, 1))
+
+    def run(self, ids: np.ndarray, kv):
+        """One token: ``(logits float32 [1, 1, V], KVSpan)`` or None (see the class docstring)."""
+        g, r, s = self.steps
+        if g.fn is not g.impl or r.fn is not r.impl or s.fn is not s.impl:
+            return None
+        if ids.shape != (1, 1) or ids.dtype != _I64:
+            return None
+        sess = self.session
+        sess.model.check_external_files()  # PayloadError if a mapped file changed
+        n = sess.options.num_threads
+        if n is not None:  # numba's thread count is per calling thread: this session's
+            kernels.config.thread_count_fns()[0](int(n))
+        stack = s.impl
+        t = stack.steady_begin(kv)  # claims slot t of every KV buffer
+        if t is None:
+            return None
+        sess.counters.add("runs", 1)
+        pool = sess._pools.pool if hasattr(sess._pools, "pool") else sess.buffer_pool()
+        prev = pool_mod.activate(pool)
+        token = LAST_ONLY.set(frozenset()) if LAST_ONLY.get() else None
+        ok = False
+        step = g
+        try:
+            x0 = g.impl.one_token(ids)
+            step = r
+            cos, sin = r.impl.rows(t)
+            step = s
+            logits, span = stack.steady_run(x0, cos, sin, t)
+            pool.escape((logits,))
+            pool.end_run()
+            ok = True
+        except (InvalidArgument, ValidationError):
+            raise
+        except Exception as exc:
+            raise InvalidArgument(
+                f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            if token is not None:
+                LAST_ONLY.reset(token)
+            pool_mod.restore(prev)
+            if not ok:
+                pool.abort_run()
+        return logits, span
+
+
+_I64 = np.dtype(np.int64)
 
 
 @functools.lru_cache(maxsize=None)

@@ -122,6 +122,30 @@ def threading_layer() -> str:
         return str(numba.config.THREADING_LAYER)
 
 
+_thread_fns = None
+
+
+def thread_count_fns():
+    """``(set, get)`` of the calling thread's numba thread count for per-call use: the threading
+    layer's own functions once it is up (numba's public ``set_num_threads`` /
+    ``get_num_threads`` launch it and check their argument at every call, ~1-2 us), else the
+    public ones. The setter takes a Python int in ``[1, NUMBA_NUM_THREADS]`` (unchecked)."""
+    global _thread_fns
+    fns = _thread_fns
+    if fns is None:
+        numba.get_num_threads()  # launches the threading layer
+        try:
+            from numba.np.ufunc import parallel as _par
+
+            fns = (_par._set_num_threads, _par._get_num_threads)
+            if not (callable(fns[0]) and callable(fns[1])):
+                raise AttributeError("threading layer functions")
+        except (ImportError, AttributeError):
+            fns = (numba.set_num_threads, numba.get_num_threads)
+        _thread_fns = fns
+    return fns
+
+
 def set_num_threads(n: int) -> None:
     """Set the number of threads used by the parallel kernels (passthrough to numba).
 

@@ -1042,6 +1042,27 @@ def _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, 
     return _stack_thread, (0, 1) + args
 
 
+#: Positions, in the argument list of :func:`_stack_call`'s compiled function, of the values that
+#: change from one token to the next (x0, cos, sin, logits), after its 1 (parallel entry: nt)
+#: or 2 (serial entry: tid, nt) leading arguments. Checked by :func:`prepared_call`.
+_VARYING = (0, 11, 12, 31)
+
+
+def prepared_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
+                  n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
+    """:func:`decode_stack`'s compiled function and argument list, built once for a workspace:
+    ``(fn, args, (i_x0, i_cos, i_sin, i_logits))``. A caller whose other arguments stay the
+    same objects (the tables are updated in place) runs a token with
+    ``args[i_x0] = x0; ...; fn(*args)`` instead of rebuilding the 40 arguments."""
+    fn, args = _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos,
+                           cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws,
+                           logits)
+    lead = 1 if nt > 1 else 2
+    idx = tuple(lead + i for i in _VARYING)
+    assert all(args[i] is v for i, v in zip(idx, (x0, cos, sin, logits)))
+    return fn, list(args), idx
+
+
 def decode_stack_entry(*args):
     """``(numba dispatcher, argument types)`` of the compiled function that
     :func:`decode_stack` with these arguments calls (the arrays only need the types of the real

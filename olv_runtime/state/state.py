@@ -31,6 +31,7 @@ Counters: ``state.last_counters`` (the last call, reset or the construction),
 """
 from __future__ import annotations
 
+import collections.abc as _abc
 import dataclasses
 import threading
 import types
@@ -39,7 +40,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from olv_runtime.counters import Counters, recording
+from olv_runtime.counters import Counters, _scopes, recording
 from olv_runtime.counters import _owner as _buffer_owner
 from olv_runtime.errors import BindingError, InvalidArgument, StateError
 from olv_runtime.io import Model, as_model
@@ -335,25 +336,28 @@ def _tensor_groups(resolved) -> tuple[list, list]:
 
 
 class _Rec:
-    """The context of one call's counters (:meth:`State._call`)."""
+    """The context of one call's counters (:meth:`State._call`): a :func:`recording` scope
+    whose figures become ``last_counters`` (with the state's retained-bytes levels) and are
+    merged into ``counters`` when the call ends (also on error)."""
 
-    __slots__ = ("state", "cm", "rec")
+    __slots__ = ("state", "token", "rec")
 
     def __init__(self, state):
         self.state = state
 
     def __enter__(self):
-        self.cm = recording()
-        self.rec = self.cm.__enter__()
-        return self.rec
+        rec = self.rec = Counters()
+        self.token = _scopes.set(_scopes.get() + (rec,))
+        return rec
 
     def __exit__(self, *exc):
-        self.cm.__exit__(*exc)
-        rec, state = self.rec, self.state
-        rec.set("retained_state_bytes", state._level[0], propagate=False)
-        rec.set("retained_state_buffer_bytes", state._level[1], propagate=False)
-        state.last_counters = rec.snapshot()
-        state.counters.merge(state.last_counters)
+        _scopes.reset(self.token)
+        state = self.state
+        vals = self.rec._values  # the scope has ended: nothing writes these any more
+        vals["retained_state_bytes"] = state._level[0]
+        vals["retained_state_buffer_bytes"] = state._level[1]
+        state.last_counters = vals
+        state.counters.merge(vals)
         return False
 
 
@@ -361,6 +365,91 @@ def _release_level(counters: Counters, level: list) -> None:
     counters.add("retained_state_bytes", -level[0], propagate=False)
     counters.add("retained_state_buffer_bytes", -level[1], propagate=False)
     level[0] = level[1] = 0
+
+
+_NO_NAMES = frozenset()
+
+
+class _Steady:
+    """The form of a state's next call that skips the generic path's checks
+    (:meth:`State._run_steady`): the feed's name, dtype, shape and strides (as checked in the
+    call that made this), the ``(output, input)`` pairs object of the in-place KV append
+    (:meth:`InferenceSession.run_env`'s ``appended``), the bindings as ``(input, output)``, the
+    bytes one more position adds to the retained values, the session's decode program (or
+    None) with the bound inputs' ``(name, index in its KV order)`` in binding order, and the
+    ``outputs`` argument of the call that made it (checked then; a steady call must pass the
+    same object or None)."""
+
+    __slots__ = ("name", "dtype", "shape", "strides", "pairs", "io", "per_pos", "program",
+                 "order", "last_outputs")
+
+    def __init__(self, name, dtype, shape, strides, pairs, io, per_pos, program, order,
+                 last_outputs):
+        self.name, self.dtype, self.shape, self.strides = name, dtype, shape, strides
+        self.pairs, self.io, self.per_pos = pairs, io, per_pos
+        self.program, self.order = program, order
+        self.last_outputs = last_outputs
+
+
+class _SpanValues(_abc.Mapping):
+    """Retained values held as a :class:`~olv_runtime.decoder_stack.KVSpan` (a steady decode
+    through the session's decode program): a read-only mapping, input name -> read-only
+    ``[:, :, :n]`` view, whose views are made when it is first read (then the same objects at
+    every read). ``order``: ``(input name, index in the span)`` in binding order."""
+
+    __slots__ = ("_order", "_span", "_map")
+
+    def __init__(self, order, span):
+        self._order = order
+        self._span = span
+        self._map = None
+
+    def _m(self) -> dict:
+        m = self._map
+        if m is None:
+            views = self._span.views()
+            m = self._map = {n: views[j] for n, j in self._order}
+        return m
+
+    def __getitem__(self, name):
+        return self._m()[name]
+
+    def __iter__(self):
+        return iter(self._m())
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, name) -> bool:
+        return name in self._m()
+
+    def copy(self) -> dict:
+        return dict(self._m())
+
+    def __repr__(self) -> str:
+        return f"mappingproxy({self._m()!r})"
+
+
+def _steady_eligible(session, resolved, other) -> bool:
+    """Whether a state with these bindings may take steady calls: every binding a tensor whose
+    input accepts strided views (a KV past) and declares rank 4 with a symbolic axis 2 (or no
+    shape), and every symbolic dimension either names only bound inputs' axis 2 or none of
+    them (so one more position on every bound input keeps every dimension agreement)."""
+    if other or not resolved:
+        return False
+    bound = set()
+    for b in resolved:
+        if b.kind != "tensor_type" or not b.strided or b.spec.dtype is None:
+            return False
+        shape = b.spec.shape
+        if shape is not None and (len(shape) != 4 or isinstance(shape[2], int)):
+            return False
+        bound.add((b.input, 2))
+    for pairs in session._symbolic_groups:
+        inside = [p in bound for p in pairs]
+        if any(inside) and not all(inside):
+            return False
+    return True
 
 
 class State:
@@ -408,6 +497,10 @@ class State:
         self.tokens: list[int] = []
         self.cached_tokens = 0
         self.rng = None
+        # the steady call (_Steady): set after a call that may be repeated without re-checks
+        self._steady = None
+        self._steady_ok = _steady_eligible(session, self._resolved, self._other)
+        self._span = None  # the KVSpan behind _values after a decode-program call
         with self._call():
             self._publish(self._check_initial(initial, "initial"))
 
@@ -506,6 +599,7 @@ class State:
                 owners[id(own)] = own.nbytes
         buffers = sum(owners.values())
         self._values = types.MappingProxyType(values)
+        self._span = None
         c = self._session.counters
         c.add("retained_state_bytes", logical - self._level[0], propagate=False)
         c.add("retained_state_buffer_bytes", buffers - self._level[1], propagate=False)
@@ -545,7 +639,8 @@ class State:
             raise StateError("State.values: the state is closed")
         return self._values
 
-    def run(self, feeds: Mapping[str, Any], *, last_only: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    def run(self, feeds: Mapping[str, Any], *, last_only: Sequence[str] = (),
+            outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run one call with ``feeds`` plus the retained values; retain the bound outputs.
 
         Parameters
@@ -563,12 +658,17 @@ class State:
             straight from a fused linear step (the converter's lm_head), only its last row is
             computed and the returned array has size 1 on axis -2 (``logits[0, -1]`` is the same
             row); otherwise the output is complete. Retained values are never affected.
+        outputs : sequence of str, optional
+            The graph outputs to return (default: all). Every output is computed and the bound
+            ones are retained either way; naming only unbound ones (``("logits",)``, as
+            :func:`olv_runtime.generate` does) spares making the bound outputs' views when
+            the state does not need them (:attr:`values` makes them when read).
 
         Returns
         -------
         dict
-            Every graph output by name. Bound outputs are read-only views of the newly retained
-            arrays (the arrays the kernels produced, not copies).
+            The graph outputs (``outputs``, or all) by name. Bound outputs are read-only views
+            of the newly retained arrays (the arrays the kernels produced, not copies).
 
         Raises
         ------
@@ -576,13 +676,34 @@ class State:
             Closed state; another run/reset/close in progress; a feed naming a retained input.
         InvalidArgument
             Unknown, missing or badly typed/laid-out feed; a kernel failure; an output that
-            cannot be retained as its bound input (dtype, rank, fixed dims, layout).
+            cannot be retained as its bound input (dtype, rank, fixed dims, layout); an unknown
+            name in ``outputs``.
             After any failure (also ``KeyboardInterrupt``) nothing is published: the previous
             values and their buffers stay valid and the state keeps working.
+
+        Notes
+        -----
+        A call whose feed has the name, dtype, shape and strides of the last call's, made when
+        every bound output of that call was an in-place KV append of its own bound input
+        (:class:`~olv_runtime.fusion.KVAppended`: a steady decode), takes the steady path
+        (:meth:`_run_steady`): the same values, counters and rules without the checks whose
+        outcome is already known.
         """
-        self._enter("run")
+        if not self._lock.acquire(blocking=False):
+            raise StateError("State.run: another call is in progress on this state")
         try:
+            if self._closed:
+                raise StateError("State.run: the state is closed")
+            sd = self._steady
+            if (sd is not None and not last_only and type(feeds) is dict and len(feeds) == 1
+                    and (outputs is None or outputs is sd.last_outputs)):
+                for name, value in feeds.items():
+                    if (name == sd.name and type(value) is np.ndarray and value.dtype == sd.dtype
+                            and value.shape == sd.shape and value.strides == sd.strides):
+                        return self._run_steady(sd, name, value, outputs)
+            want = self._check_outputs(outputs)
             with self._call():
+                self._steady = None
                 if not isinstance(feeds, Mapping):
                     raise InvalidArgument(
                         f"feeds must be a dict of name -> array, got {type(feeds).__name__}"
@@ -612,15 +733,121 @@ class State:
                 # retained (_retain): they enter as they are (no per-binding check per call;
                 # feeds naming them were refused above)
                 prepared = sess.prepare_feeds(feeds, trusted=retained)
-                outputs = sess.run_env(prepared, last)
-                new_values = self._retain_all(outputs, "output {!r} retained as next value")
-                result = dict(outputs)
+                appended = [] if self._steady_ok else None
+                outs = sess.run_env(prepared, last, appended)
+                new_values = self._retain_all(outs, "output {!r} retained as next value")
+                result = dict(outs)
                 for b in self._resolved:
                     result[b.output] = new_values[b.input]
                 self._publish(new_values)  # atomic publication
+                if appended and not last and len(feeds) == 1:
+                    self._steady = self._ticket(feeds, prepared, appended, outputs)
+            if want is not None:
+                return {n: result[n] for n in want}
             return result
         finally:
             self._lock.release()
+
+    def _check_outputs(self, outputs):
+        """``outputs`` as a tuple of graph output names (None: all); InvalidArgument naming an
+        unknown one."""
+        if outputs is None:
+            return None
+        if isinstance(outputs, str):
+            raise InvalidArgument(f"outputs: expected a sequence of output names, got the "
+                                  f"string {outputs!r}")
+        names = self._session._output_names
+        want = tuple(outputs)
+        for n in want:
+            if n not in names:
+                raise InvalidArgument(f"outputs: unknown output {n!r}; the graph outputs are "
+                                      f"{list(names)}")
+        return want
+
+    def _ticket(self, feeds, prepared, appended, outputs):
+        """The :class:`_Steady` call that may follow this one, or None. Its conditions: one
+        feed, a numpy array taken as it is; every bound output made by one in-place KV append
+        (:class:`~olv_runtime.fusion.KVAppended`) of its own bound input; the state's bindings
+        eligible (:func:`_steady_eligible`)."""
+        if len(appended) != 1:
+            return None
+        pairs = appended[0]
+        if set(pairs) != {(b.output, b.input) for b in self._resolved}:
+            return None
+        for name, value in feeds.items():
+            if type(value) is not np.ndarray or prepared.get(name) is not value:
+                return None
+            per_pos = 0
+            for v in self._values.values():
+                per_pos += v.itemsize * (v.size // v.shape[2] if v.shape[2] else
+                                         int(np.prod(v.shape[:2] + v.shape[3:])))
+            io = tuple((b.input, b.output) for b in self._resolved)
+            prog = self._session.decode_program()
+            if prog is not None and (prog.pairs is not pairs or prog.feed != name):
+                prog = None
+            order = None
+            if prog is not None:  # binding order -> the program's KV order
+                where = {n: j for j, n in enumerate(prog.kv_inputs)}
+                order = tuple((b.input, where[b.input]) for b in self._resolved)
+            return _Steady(name, value.dtype, value.shape, value.strides, pairs, io, per_pos,
+                           prog, order, outputs)
+        return None
+
+    def _run_steady(self, sd: "_Steady", name: str, value: np.ndarray, outputs) -> dict:
+        """One call of the steady form (:class:`_Steady`; the caller holds the lock): the feed
+        has the name, dtype, shape and strides of the last call's checked feed and the retained
+        values are the outputs of that call's in-place KV append, so the checks of the generic
+        path hold without being run again (feed: the same outcome as the last call's check;
+        retained values: checked when retained; symbolic dimensions: every bound input grew by
+        one position on the axis whose dimension only they share, :func:`_steady_eligible`).
+
+        With the session's :class:`~olv_runtime.session.DecodeProgram` the token runs there and
+        the retained values are the :class:`~olv_runtime.decoder_stack.KVSpan` it returns (their
+        views made when read, :class:`_SpanValues`). Otherwise the executor runs the plan and the
+        outputs are retained without a check when the plan appended in place again (the same
+        ``(output, input)`` pairs), else through the generic checks (:meth:`_retain_all`; the
+        next call then takes the generic path). Counters, atomic publication and the failure
+        rules are those of the generic path."""
+        with self._call():
+            self._steady = None
+            prog = sd.program
+            if prog is not None:
+                span = self._span
+                kv = span if span is not None else [self._values[n] for n in prog.kv_inputs]
+                res = prog.run(value, kv)
+                if res is not None:
+                    logits, span = res
+                    self._values = _SpanValues(sd.order, span)  # atomic publication
+                    self._span = span
+                    self._level[0] += sd.per_pos  # one position more per value, same buffers
+                    self._session.counters.add("retained_state_bytes", sd.per_pos,
+                                               propagate=False)
+                    self._steady = sd
+                    if outputs is not None and len(outputs) == 1 and outputs[0] == prog.logits:
+                        return {prog.logits: logits}
+                    full = dict(zip(prog.kv_outputs, span.views()))
+                    full[prog.logits] = logits
+                    names = self._session._output_names if outputs is None else outputs
+                    return {n: full[n] for n in names}
+            prepared = dict(self._values)
+            prepared[name] = value
+            appended = []
+            outs = self._session.run_env(prepared, _NO_NAMES, appended)
+            if len(appended) == 1 and appended[0] is sd.pairs:
+                new_values = {i: outs[o] for i, o in sd.io}
+                self._values = types.MappingProxyType(new_values)  # atomic publication
+                self._span = None
+                self._level[0] += sd.per_pos  # one position more per value, same buffers
+                self._session.counters.add("retained_state_bytes", sd.per_pos, propagate=False)
+                self._steady = sd
+            else:
+                new_values = self._retain_all(outs, "output {!r} retained as next value")
+                for b in self._resolved:
+                    outs[b.output] = new_values[b.input]
+                self._publish(new_values)
+            if outputs is not None:
+                return {n: outs[n] for n in outputs}
+            return outs
 
     def reset(self, initial: Mapping[str, Any]) -> None:
         """Replace the retained values with caller-supplied initial values.
@@ -638,6 +865,7 @@ class State:
         self._enter("reset")
         try:
             with self._call():
+                self._steady = None
                 self._publish(self._check_initial(initial, "reset"))
                 self.tokens, self.cached_tokens, self.rng = [], 0, None
         finally:
@@ -655,6 +883,8 @@ class State:
             raise StateError("State.close: another call is in progress on this state")
         try:
             if not self._closed:
+                self._steady = None
+                self._span = None
                 self._values = types.MappingProxyType({})
                 self._closed = True
                 _release_level(self._session.counters, self._level)
