@@ -239,10 +239,13 @@ def phase_ttft(spec):
 def phase_overhead(spec):
     """Executor overhead: the decode loop with every kernel replaced by a no-op.
 
-    Plain steps: ``fn`` replaced by a function returning outputs captured from a real decode
-    step. A compiled ``DecoderStack`` step keeps its Python (KV reserve, present views, argument
-    passing) and only its compiled driver call (``run_kernel``) becomes a no-op, so what remains
-    is the executor, the Python around the kernels, state bookkeeping and the generate loop
+    A compiled ``DecoderStack`` step keeps its Python (KV claim, argument passing) and only its
+    compiled driver call (``run_kernel``) becomes a no-op. When the session runs decode tokens
+    through its decode program (``InferenceSession.decode_program``: embedding row, RoPE rows,
+    compiled step) the other two steps stay as they are: their kernels (one row gather, a
+    table lookup of the RoPE rows) count as overhead. Otherwise plain steps' ``fn`` are replaced
+    by functions returning outputs captured from a real decode step. What remains is the
+    executor, the Python around the kernels, state bookkeeping and the generate loop
     (including argmax over the logits)."""
     import olv_runtime
     from olv_runtime.state import empty_cache, make_state
@@ -252,6 +255,25 @@ def phase_overhead(spec):
     n = spec["new_tokens"]
     olv_runtime.generate(sess, prompt, n)
     stacks = [st.impl for st in sess._steps if st.kind == "DecoderStack"]
+    program = getattr(sess, "decode_program", lambda: None)() if stacks else None
+    if program is not None:
+        real_kernels = [s.run_kernel for s in stacks]
+        real, noop = [], []
+        for s in stacks:
+            s.run_kernel = lambda *a: None
+        olv_runtime.generate(sess, prompt, n)  # warm-up of the no-op path
+        for _ in range(spec["runs"]):  # interleaved, so both see the same machine conditions
+            for nk, acc in ((False, real), (True, noop)):
+                for s, k in zip(stacks, real_kernels):
+                    s.run_kernel = (lambda *a: None) if nk else k
+                s_ = olv_runtime.GenerationStats()
+                olv_runtime.generate(sess, prompt, n, stats=s_)
+                acc.append(s_.decode_seconds / max(n - 1, 1))
+        for s, k in zip(stacks, real_kernels):
+            s.run_kernel = k
+        return {"real_s_per_token": _median(real), "noop_s_per_token": _median(noop),
+                "steps": len(sess._steps), "kinds": sorted({s.kind for s in sess._steps}),
+                "compiled_stack": True, "decode_program": True}
     # capture every plain step's outputs during one real decode step
     st = make_state(sess, empty_cache(sess))
     logits = st.run({"input_ids": prompt.reshape(1, -1)})["logits"]
@@ -1248,6 +1270,9 @@ def main(argv=None):
                              f"{1e3 / q['decode_tps']:.1f} ms/token")
             what = (" incl. the compiled DecoderStack's Python around its driver" if
                     overhead.get("compiled_stack") else "")
+            if overhead.get("decode_program"):
+                what = (", decode program: the compiled step's driver a no-op, the embedding "
+                        "row and RoPE rows real")
             print(f"executor overhead (olv exact, {overhead['steps']} plan steps with no-op "
                   f"kernels{what}): "
                   f"{o * 1e3:.2f} ms/token = {100 * o / real:.1f} % of decode time "
