@@ -396,27 +396,29 @@ class EncodedGather:
     def __init__(self, name: str, weight: AffineValue):
         self.name = name
         self.w = weight
-        self._one = None  # the validated arguments of one_token's kernel call
+        self._one = threading.local()  # one_token's validated arguments and scratch row
 
     def one_token(self, ids):
         """``__call__`` for int64 ids of shape [1, 1] (a decode token): the matrix arguments
         validated once, the index range checked here, the serial kernel called directly.
-        Returns float32 [1, 1, K] from the buffer pool. Same values and errors as ``__call__``."""
-        one = self._one
+        Returns float32 [1, 1, K] in this thread's scratch row (overwritten by its next
+        ``one_token``: the decode program hands it straight to the compiled step). Same values
+        and errors as ``__call__``."""
+        one = getattr(self._one, "v", None)
         if one is None:
             w = self.w
             n, k = w.shape
             n, k, bs, zp = kernels.affine._check_int4_matrix(w.codes, w.scale, w.zero_point, n,
                                                              k, w.block_size)
-            one = self._one = (w.codes, kernels.half.scale_bits(w.scale), zp,
-                               w.zero_point is not None, n, k, bs)
-        payload, sbits, zp, has_zp, n, k, bs = one
+            out = np.empty((1, 1, k), np.float32)
+            one = self._one.v = (w.codes, kernels.half.scale_bits(w.scale), zp,
+                                 w.zero_point is not None, n, k, bs, out, out.reshape(1, k))
+        payload, sbits, zp, has_zp, n, k, bs, out, out2 = one
         i = int(ids[0, 0])
         if i < -n or i >= n:
             raise InvalidArgument(f"ids: expected indices in [{-n}, {n}), got {i}")
-        out = empty((1, 1, k), np.float32)
         kernels.affine._gather_int4_ser(payload, sbits, zp, has_zp, n, k, bs, ids.reshape(1),
-                                        out.reshape(1, k))
+                                        out2)
         return out
 
     def __call__(self, ids):

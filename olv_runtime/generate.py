@@ -460,9 +460,12 @@ def generate(
             state.tokens, state.cached_tokens = list(history), len(history)
             stats.prefill_tokens = len(feed)
             step = np.empty((1, 1), np.int64)
+            # greedy without penalties: select_token's argmax, without its dispatch per token
+            argmax_only = params.greedy and not params.penalised
             while True:
                 row = logits[0, -1]
-                tok = select_token(row, history, params, rng)
+                tok = int(row.argmax()) if argmax_only else select_token(row, history, params,
+                                                                         rng)
                 if lps is not None:
                     lps.append(token_logprob(row, tok, top_logprobs))
                 out.append(tok)

@@ -103,8 +103,19 @@ class BufferPool:
                     self._escaped[id(own)] = weakref.ref(own)
                     self.total_bytes -= own.nbytes
 
+    def escape_one(self, arr: np.ndarray) -> None:
+        """:meth:`escape` of one array that owns its memory (a buffer :meth:`take` made)."""
+        key = id(arr)
+        if arr.base is None and self._held.pop(key, None) is not None:
+            self._escaped[key] = weakref.ref(arr)
+            self.total_bytes -= arr.nbytes
+        else:
+            self.escape((arr,))
+
     def end_run(self) -> None:
         """Release every buffer still held (values that died unreleased, e.g. unused outputs)."""
+        if not self._held:
+            return
         for key in list(self._held):
             buf, _ = self._held.pop(key)
             self._free.setdefault((buf.shape, buf.dtype.str), []).append(buf)

@@ -1018,7 +1018,7 @@ class DecodeProgram:
             cos, sin = r.impl.rows(t)
             step = s
             logits, span = stack.steady_run(x0, cos, sin, t)
-            pool.escape((logits,))
+            pool.escape_one(logits)
             pool.end_run()
             ok = True
         except (InvalidArgument, ValidationError):

@@ -17,9 +17,12 @@ Bookkeeping lives here, in plain Python; kernels see only arrays.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import threading
 import weakref
+from collections import deque as _consume
 
 import numpy as np
 
@@ -82,13 +85,16 @@ def claim_all(entries: list, t: int, s: int) -> bool:
     per-token append): when every entry's committed length is ``t``, set each to ``t + s`` and
     return True; otherwise change nothing and return False (the caller then reserves buffer by
     buffer). The caller holds the buffers (alive) and checked their capacity."""
-    with _lock:
-        for e in entries:
-            if e[1] != t:
-                return False
-        for e in entries:
-            e[1] = t + s
+    n = len(entries)
+    with _lock:  # (C-level loops: this runs once per decode token over every layer's buffers)
+        if list(map(_LENGTH, entries)).count(t) != n:
+            return False
+        _consume(map(operator.setitem, entries, itertools.repeat(1, n),
+                     itertools.repeat(t + s, n)), 0)
     return True
+
+
+_LENGTH = operator.itemgetter(1)  # an entry's committed length
 
 
 def reserve(past: np.ndarray, s: int, *, initial_capacity: int = 256, growth: float = 2.0,
