@@ -178,10 +178,8 @@ class Counters:
         get = values.get
         with self._lock:
             mine = self._values
-            for k in _SUMS:
-                v = get(k, 0)
-                if v:
-                    mine[k] += int(v)
+            for k in filter(get, _SUMS):  # the non-zero sums (a C-level scan)
+                mine[k] += int(values[k])
             for k in _SET_LEVELS:
                 mine[k] = int(get(k, 0))
             for k in PEAKS:

@@ -342,3 +342,31 @@ def test_outputs_argument_of_the_generic_path(model):
     assert out["present_key.1"] is st.values["past_key.1"]
     full = st.run({"input_ids": _ids(3)})
     assert set(full) == set(sess._output_names)
+
+
+def test_replaced_step_functions_send_calls_to_the_executor(model, monkeypatch):
+    """Tests and benchmarks replace a step's ``fn``: the program then leaves every call to the
+    executor (which calls the replacement), and takes them again once it is restored."""
+    calls = _program_calls(monkeypatch)
+    sess = _session(model)
+    st = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
+    st.run({"input_ids": _ids(*PROMPT)}, outputs=LOGITS)
+    for tok in TOKENS[:3]:
+        st.run({"input_ids": _ids(tok)}, outputs=LOGITS)
+    assert calls[-1]
+    gather = sess._steps[0]
+    seen = []
+
+    def wrapped(*args, _fn=gather.fn):
+        seen.append(1)
+        return _fn(*args)
+    gather.fn = wrapped
+    try:
+        for tok in TOKENS[3:6]:
+            st.run({"input_ids": _ids(tok)}, outputs=LOGITS)
+    finally:
+        gather.fn = gather.impl
+    assert len(seen) == 3 and calls[-3:] == [False] * 3
+    for tok in TOKENS[6:9]:
+        st.run({"input_ids": _ids(tok)}, outputs=LOGITS)
+    assert calls[-1]
