@@ -583,6 +583,14 @@ class DecoderStack:
             nt = config.thread_count_fns()[1]()
         return nt
 
+    def _tasks_for(self, threads: int) -> int:
+        """:meth:`_tasks` when numba's thread count of this thread is ``threads``."""
+        nt = 1
+        if self.max_work >= STACK_SERIAL_MAX_WORK and config.threading_layer() == "omp":
+            nt = threads
+        self.tasks = nt
+        return nt
+
     def _tasks(self) -> int:
         """Tasks of this call: numba's thread count with the ``omp`` layer, 1 (the serial driver)
         otherwise or when every linear is below :data:`STACK_SERIAL_MAX_WORK`."""
@@ -728,12 +736,14 @@ class DecoderStack:
                st["ws"], l2)
 
     # -- the steady decode of a state (InferenceSession's decode program) -----------------------
-    def steady_begin(self, kv) -> int | None:
+    def steady_begin(self, kv, threads: int | None = None) -> int | None:
         """Claim slot ``T`` of every KV buffer when ``kv`` -- a :class:`KVSpan`, or the list of
         the step's KV input arrays in order -- is this thread's last call's result and every
         buffer has room; returns ``T`` (None: nothing claimed, run the step generically). The
         caller then runs :meth:`steady_run` (one-token hidden state and RoPE rows) or, if that
-        cannot happen, leaves the claim: a later call sees the claimed slot and copies."""
+        cannot happen, leaves the claim: a later call sees the claimed slot and copies.
+        ``threads``: numba's thread count of this thread when the caller has just set it
+        (spares reading it back)."""
         st = getattr(self._local, "st", None)
         if st is None:
             return None
@@ -741,7 +751,8 @@ class DecoderStack:
         if last is None or not (kv is last or (type(kv) is list and _is_span(last, kv))):
             return None
         t = last.n
-        if t >= st["cap"] or st["nt"] != self._tasks() or not kv_claim_all(st["entries"], t, 1):
+        nt = self._tasks() if threads is None else self._tasks_for(threads)
+        if t >= st["cap"] or st["nt"] != nt or not kv_claim_all(st["entries"], t, 1):
             return None
         st["last"] = None
         st["tpos"].fill(t)

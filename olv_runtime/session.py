@@ -1000,9 +1000,10 @@ class DecodeProgram:
         sess.model.check_external_files()  # PayloadError if a mapped file changed
         n = sess.options.num_threads
         if n is not None:  # numba's thread count is per calling thread: this session's
-            kernels.config.thread_count_fns()[0](int(n))
+            n = int(n)
+            kernels.config.thread_count_fns()[0](n)
         stack = s.impl
-        t = stack.steady_begin(kv)  # claims slot t of every KV buffer
+        t = stack.steady_begin(kv, n)  # claims slot t of every KV buffer
         if t is None:
             return None
         sess.counters.add("runs", 1)
