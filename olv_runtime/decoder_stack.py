@@ -525,7 +525,10 @@ class DecoderStack:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _load_kernels(self) -> None:
-        from olv_runtime.kernels import decode_stack as ds
+        from olv_runtime.kernels import precompile
+
+        with precompile.preparing():  # a first import: on the caller's kernel clock
+            from olv_runtime.kernels import decode_stack as ds
 
         d = self.__dict__
         d.setdefault("_ds", ds)

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, StateError
+from olv_runtime.kernels.precompile import kernel_seconds
 from olv_runtime.sampling import SamplingParams, TokenLogprob, select_token, token_logprob
 from olv_runtime.session import InferenceSession, SessionOptions
 from olv_runtime.state import empty_cache, make_state
@@ -33,6 +34,13 @@ _LOGITS = ("logits",)
 class GenerationStats:
     """Token counts and timings of one :func:`generate` call.
 
+    The seconds of each phase exclude the time this call spent preparing compiled kernels --
+    numba compiling or loading them from its disk cache, and waiting for the compile worker
+    that builds the decode step (:func:`olv_runtime.kernels.precompile.kernel_seconds`, measured
+    on the calling thread) -- so the rates are those of the kernels running; that time is
+    reported beside them (``prefill_compile_seconds``, ``decode_compile_seconds``). On a warm
+    numba cache in a process that has run the model before both are 0.
+
     Attributes
     ----------
     prompt_tokens : int
@@ -45,9 +53,17 @@ class GenerationStats:
     new_tokens : int
         Tokens generated.
     prefill_seconds : float
-        Wall time of the prompt call (including the first token's logits).
+        Wall time of the prompt call (including the first token's logits), minus
+        ``prefill_compile_seconds``.
     decode_seconds : float
-        Wall time of the decode calls (one per new token after the first).
+        Wall time of the decode calls (one per new token after the first), minus
+        ``decode_compile_seconds``.
+    prefill_compile_seconds : float
+        Seconds the prompt call spent compiling or loading kernels.
+    decode_compile_seconds : float
+        Seconds the decode calls spent compiling or loading kernels, or waiting for the compile
+        worker (on a cold cache: the first decode step, whose compiled program a worker process
+        builds while the prefill runs).
     """
 
     prompt_tokens: int = 0
@@ -56,15 +72,23 @@ class GenerationStats:
     decode_seconds: float = 0.0
     prefill_tokens: int = 0
     cached_tokens: int = 0
+    prefill_compile_seconds: float = 0.0
+    decode_compile_seconds: float = 0.0
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds this call spent compiling or loading kernels, or waiting for them (both
+        phases)."""
+        return self.prefill_compile_seconds + self.decode_compile_seconds
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
         steps = max(self.new_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 @dataclasses.dataclass
@@ -431,6 +455,7 @@ def generate(
     stats.new_tokens = stats.prefill_tokens = 0
     stats.cached_tokens = state.cached_tokens if state is not None else 0
     stats.prefill_seconds = stats.decode_seconds = 0.0
+    stats.prefill_compile_seconds = stats.decode_compile_seconds = 0.0
     stream = (TextStream(tokenizer, stops, skip_special_tokens=bool(skip_special_tokens))
               if tokenizer is not None else None)
     out: list[int] = []
@@ -446,12 +471,14 @@ def generate(
     feed = pending + [int(t) for t in ids.tolist()]
     closed_ok = False
     t0 = t1 = None
+    k0 = k1 = 0.0
     try:
         if max_new_tokens == 0:
             state.tokens = history
             closed_ok = True
         else:
             t0 = time.perf_counter()
+            k0 = kernel_seconds()  # compile / cache-load / worker time, excluded from the rates
             step_ids = np.asarray(feed, np.int64).reshape(1, -1)
             # only the last row of the prompt's logits is read (the lm_head of the other
             # positions is not computed, as in llama.cpp)
@@ -473,8 +500,9 @@ def generate(
                 state.tokens.append(tok)  # pending: its KV is computed by the next run
                 stats.new_tokens = len(out)
                 if t1 is None:
-                    stats.prefill_seconds = time.perf_counter() - t0
-                    t1 = time.perf_counter()
+                    t1, k1 = time.perf_counter(), kernel_seconds()
+                    stats.prefill_compile_seconds = k1 - k0
+                    stats.prefill_seconds = t1 - t0 - stats.prefill_compile_seconds
                 if callback is not None:
                     callback(tok)
                 if stream is not None:
@@ -493,14 +521,17 @@ def generate(
                 session.recycle(logits)  # consumed: its buffer serves the next call
                 logits = state.run({"input_ids": step}, outputs=_LOGITS)["logits"]
                 state.cached_tokens += 1
-            stats.decode_seconds = time.perf_counter() - t1
+            stats.decode_compile_seconds = kernel_seconds() - k1
+            stats.decode_seconds = time.perf_counter() - t1 - stats.decode_compile_seconds
             closed_ok = True
     except KeyboardInterrupt:
         reason = "interrupted"
         if t1 is not None:  # the rate so far stays reportable
-            stats.decode_seconds = time.perf_counter() - t1
+            stats.decode_compile_seconds = kernel_seconds() - k1
+            stats.decode_seconds = time.perf_counter() - t1 - stats.decode_compile_seconds
         elif t0 is not None:
-            stats.prefill_seconds = time.perf_counter() - t0
+            stats.prefill_compile_seconds = kernel_seconds() - k0
+            stats.prefill_seconds = time.perf_counter() - t0 - stats.prefill_compile_seconds
         if not return_result:
             raise
         closed_ok = True

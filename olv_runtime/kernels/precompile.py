@@ -32,6 +32,12 @@ Protocol (:func:`start` / :meth:`Job.wait`):
   into the main process's own numba cache (later processes load it from there) and removes the
   temporary directory.
 
+The kernel clock (:func:`kernel_seconds`): the seconds a thread has spent preparing compiled
+kernels -- numba compiling or loading from its disk cache (the time it holds or waits for numba's
+compiler lock, nested acquisitions counted once) and :meth:`Job.wait` blocked on a worker -- so
+that :func:`olv_runtime.generate` reports rates without that time and says how much it was
+(``GenerationStats.prefill_compile_seconds`` / ``decode_compile_seconds``).
+
 Anything that does not work out -- no second CPU, ``OLV_COMPILE_WORKERS=0``, no temporary
 directory, the worker failing or timing out, an entry missing from its cache -- only means the
 function is compiled in-process at its first call, as without this module: results never depend
@@ -54,13 +60,93 @@ import logging
 
 log = logging.getLogger("olv_runtime.precompile")
 __all__ = ["Job", "start", "prestart", "release_idle", "asked", "enabled", "cache_index_exists",
-           "WAIT_TIMEOUT"]
+           "kernel_seconds", "preparing", "WAIT_TIMEOUT"]
 
 #: Seconds :meth:`Job.wait` waits for a worker before ending it (then compiling in-process).
 WAIT_TIMEOUT = 600.0
 
 _LIVE: set = set()  # jobs whose worker may still run (ended at exit)
 _JOBS: dict = {}    # ((module, qualname, signature), ...) -> the Job compiling those entries
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernel clock
+# ------------------------------------------------------------------------------------------------
+_TL = threading.local()  # per thread: .total (s), .depth (nested compiler-lock holds), .t0
+_CLOCK = []              # the listener, once registered
+_CLOCK_LOCK = threading.Lock()
+
+
+def _add_seconds(dt: float) -> None:
+    _TL.total = getattr(_TL, "total", 0.0) + dt
+
+
+def _clock_start() -> None:
+    d = getattr(_TL, "depth", 0)
+    if d == 0:
+        _TL.t0 = time.perf_counter()
+    _TL.depth = d + 1
+
+
+def _clock_end() -> None:
+    d = getattr(_TL, "depth", 0) - 1
+    if d < 0:  # an acquisition from before the listener was registered
+        return
+    _TL.depth = d
+    if d == 0:
+        _add_seconds(time.perf_counter() - _TL.t0)
+
+
+def _install_clock() -> None:
+    """Register the listener of numba's ``numba:compiler_lock`` events (once per process).
+    numba acquires that lock around every compilation and every load from its disk cache
+    (``Dispatcher.compile``), re-entrantly for the callees a compilation compiles; the
+    listener adds the outermost hold (from the request, so waiting for another thread's
+    compilation counts too) to the thread's total."""
+    if _CLOCK:
+        return
+    with _CLOCK_LOCK:
+        if _CLOCK:
+            return
+        from numba.core import event
+
+        class _Clock(event.Listener):
+            def on_start(self, ev):
+                _clock_start()
+
+            def on_end(self, ev):
+                _clock_end()
+
+        clock = _Clock()
+        event.register("numba:compiler_lock", clock)
+        _CLOCK.append(clock)
+
+
+class preparing:
+    """``with preparing(): ...`` counts the block on the thread's :func:`kernel_seconds` (once,
+    however it nests with compilations): for kernel preparation numba does not see, e.g. the
+    first import of a kernel module (its dispatchers and intrinsics are made at import)."""
+
+    def __enter__(self):
+        _install_clock()
+        _clock_start()
+        return self
+
+    def __exit__(self, *exc):
+        _clock_end()
+        return False
+
+
+def kernel_seconds() -> float:
+    """Seconds the calling thread has spent preparing compiled kernels since this clock was
+    first read in the process: numba compiling or loading a function from its disk cache
+    (holding or waiting for numba's compiler lock), waiting for a compile worker
+    (:meth:`Job.wait`) and the blocks marked with :class:`preparing`. Monotonic; callers take differences around the work they time
+    (:func:`olv_runtime.generate`). A compilation already running in this thread when the clock
+    is first read is not counted."""
+    _install_clock()
+    return getattr(_TL, "total", 0.0) + (
+        time.perf_counter() - _TL.t0 if getattr(_TL, "depth", 0) > 0 else 0.0)
 
 
 def enabled() -> bool:
@@ -138,14 +224,21 @@ class Job:
         self._done = False
         #: entries loaded from the worker (set by :meth:`wait`)
         self.loaded = 0
+        #: seconds :meth:`wait` was blocked on the worker (the first call; loading excluded)
+        self.waited = 0.0
         self.started = time.perf_counter()
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the worker and load its compiled entries into the dispatchers; returns how
         many were loaded (0 when the worker failed: the functions compile at their first call).
-        Thread-safe; later calls return at once."""
+        Thread-safe; later calls return at once. The time blocked here counts on the calling
+        thread's :func:`kernel_seconds` (waiting for the worker explicitly; loading its entries
+        through numba's compiler lock)."""
+        _install_clock()
+        t0 = time.perf_counter()
         with self._lock:
             if self._done:
+                _add_seconds(time.perf_counter() - t0)  # another thread waited: so did this one
                 return self.loaded
             self._done = True
             try:
@@ -155,16 +248,24 @@ class Job:
                     self._proc.kill()
                     self._proc.wait()
                     rc = -1
+                self.waited = time.perf_counter() - t0
+                _add_seconds(self.waited)
                 if rc == 0:
                     self.loaded = self._load()
             finally:
                 self._cleanup()
             log.debug("compile worker: exit code %s, %d of %d entries loaded, %.2f s after its "
-                      "start", rc, self.loaded, len(self.entries),
-                      time.perf_counter() - self.started)
+                      "start, waited %.2f s", rc, self.loaded, len(self.entries),
+                      time.perf_counter() - self.started, self.waited)
             return self.loaded
 
     def _load(self) -> int:
+        from numba.core.compiler_lock import global_compiler_lock
+
+        with global_compiler_lock:  # as numba's own cache loads (and on the kernel clock)
+            return self._load_locked()
+
+    def _load_locked(self) -> int:
         try:
             with open(self._result, "rb") as f:
                 paths = pickle.load(f)
