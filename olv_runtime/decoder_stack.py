@@ -630,7 +630,7 @@ class DecoderStack:
         if rk is not None and rk is not self._ds.decode_stack:
             return  # replaced (benchmarks)
         entry = self._decode_entry()
-        self._precompile = precompile.start([entry]) or False
+        self._precompile = precompile.start(self._ds.precompile_entries(entry)) or False
 
     def _token_ok(self, x0, cos, sin) -> bool:
         """One token's hidden state [1, 1, E] and RoPE cos/sin [1, 1, rotary_dim/2]: contiguous

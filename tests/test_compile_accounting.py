@@ -188,3 +188,34 @@ def test_cli_reports_the_second_token_and_the_wait(model):
     second = float(line[0].split(", second token ")[1].split()[0])
     assert second >= first
     assert "warm-up prefill" in r.stderr
+
+
+# -- what the worker compiles first --------------------------------------------------------------
+_SHARED_CHILD = r"""
+import json, sys
+import olv_runtime
+from olv_runtime.kernels.attention import shared_entries
+sess = olv_runtime.InferenceSession(olv_runtime.load(sys.argv[1]))
+olv_runtime.generate(sess, [5, 17, 99], 1)  # the prefill only
+after_prefill = [[str(t) for t in f.signatures] for f, _ in shared_entries()]
+olv_runtime.generate(sess, [5, 17, 99], 3)  # + the compiled decode step
+after_decode = [[str(t) for t in f.signatures] for f, _ in shared_entries()]
+print(json.dumps({"want": [str(tuple(s)) for _, s in shared_entries()],
+                  "prefill": after_prefill, "decode": after_decode}))
+"""
+
+
+def test_shared_entries_are_the_specialisations_both_paths_run(model, tmp_path):
+    """The attention-row functions a compile worker builds before the decode step
+    (attention.shared_entries) are exactly the specialisations the prefill attention compiles
+    and the compiled decode step then reuses (else the worker would compile one nobody uses
+    and the main process would compile the real one again). A fresh numba cache, no worker."""
+    import json
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), OLV_COMPILE_WORKERS="0")
+    r = subprocess.run([sys.executable, "-c", _SHARED_CHILD, str(model)], capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["prefill"] == [[w] for w in got["want"]]  # the prefill compiled these
+    assert got["decode"] == got["prefill"]               # the step added no other one

@@ -130,3 +130,35 @@ def test_prestarted_worker_without_a_job_exits(fresh_module, monkeypatch):
     assert job.wait() == 1
     monkeypatch.setenv("OLV_COMPILE_WORKERS", "0")
     assert not precompile.prestart()
+
+
+def test_cache_saves_are_locked_between_processes(fresh_module, tmp_path):
+    """With a worker the main process and the worker save into one numba cache: each save
+    holds an exclusive lock of the directory (precompile._share_cache), so two processes never
+    pick the same data file for different signatures. A save waits while the lock is held
+    (here by this test, as another process would), then writes data and index."""
+    import fcntl
+    import threading
+
+    from numba.core.caching import IndexDataCacheFile
+
+    assert precompile._share_cache()
+    f = fresh_module.affine
+    assert f(2, 3) == 7  # compiled (and saved) in this process
+    cf = f._cache._cache_file
+    assert isinstance(cf, IndexDataCacheFile)
+    key_a = next(iter(cf._load_index()))
+    data_a = cf.load(key_a)
+    key_b = ("another signature",) + tuple(key_a[1:])
+    lock = os.open(os.path.join(cf._cache_path, precompile._LOCK_NAME), os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as another process saving at this moment
+    t = threading.Thread(target=cf.save, args=(key_b, data_a))
+    t.start()
+    t.join(0.5)
+    blocked = t.is_alive() and key_b not in cf._load_index()
+    os.close(lock)
+    t.join(60)
+    assert blocked
+    index = cf._load_index()
+    assert index[key_b] != index[key_a]  # its own data file
+    assert cf.load(key_b) is not None and cf.load(key_a) is not None

@@ -282,6 +282,21 @@ def _attend_rows(qg, ng, k, v, j0, j1, scale, m, l, o, sc, p, mx):
         _accum_rows(p, zero, ng, v, t0, nt, o, one)
 
 
+def shared_entries() -> list:
+    """``(numba dispatcher, argument types)`` of the attention-row functions the prefill
+    attention (:func:`_attend_task`) and the compiled decode step
+    (:func:`~.decode_stack._stack_thread`) both call, with the one specialisation they share
+    (float32 C-contiguous rows, int64 counts). A compile worker building the decode step
+    compiles these first (:mod:`.precompile`): the main process, which reaches the prefill
+    attention seconds later, then loads them from numba's cache instead of compiling them
+    again (cold start)."""
+    f1 = types.Array(types.float32, 1, "C")
+    f2 = types.Array(types.float32, 2, "C")
+    i64 = types.int64
+    return [(_state_init, (f1, f1, f2, i64)),
+            (_attend_rows, (f2, i64, f2, f2, i64, i64, types.float32, f1, f1, f2, f2, f2, f1))]
+
+
 @njit(**JIT)
 def _state_init(m, l, o, ng):
     d = o.shape[1]

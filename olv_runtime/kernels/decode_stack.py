@@ -537,14 +537,16 @@ def _ov_quantize(i8, xin, k, kb):
     if isinstance(i8, types.NoneType):
         def impl(i8, xin, k, kb):
             pass
+    # one row as np.int64(1), not the literal 1: the prefill's specialisation (int64 rows), so
+    # the step loads the one the main process compiled instead of compiling a second (cold start)
     elif _is_digits(i8):
         def impl(i8, xin, k, kb):
             dg, bz, xsc = i8
-            packed_f32_vnni._digits_rows(xin, 1, k, dg, bz, xsc)  # non-finite: NaN outputs
+            packed_f32_vnni._digits_rows(xin, np.int64(1), k, dg, bz, xsc)  # non-finite: NaN out
     else:
         def impl(i8, xin, k, kb):
             xq, xd, xs8, facc8 = i8
-            packed_i8._quantize_rows_i8(xin, 1, k, kb, xq, xd, xs8)
+            packed_i8._quantize_rows_i8(xin, np.int64(1), k, kb, xq, xd, xs8)
     return impl
 
 
@@ -1061,6 +1063,17 @@ def prepared_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0
     idx = tuple(lead + i for i in _VARYING)
     assert all(args[i] is v for i, v in zip(idx, (x0, cos, sin, logits)))
     return fn, list(args), idx
+
+
+def precompile_entries(entry) -> list:
+    """What a compile worker builds for the decode step ``entry`` (:func:`decode_stack_entry`),
+    in order: first the attention-row functions the prefill attention calls too
+    (:func:`~.attention.shared_entries`: the main process reaches them after its linear
+    kernels and then loads them from numba's cache), then the step (whose compilation loads
+    the GEMV and norm callees the main process has compiled meanwhile)."""
+    from .attention import shared_entries
+
+    return shared_entries() + [entry]
 
 
 def decode_stack_entry(*args):

@@ -16,10 +16,20 @@ Protocol (:func:`start` / :meth:`Job.wait`):
 
 * :func:`start` keeps only the entries (numba dispatcher, argument types) that are neither
   compiled in this process nor in numba's disk cache; for those it starts
-  ``python -m olv_runtime.kernels.precompile JOB`` with ``NUMBA_CACHE_DIR`` set to a private
-  temporary directory (the worker never writes into the main process's cache: two processes
-  saving different signatures of one function into one numba index at the same moment can
-  mismatch index and data files).
+  ``python -m olv_runtime.kernels.precompile JOB``. The entries are compiled in their order:
+  a caller lists first the callees it shares with kernels the main process compiles later
+  (e.g. the attention rows of the decode step, which the prefill attention calls too).
+* The worker saves into the main process's numba cache (the same directory), so that each
+  process loads from the disk cache what the other has compiled already instead of compiling
+  it again (the prefill kernels and the decode step share callees: the attention rows, the
+  exact-mode GEMV groups, RMSNorm rows). numba's own save is not safe for two processes
+  saving different signatures of one function at the same moment (each picks the same free
+  data-file number: the index can then name the other's data), so while a worker is used both
+  processes save under an exclusive lock of the cache directory, and write the data file before
+  the index entry that names it (:func:`_share_cache`, which replaces
+  ``numba.core.caching.IndexDataCacheFile.save``; loading is unchanged: numba replaces both
+  files atomically). Where that cannot be installed (another numba), the worker uses a private
+  ``NUMBA_CACHE_DIR`` and the main process copies the finished entries over (:meth:`Job.wait`).
 * Entries already asked for get their existing job (one worker per set of entries in a
   process, however many sessions ask); a worker waiting from :func:`prestart` takes the job
   (else a new one starts); :func:`release_idle` ends a waiting worker no job came to (it
@@ -28,9 +38,9 @@ Protocol (:func:`start` / :meth:`Job.wait`):
   which saves it into its private cache) and writes where the cache files are.
 * :meth:`Job.wait` (before the first call of a worker's function) waits for the worker, loads
   each entry from the worker's cache files into the dispatcher exactly as numba loads a disk cache
-  hit (same index key: signature, target machine, bytecode hash; same source stamp), then saves it
-  into the main process's own numba cache (later processes load it from there) and removes the
-  temporary directory.
+  hit (same index key: signature, target machine, bytecode hash; same source stamp), with a
+  private directory saves it into the main process's own numba cache (later processes load it
+  from there), and removes the temporary directory.
 
 The kernel clock (:func:`kernel_seconds`): the seconds a thread has spent preparing compiled
 kernels -- numba compiling or loading from its disk cache (the time it holds or waits for numba's
@@ -300,6 +310,8 @@ class Job:
                 n += 1
             except Exception:  # an unusable entry: compiled in-process at its first call
                 continue
+            if os.path.abspath(path) == os.path.abspath(cache.cache_path):
+                continue  # the worker saved it into this process's cache (shared)
             try:  # for the next processes (the cache may not be writable: then nothing)
                 impl.locator.ensure_cache_path()
                 cache._cache_file.save(key, data)
@@ -358,8 +370,78 @@ def _job_bytes(todo) -> bytes:
     return pickle.dumps((list(sys.path), [(*_name(d), s) for d, s in todo]))
 
 
+# ------------------------------------------------------------------------------------------------
+# one numba cache for the main process and its workers
+# ------------------------------------------------------------------------------------------------
+_LOCK_NAME = ".olv-save.lock"  # in each cache directory: held while an entry is saved
+_SHARED = []  # [True] once IndexDataCacheFile.save is the locked one
+
+
+def _share_cache() -> bool:
+    """Make numba's cache saves safe between processes (see the module docstring): replace
+    ``IndexDataCacheFile.save`` by :func:`_locked_save`. Returns False (nothing changed) when
+    this numba's cache file class does not have the methods it relies on, or there is no
+    ``fcntl`` (the worker then uses a private cache directory)."""
+    if _SHARED:
+        return True
+    try:
+        import fcntl  # noqa: F401
+        from numba.core import caching
+
+        cls = caching.IndexDataCacheFile
+        for name in ("save", "_load_index", "_save_index", "_save_data", "_data_name"):
+            if not callable(getattr(cls, name, None)):
+                return False
+    except Exception:
+        return False
+    orig = cls.save
+
+    def save(self, key, data):
+        return _locked_save(self, key, data, orig)
+
+    save.__doc__ = _locked_save.__doc__
+    cls.save = save
+    _SHARED.append(True)
+    return True
+
+
+def _locked_save(self, key, data, orig):
+    """numba's ``IndexDataCacheFile.save`` under an exclusive ``flock`` of the cache directory's
+    lock file, reading the index under the lock and writing the data file before the index
+    entry naming it (so a reader that finds the entry finds its data). Without the lock file
+    (read-only directory): numba's own save (which fails there too)."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(self._cache_path, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return orig(self, key, data)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        overloads = self._load_index()
+        name = overloads.get(key)
+        if name is None:
+            used = set(overloads.values())
+            i = 1
+            while self._data_name(i) in used:
+                i += 1
+            name = self._data_name(i)
+            self._save_data(name, data)
+            overloads[key] = name
+            self._save_index(overloads)
+        else:  # the same key compiled again: its data file is replaced (atomically)
+            self._save_data(name, data)
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _popen(tmp, args, stdin):
-    env = dict(os.environ, NUMBA_CACHE_DIR=os.path.join(tmp, "cache"))
+    env = dict(os.environ)
+    if _share_cache():  # the worker saves into this process's cache, under the same lock
+        env["OLV_PRECOMPILE_SHARED"] = "1"
+    else:
+        env["NUMBA_CACHE_DIR"] = os.path.join(tmp, "cache")
+        env.pop("OLV_PRECOMPILE_SHARED", None)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in
                                                  env.get("PYTHONPATH", "").split(os.pathsep)
@@ -471,6 +553,10 @@ def _end_workers():
 
 def _compile_job(path, todo, result_path: str) -> int:
     sys.path.extend(p for p in path if p not in sys.path)
+    if os.environ.get("OLV_PRECOMPILE_SHARED") == "1" and not _share_cache():
+        # cannot save safely into the shared cache (cannot happen: the main process checked
+        # the same numba): compile without saving, the main process compiles in-process
+        return 1
     paths = []
     for module, qualname, sig in todo:
         try:
