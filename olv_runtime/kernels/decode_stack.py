@@ -221,11 +221,15 @@ PHASES = ("input norm + quantize", "qkv linear", "wait after qkv", "rope + kv wr
           "final norm + quantize + lm_head", "final wait")
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def _stamp(bar, tid, nt, k):
     """Phase profile (benchmarks only, bench/stack_phases.py): when the barrier array is longer
     than :func:`barrier_slots` (``+ nt * PROF_SLOTS``), add the ticks since this task's last
-    stamp to its phase ``k``; with the normal array, nothing (one compare)."""
+    stamp to its phase ``k``; with the normal array, nothing (one compare).
+
+    A function of its own, called with ``np.int64(k)`` (one specialisation, not one per literal
+    phase): numba's IR inlining at its 16 call sites cost ~1 s of the step's compilation (cold
+    start); LLVM inlines the compiled function anyway (the step's optimised code is the same)."""
     base = BARRIER_SLOTS + WORK_SLOTS * nt
     if bar.shape[0] >= base + nt * PROF_SLOTS:
         o = base + tid * PROF_SLOTS
@@ -599,12 +603,12 @@ def _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms,
     _rms_norm_row(x[0], norms[2 * li], eps, h[0])
     cw, sw = _weight(wt, 4 * li, codes0, scale0)
     _quantize(i8, h, e, cw.shape[1])
-    _stamp(bar, tid, nt, 0)
+    _stamp(bar, tid, nt, np.int64(0))
     _linear_part(tid, nt, i8, cw, sw, h, qkv, f32, vnni, bar, has_bias[li], biases[li:li + 1])
     _prefetch_part(tid, nt, wt, 4 * li + 1, codes0, scale0)  # the output projection's start
-    _stamp(bar, tid, nt, 1)
+    _stamp(bar, tid, nt, np.int64(1))
     _barrier(bar, nt)
-    _stamp(bar, tid, nt, 2)
+    _stamp(bar, tid, nt, np.int64(2))
 
 
 @njit(inline="always", **JIT)
@@ -629,7 +633,7 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     cw, sw = _weight(wt, w + 1, codes0, scale0)
     _quantize(i8, attn, hd, cw.shape[1])
     _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni, bar, _YES, x)
-    _stamp(bar, tid, nt, 6)
+    _stamp(bar, tid, nt, np.int64(6))
     cw, sw = _weight(wt, w + 2, codes0, scale0)
     ng = cw.shape[0]
     # gate rows [0, inter), up rows [inter, 2 inter): when no 8-row group straddles the two,
@@ -644,14 +648,14 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     else:
         _prefetch_head(cw, sw, tid * ng // nt)
     _barrier(bar, nt)
-    _stamp(bar, tid, nt, 7)
+    _stamp(bar, tid, nt, np.int64(7))
     x = xn
     nxt = 1 - nxt
     xn = xa if nxt == 0 else xb
     # 6: post-attention norm (private), gate/up projection
     _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
     _quantize(i8, h, e, cw.shape[1])
-    _stamp(bar, tid, nt, 8)
+    _stamp(bar, tid, nt, np.int64(8))
     if halves:
         # chunks of gate/up group pairs (the same groups of both halves), claimed as the
         # linears' groups are (_claim); SiLU * up on the chunk's rows
@@ -670,17 +674,17 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
         _barrier(bar, nt)
         _silu_mul(gu, act, inter, tid * inter // nt, (tid + 1) * inter // nt)
     _prefetch_part(tid, nt, wt, w + 3, codes0, scale0)
-    _stamp(bar, tid, nt, 9)
+    _stamp(bar, tid, nt, np.int64(9))
     _barrier(bar, nt)
-    _stamp(bar, tid, nt, 10)
+    _stamp(bar, tid, nt, np.int64(10))
     # 8: down projection + residual
     cw, sw = _weight(wt, w + 3, codes0, scale0)
     _quantize(i8, act, inter, cw.shape[1])
     _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni, bar, _YES, x)
     _prefetch_part(tid, nt, wt, w + 4, codes0, scale0)  # next layer's qkv, or the lm_head
-    _stamp(bar, tid, nt, 11)
+    _stamp(bar, tid, nt, np.int64(11))
     _barrier(bar, nt)
-    _stamp(bar, tid, nt, 12)
+    _stamp(bar, tid, nt, np.int64(12))
     return xn, 1 - nxt
 
 
@@ -716,9 +720,9 @@ def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits
     cw, sw = _weight(wt, wl, codes0, scale0)
     _quantize(i8, h, e, cw.shape[1])
     _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni, bar, _NO, logits)
-    _stamp(bar, tid, nt, 13)
+    _stamp(bar, tid, nt, np.int64(13))
     _barrier(bar, nt)
-    _stamp(bar, tid, nt, 14)
+    _stamp(bar, tid, nt, np.int64(14))
 
 
 @njit(**JIT)
@@ -742,7 +746,7 @@ def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
     # residual stream: x0 -> xa -> xb -> xa ... (each write goes to the buffer x is not in)
     x = x0
     nxt = 0  # 0: the next write goes to xa, 1: to xb
-    _stamp(bar, tid, nt, -1)  # phase profile (benchmarks only): the start
+    _stamp(bar, tid, nt, np.int64(-1))  # phase profile (benchmarks only): the start
     for li in range(n_layers):
         _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h,
                     qkv, f32, bar, vnni)
@@ -776,11 +780,11 @@ def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
             _state_init(m, l, o, group)
             _attend_rows(q3[hs:hs + group], group, kb[0, g], vb[0, g], j0, j1, att_scale, m, l,
                          o, sc, p, mx)
-        _stamp(bar, tid, nt, 3)
+        _stamp(bar, tid, nt, np.int64(3))
         _barrier(bar, nt)
-        _stamp(bar, tid, nt, 4)
+        _stamp(bar, tid, nt, np.int64(4))
         _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
-        _stamp(bar, tid, nt, 5)
+        _stamp(bar, tid, nt, np.int64(5))
         x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
                              inter, attn, h, gu, act, f32, bar, vnni)
     _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
