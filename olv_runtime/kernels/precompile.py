@@ -34,8 +34,9 @@ Protocol (:func:`start` / :meth:`Job.wait`):
   process, however many sessions ask); a worker waiting from :func:`prestart` takes the job
   (else a new one starts); :func:`release_idle` ends a waiting worker no job came to (it
   removes its directory and exits at the end of its input).
-* The worker imports each dispatcher's module, compiles each signature (``dispatcher.compile``,
-  which saves it into its private cache) and writes where the cache files are.
+* The worker imports each dispatcher's module, compiles each signature in order
+  (``dispatcher.compile``, which saves it -- and every callee it compiles -- into the cache) and
+  writes where the cache files are.
 * :meth:`Job.wait` (before the first call of a worker's function) waits for the worker, loads
   each entry from the worker's cache files into the dispatcher exactly as numba loads a disk cache
   hit (same index key: signature, target machine, bytecode hash; same source stamp), with a
@@ -151,9 +152,9 @@ def kernel_seconds() -> float:
     """Seconds the calling thread has spent preparing compiled kernels since this clock was
     first read in the process: numba compiling or loading a function from its disk cache
     (holding or waiting for numba's compiler lock), waiting for a compile worker
-    (:meth:`Job.wait`) and the blocks marked with :class:`preparing`. Monotonic; callers take differences around the work they time
-    (:func:`olv_runtime.generate`). A compilation already running in this thread when the clock
-    is first read is not counted."""
+    (:meth:`Job.wait`) and the blocks marked with :class:`preparing`. Monotonic; callers take
+    differences around the work they time (:func:`olv_runtime.generate`). A compilation already
+    running in this thread when the clock is first read is not counted."""
     _install_clock()
     return getattr(_TL, "total", 0.0) + (
         time.perf_counter() - _TL.t0 if getattr(_TL, "depth", 0) > 0 else 0.0)
