@@ -63,7 +63,12 @@ parts: inlining a helper re-translates and re-types it at every call site (measu
 the step's ~9 s compilation when the many-site helpers were inlined). A library level costs
 LLVM work too -- each compiled function's LLVM module re-optimises and re-emits everything
 linked into it -- so small helpers called from one place are inlined (``inline="always"`` in
-:mod:`.attention` and :mod:`.packed_f32_vnni`).
+:mod:`.attention` and :mod:`.packed_f32_vnni`). The phase stamps (:func:`_stamp`, 16 sites) are
+a function of their own called with ``np.int64`` phases (IR-inlined they cost ~1 s). The callees
+the prefill kernels share with the step take the prefill's specialisations (one row as
+``np.int64(1)``, int64 key offsets), so that with a compile worker (:mod:`.precompile`, one numba
+cache for both processes) each is compiled once: the worker compiles the attention rows first
+(:func:`precompile_entries`), the main process the GEMV groups and digits, RMSNorm rows.
 """
 from __future__ import annotations
 
