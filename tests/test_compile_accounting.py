@@ -191,31 +191,36 @@ def test_cli_reports_the_second_token_and_the_wait(model):
 
 
 # -- what the worker compiles first --------------------------------------------------------------
-_SHARED_CHILD = r"""
+_ENTRIES_CHILD = r"""
 import json, sys
 import olv_runtime
-from olv_runtime.kernels.attention import shared_entries
+from olv_runtime.kernels.decode_stack import precompile_entries
 sess = olv_runtime.InferenceSession(olv_runtime.load(sys.argv[1]))
+(step,) = [s for s in sess.all_steps() if s.kind == "DecoderStack"]
+first = precompile_entries(step.impl._decode_entry())[:-1]
+sigs = lambda: [[str(t) for t in f.signatures] for f, _ in first]
 olv_runtime.generate(sess, [5, 17, 99], 1)  # the prefill only
-after_prefill = [[str(t) for t in f.signatures] for f, _ in shared_entries()]
+after_prefill = sigs()
 olv_runtime.generate(sess, [5, 17, 99], 3)  # + the compiled decode step
-after_decode = [[str(t) for t in f.signatures] for f, _ in shared_entries()]
-print(json.dumps({"want": [str(tuple(s)) for _, s in shared_entries()],
-                  "prefill": after_prefill, "decode": after_decode}))
+print(json.dumps({"names": [f.py_func.__name__ for f, _ in first],
+                  "want": [str(tuple(s)) for _, s in first],
+                  "prefill": after_prefill, "decode": sigs()}))
 """
 
 
-def test_shared_entries_are_the_specialisations_both_paths_run(model, tmp_path):
-    """The attention-row functions a compile worker builds before the decode step
-    (attention.shared_entries) are exactly the specialisations the prefill attention compiles
-    and the compiled decode step then reuses (else the worker would compile one nobody uses
-    and the main process would compile the real one again). A fresh numba cache, no worker."""
+def test_worker_entries_are_the_specialisations_the_prefill_runs(model, tmp_path):
+    """What a compile worker builds before the decode step (decode_stack.precompile_entries:
+    prefill kernels, the attention rows) are exactly the specialisations the prefill compiles
+    -- and the compiled step reuses the attention rows (else the worker would compile ones
+    nobody uses and the main process would compile the real ones itself). A fresh numba cache,
+    no worker."""
     import json
 
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), OLV_COMPILE_WORKERS="0")
-    r = subprocess.run([sys.executable, "-c", _SHARED_CHILD, str(model)], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", _ENTRIES_CHILD, str(model)], capture_output=True,
                        text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["prefill"] == [[w] for w in got["want"]]  # the prefill compiled these
-    assert got["decode"] == got["prefill"]               # the step added no other one
+    assert {"_rope_token", "_state_init", "_attend_rows"} <= set(got["names"])
+    assert got["prefill"] == [[w] for w in got["want"]], got["names"]  # the prefill's own
+    assert got["decode"] == got["prefill"]  # the step added no other specialisation

@@ -336,10 +336,12 @@ def test_cold_cache_session_hands_the_driver_to_a_worker(qwen2_int4, monkeypatch
     sess = _session(qwen2_int4, True)
     assert [c[0] for c in calls] == ["prestart", "start", "release"]
     assert calls[0][1] == ("olv_runtime.kernels.decode_stack",)
-    # the attention-row callees the prefill shares with the step first, then the step
-    from olv_runtime.kernels.attention import shared_entries
+    # prefill kernels and the attention rows the prefill shares with the step first, then the
+    # step (kernels.decode_stack.precompile_entries)
+    from olv_runtime.kernels.decode_stack import precompile_entries
 
-    assert calls[1][1] == shared_entries() + [_stack(sess)._decode_entry()]
+    entry = _stack(sess)._decode_entry()
+    assert calls[1][1] == precompile_entries(entry) and calls[1][1][-1] == entry
     calls.clear()
     _session(qwen2_int4, False)  # no compiled step: no worker
     assert calls == []

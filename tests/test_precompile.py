@@ -16,7 +16,11 @@ _SRC = textwrap.dedent('''
     @njit(cache=True)
     def affine(x, a):
         return x * a + 1
-''')
+''') + (
+    # a function that takes a while to compile (about a second): a worker busy with it
+    "\n@njit(cache=True)\ndef slow(x):\n"
+    + "".join(f"    if x > {i}:\n        x = x * 1.0001 + {i}\n" for i in range(300))
+    + "    return x\n")
 
 
 @pytest.fixture
@@ -162,3 +166,24 @@ def test_cache_saves_are_locked_between_processes(fresh_module, tmp_path):
     index = cf._load_index()
     assert index[key_b] != index[key_a]  # its own data file
     assert cf.load(key_b) is not None and cf.load(key_a) is not None
+
+
+def test_main_process_waits_for_an_entry_the_worker_is_compiling(fresh_module):
+    """With the shared cache, a function the worker was asked for is not compiled a second
+    time by the main process: a request for it (here a call, which compiles at once) waits for
+    the worker's entry, then loads it from the cache. The worker is still busy with an earlier
+    entry (slow) when the call comes."""
+    slow, f = fresh_module.slow, fresh_module.affine
+    sig = (types.float64, types.float64)
+    job = precompile.start([(slow, (types.float64,)), (f, sig)])
+    assert job is not None and precompile._SHARED
+    assert isinstance(f.__dict__.get("compile"), precompile._Await)
+    k0 = precompile.kernel_seconds()
+    assert f(2.0, 3.0) == 7.0
+    waited = precompile.kernel_seconds() - k0
+    assert sum(f.stats.cache_misses.values()) == 0  # loaded, never compiled here
+    assert sum(f.stats.cache_hits.values()) == 1
+    assert waited > 0 and "compile" not in f.__dict__  # the wait is over: no stand-in left
+    assert job.wait() == 1  # slow (f was loaded from the cache at its call)
+    assert slow(1.0) > 1.0 and sum(slow.stats.cache_misses.values()) == 0
+    assert "compile" not in slow.__dict__

@@ -72,6 +72,8 @@ cache for both processes) each is compiled once: the worker compiles the attenti
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
@@ -1076,13 +1078,45 @@ def prepared_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0
 
 def precompile_entries(entry) -> list:
     """What a compile worker builds for the decode step ``entry`` (:func:`decode_stack_entry`),
-    in order: first the attention-row functions the prefill attention calls too
-    (:func:`~.attention.shared_entries`: the main process reaches them after its linear
-    kernels and then loads them from numba's cache), then the step (whose compilation loads
-    the GEMV and norm callees the main process has compiled meanwhile)."""
+    in order: first kernels of the prefill, the ones the main process reaches last -- its
+    RoPE rows, and in exact mode on the VNNI path the many-row GEMV groups
+    (:func:`_prefill_entries`) --, then the attention rows the prefill shares with the step
+    (:func:`~.attention.shared_entries`), then the step itself (whose compilation loads the
+    GEMV and norm callees the main process has compiled meanwhile).
+
+    With the shared cache the main process waits for an entry the worker has not finished
+    instead of compiling it again, and loads it (:mod:`.precompile`): so the first token, which
+    only needs the prefill kernels, comes earlier, and the second one (the first decode step)
+    later by about the same time."""
     from .attention import shared_entries
 
-    return shared_entries() + [entry]
+    return _prefill_entries(entry) + shared_entries() + [entry]
+
+
+def _prefill_entries(entry) -> list:
+    """``(dispatcher, argument types)`` of prefill kernels whose specialisation follows from the
+    decode step's (the packed weight and digit types): the rows of a prompt's RoPE
+    (:func:`~.rope._rope_token`) and, in exact mode on the VNNI path, the many-row GEMV groups
+    (:func:`~.packed_f32_vnni._groups_rows`, the types of :func:`~.packed_f32_vnni._groups_m1`
+    that the step calls, plus the row count)."""
+    from .rope import _rope_token
+
+    f1 = types.Array(types.float32, 1, "C")
+    f2 = types.Array(types.float32, 2, "C")
+    i64 = types.int64
+    out = []
+    fn, sig = entry
+    if fn is _stack_thread or fn is _stack_par:
+        names = list(inspect.signature(fn.py_func).parameters)
+        codes_t, scale_t = sig[names.index("codes0")], sig[names.index("scale0")]
+        i8ws = sig[names.index("i8ws")]
+        dg_t = (types.Array(types.int8, 2, "C"), types.Array(types.int32, 2, "C"), f2)
+        if (isinstance(i8ws, types.BaseTuple) and len(i8ws) == 3
+                and isinstance(codes_t, types.Array)):
+            out.append((packed_f32_vnni._groups_rows,
+                        (codes_t, scale_t, i64, i64, i64) + dg_t + (i64, f2, f1)))
+    out.append((_rope_token, (f2, f1, f1, types.boolean, i64, f2)))
+    return out
 
 
 def decode_stack_entry(*args):

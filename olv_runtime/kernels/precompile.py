@@ -320,7 +320,31 @@ class Job:
                 pass
         return n
 
+    def _finished(self, i: int) -> bool:
+        """Whether the worker has compiled (or given up on) entry ``i``, or has ended."""
+        if self._proc.poll() is not None:
+            return True
+        try:
+            with open(self._result + ".progress") as f:
+                return str(i) in f.read().split()
+        except OSError:
+            return False
+
+    def await_entry(self, i: int, timeout: float = WAIT_TIMEOUT) -> None:
+        """Block until the worker has finished entry ``i`` (:func:`_hook`: the main process is
+        about to compile a function the worker was asked for first; with the shared cache it
+        then loads the worker's result instead of compiling it a second time). Returns at
+        once once the job is done; at ``timeout`` without giving up the job. Counted on the
+        calling thread's :func:`kernel_seconds`."""
+        if self._done:
+            return
+        with preparing():
+            t0 = time.perf_counter()
+            while not self._finished(i) and time.perf_counter() - t0 < timeout:
+                time.sleep(0.005)
+
     def _cleanup(self):
+        _unhook(self)
         _LIVE.discard(self)
         if self._proc.poll() is None:
             self._proc.kill()
@@ -356,8 +380,58 @@ def start(entries) -> Job | None:
         return None
     _LIVE.add(job)
     _JOBS[key] = job
+    if _SHARED:  # the main process waits for these instead of compiling them a second time
+        for i, (disp, sig) in enumerate(todo):
+            _hook(disp, sig, job, i)
     log.debug("compile worker started for %s", ", ".join(".".join(_name(d)) for d, _ in todo))
     return job
+
+
+# ------------------------------------------------------------------------------------------------
+# the main process waits for what the worker compiles (shared cache)
+# ------------------------------------------------------------------------------------------------
+class _Await:
+    """Stands in for ``dispatcher.compile`` (an instance attribute, which numba's own calls --
+    ``_compile_for_args`` from Python, ``get_call_template`` when a caller is typed -- look up
+    before the class's method) while a worker compiles signatures of that dispatcher: a
+    request for one of them first waits for the worker's entry (:meth:`Job.await_entry`), then
+    numba's compile runs as usual and finds the entry in the (shared) disk cache. Other
+    signatures pass through."""
+
+    def __init__(self, disp):
+        self.disp = disp
+        self.waits = {}  # signature -> (job, entry index)
+
+    def __call__(self, sig):
+        w = self.waits.pop(tuple(sig), None) if not isinstance(sig, str) else None
+        if w is not None:
+            w[0].await_entry(w[1])
+            if not self.waits:
+                self.disp.__dict__.pop("compile", None)  # nothing left to wait for
+        return type(self.disp).compile(self.disp, sig)
+
+
+def _hook(disp, sig, job, i) -> None:
+    try:
+        h = disp.__dict__.get("compile")
+        if not isinstance(h, _Await):
+            h = _Await(disp)
+            disp.compile = h
+        h.waits[tuple(sig)] = (job, i)
+    except Exception:  # a dispatcher without an instance dict: the main process compiles
+        pass
+
+
+def _unhook(job) -> None:
+    """Remove the waits of ``job`` (it is done or has ended)."""
+    for disp, sig in job.entries:
+        h = getattr(disp, "__dict__", {}).get("compile")
+        if isinstance(h, _Await):
+            w = h.waits.get(tuple(sig))
+            if w is not None and w[0] is job:
+                del h.waits[tuple(sig)]
+            if not h.waits:
+                disp.__dict__.pop("compile", None)
 
 
 def asked(module: str) -> bool:
@@ -559,15 +633,18 @@ def _compile_job(path, todo, result_path: str) -> int:
         # the same numba): compile without saving, the main process compiles in-process
         return 1
     paths = []
-    for module, qualname, sig in todo:
-        try:
-            obj = importlib.import_module(module)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-            obj.compile(sig)
-            paths.append(obj._cache.cache_path)
-        except Exception:
-            paths.append(None)
+    with open(result_path + ".progress", "w") as progress:
+        for i, (module, qualname, sig) in enumerate(todo):
+            try:
+                obj = importlib.import_module(module)
+                for part in qualname.split("."):
+                    obj = getattr(obj, part)
+                obj.compile(sig)
+                paths.append(obj._cache.cache_path)
+            except Exception:
+                paths.append(None)
+            progress.write(f"{i}\n")  # entry i is in the cache (or failed): see Job.await_entry
+            progress.flush()
     tmp = result_path + ".tmp"
     with open(tmp, "wb") as f:
         pickle.dump(paths, f)
