@@ -67,8 +67,10 @@ linked into it -- so small helpers called from one place are inlined (``inline="
 a function of their own called with ``np.int64`` phases (IR-inlined they cost ~1 s). The callees
 the prefill kernels share with the step take the prefill's specialisations (one row as
 ``np.int64(1)``, int64 key offsets), so that with a compile worker (:mod:`.precompile`, one numba
-cache for both processes) each is compiled once: the worker compiles the attention rows first
-(:func:`precompile_entries`), the main process the GEMV groups and digits, RMSNorm rows.
+cache for both processes) each is compiled once: the worker first compiles what the prefill needs
+last (many-row GEMV groups, RoPE rows, the attention rows: :func:`precompile_entries`), the main
+process meanwhile the rest of the prefill (one-row GEMV groups, activation digits, RMSNorm rows),
+which the step then loads.
 """
 from __future__ import annotations
 
