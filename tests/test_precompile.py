@@ -3,6 +3,7 @@ import importlib
 import os
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -168,22 +169,41 @@ def test_cache_saves_are_locked_between_processes(fresh_module, tmp_path):
     assert cf.load(key_b) is not None and cf.load(key_a) is not None
 
 
+def _until_claimed(job, i):
+    path = os.path.join(job._tmp, f"claim-{i}")
+    t0 = time.perf_counter()
+    while not os.path.exists(path):
+        assert time.perf_counter() - t0 < 120, "the worker never started"
+        time.sleep(0.005)
+
+
 def test_main_process_waits_for_an_entry_the_worker_is_compiling(fresh_module):
-    """With the shared cache, a function the worker was asked for is not compiled a second
-    time by the main process: a request for it (here a call, which compiles at once) waits for
-    the worker's entry, then loads it from the cache. The worker is still busy with an earlier
-    entry (slow) when the call comes."""
+    """With the shared cache, a function the worker is compiling is not compiled a second time
+    by the main process: a request for it (here a call, which compiles at once) waits for the
+    worker's entry, then loads it from the cache."""
+    slow = fresh_module.slow
+    job = precompile.start([(slow, (types.float64,))])
+    assert job is not None and precompile._SHARED
+    assert isinstance(slow.__dict__.get("compile"), precompile._Await)
+    _until_claimed(job, 0)  # the worker has started compiling it (about a second)
+    k0 = precompile.kernel_seconds()
+    assert slow(1.0) > 1.0
+    assert precompile.kernel_seconds() - k0 > 0  # the wait is on the kernel clock
+    assert sum(slow.stats.cache_misses.values()) == 0  # loaded, never compiled here
+    assert sum(slow.stats.cache_hits.values()) == 1
+    assert "compile" not in slow.__dict__  # no stand-in left
+    assert job.wait() == 0  # loaded already (at the call)
+
+
+def test_main_process_compiles_an_entry_the_worker_has_not_started(fresh_module):
+    """An entry the worker has not reached yet (it is busy with an earlier one) is compiled by
+    the main process when it needs it (no waiting for the earlier entry), and the worker skips
+    it."""
     slow, f = fresh_module.slow, fresh_module.affine
     sig = (types.float64, types.float64)
     job = precompile.start([(slow, (types.float64,)), (f, sig)])
-    assert job is not None and precompile._SHARED
-    assert isinstance(f.__dict__.get("compile"), precompile._Await)
-    k0 = precompile.kernel_seconds()
+    _until_claimed(job, 0)
     assert f(2.0, 3.0) == 7.0
-    waited = precompile.kernel_seconds() - k0
-    assert sum(f.stats.cache_misses.values()) == 0  # loaded, never compiled here
-    assert sum(f.stats.cache_hits.values()) == 1
-    assert waited > 0 and "compile" not in f.__dict__  # the wait is over: no stand-in left
-    assert job.wait() == 1  # slow (f was loaded from the cache at its call)
-    assert slow(1.0) > 1.0 and sum(slow.stats.cache_misses.values()) == 0
-    assert "compile" not in slow.__dict__
+    assert sum(f.stats.cache_misses.values()) == 1  # compiled here, at once
+    assert job.wait() == 1  # slow; the worker left f alone
+    assert sum(slow.stats.cache_misses.values()) == 0 and slow(1.0) > 1.0

@@ -330,12 +330,18 @@ class Job:
         except OSError:
             return False
 
+    def claim(self, i: int) -> bool:
+        """Take entry ``i`` for the main process (:class:`_Await`): True when the worker has not
+        started it (it then skips it), False when it has (the caller waits for it:
+        :meth:`await_entry`). Whoever creates the entry's claim file first compiles it."""
+        return _claim(os.path.dirname(self._result), i)
+
     def await_entry(self, i: int, timeout: float = WAIT_TIMEOUT) -> None:
-        """Block until the worker has finished entry ``i`` (:func:`_hook`: the main process is
-        about to compile a function the worker was asked for first; with the shared cache it
-        then loads the worker's result instead of compiling it a second time). Returns at
-        once once the job is done; at ``timeout`` without giving up the job. Counted on the
-        calling thread's :func:`kernel_seconds`."""
+        """Block until the worker has finished entry ``i`` (the main process is about to compile
+        a function the worker is compiling: with the shared cache it then loads the worker's
+        result instead of compiling it a second time). Returns at once once the job is done;
+        at ``timeout`` without giving up the job. Counted on the calling thread's
+        :func:`kernel_seconds`."""
         if self._done:
             return
         with preparing():
@@ -393,10 +399,11 @@ def start(entries) -> Job | None:
 class _Await:
     """Stands in for ``dispatcher.compile`` (an instance attribute, which numba's own calls --
     ``_compile_for_args`` from Python, ``get_call_template`` when a caller is typed -- look up
-    before the class's method) while a worker compiles signatures of that dispatcher: a
-    request for one of them first waits for the worker's entry (:meth:`Job.await_entry`), then
-    numba's compile runs as usual and finds the entry in the (shared) disk cache. Other
-    signatures pass through."""
+    before the class's method) while a worker is asked for signatures of that dispatcher. A
+    request for one of them claims the entry (:meth:`Job.claim`): if the worker has not started
+    it, numba compiles it here and the worker skips it; if the worker is compiling it, the
+    request waits for it (:meth:`Job.await_entry`) and numba then finds it in the (shared) disk
+    cache. Other signatures pass through."""
 
     def __init__(self, disp):
         self.disp = disp
@@ -405,10 +412,26 @@ class _Await:
     def __call__(self, sig):
         w = self.waits.pop(tuple(sig), None) if not isinstance(sig, str) else None
         if w is not None:
-            w[0].await_entry(w[1])
             if not self.waits:
                 self.disp.__dict__.pop("compile", None)  # nothing left to wait for
+            job, i = w
+            # the worker has started it: wait for it (then a cache load); not yet: compile it
+            # here (the worker skips it) -- never both, and never waiting for entries before it
+            if not job._done and not job.claim(i):
+                job.await_entry(i)
         return type(self.disp).compile(self.disp, sig)
+
+
+def _claim(tmp: str, i: int) -> bool:
+    """Create the claim file of entry ``i`` in the job's directory ``tmp``; False if it
+    exists (the other process took the entry)."""
+    try:
+        os.close(os.open(os.path.join(tmp, f"claim-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no directory (the job is over): the caller compiles
+        return True
 
 
 def _hook(disp, sig, job, i) -> None:
@@ -633,8 +656,12 @@ def _compile_job(path, todo, result_path: str) -> int:
         # the same numba): compile without saving, the main process compiles in-process
         return 1
     paths = []
+    tmp = os.path.dirname(result_path)
     with open(result_path + ".progress", "w") as progress:
         for i, (module, qualname, sig) in enumerate(todo):
+            if not _claim(tmp, i):  # the main process compiles it (Job.claim)
+                paths.append(None)
+                continue
             try:
                 obj = importlib.import_module(module)
                 for part in qualname.split("."):
