@@ -217,9 +217,9 @@ def _print_compile_wait(stats) -> None:
     from the rates printed before it), when there were any worth a line (>= 5 ms)."""
     parts = []
     if stats.decode_compile_seconds >= 0.005:
-        parts.append(f"the decode calls waited {stats.decode_compile_seconds:.2f} s for kernel "
-                     "compilation (the decode step's: compile worker or in this process), not "
-                     "counted in the decode rate")
+        parts.append(f"the decode calls waited {stats.decode_compile_seconds:.2f} s for compiled "
+                     "kernels (compiling, loading them from the numba cache or waiting for the "
+                     "compile worker), not counted in the decode rate")
     if stats.prefill_compile_seconds >= 0.005:
         parts.append(f"the prefill spent {stats.prefill_compile_seconds:.2f} s compiling or "
                      "loading kernels, not counted in the prefill rate")
