@@ -112,6 +112,52 @@ __all__ = ["check_compiled", "CompiledEntries", "compile_model", "source_digest"
            "canonical_parts", "this_device", "DEFAULT_DIGEST_ALGORITHM"]
 
 
+class _HugePageWriter:
+    """A file writer that issues only whole 2 MiB writes at 2 MiB-aligned offsets (and the tail
+    at close): the page cache then holds the written file in 2 MiB folios, which a session maps
+    with 2 MiB pages (fewer TLB misses and page-boundary stops in the per-token weight stream;
+    see :mod:`olv_runtime.kernels.arena`). Measured here: a file written in 2 MiB pieces was
+    mapped with 2 MiB pages throughout, one written in 1 MiB pieces with none."""
+
+    def __init__(self, raw):
+        from olv_runtime.kernels.arena import HUGE_PAGE
+
+        self._raw = raw
+        self._size = HUGE_PAGE
+        self._buf = bytearray()
+
+    def write(self, b) -> int:
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        self._buf += mv
+        if len(self._buf) >= self._size:
+            whole = len(self._buf) // self._size * self._size
+            view = memoryview(self._buf)
+            pos = 0
+            while pos < whole:
+                pos += self._raw.write(view[pos:whole])
+            view.release()
+            del self._buf[:whole]
+        return n
+
+    def close(self) -> None:
+        try:
+            view = memoryview(self._buf)
+            pos = 0
+            while pos < len(view):
+                pos += self._raw.write(view[pos:])
+            view.release()
+        finally:
+            self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
 def _hasher(algorithm: str):
     size = DIGEST_ALGORITHMS[algorithm]
     return hashlib.blake2b(digest_size=size)
@@ -688,6 +734,9 @@ class CompiledEntries:
             got = self._maps[path] = (mm, size)
             if mm is not None:
                 base = np.frombuffer(mm, np.uint8)
+                from olv_runtime.kernels.arena import advise_huge_pages
+
+                advise_huge_pages(base)  # read from disk: 2 MiB folios (the decode stream)
                 ranges = getattr(self.model, "_compiled_ranges", None)
                 if ranges is None:
                     ranges = self.model._compiled_ranges = []
@@ -1040,7 +1089,7 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
     pending = []
     used_sources: set = set()
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with _HugePageWriter(os.fdopen(fd, "wb", buffering=0)) as fh:
             offset = 0
 
             def pad_to(align):

@@ -95,6 +95,7 @@ from numba.core.extending import intrinsic, models, register_model
 
 from olv_runtime.errors import InvalidArgument
 
+from .arena import weight_empty
 from .config import JIT, PJIT, check_array, check_int, check_out
 from .half import scale_bits
 from .packed import _quantize_block, prepare_call, workspace_args  # shared
@@ -678,10 +679,10 @@ def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarr
     kb = -(-k // BLOCK)
     check_array(scale, "scale", dtype=(np.float32, np.float16), shape=(n, kb))
     ng = -(-n // GROUP_ROWS)
-    codes = _aligned_empty((ng, kb, GROUP_BLOCK_BYTES), np.uint8)
+    codes = weight_empty((ng, kb, GROUP_BLOCK_BYTES), np.uint8)
     # float16 scales stay float16 (as uint16 bits): 4.5 bits per weight, like Q4_0
     sdt = np.uint16 if scale.dtype == np.float16 else np.float32
-    pscale = _aligned_empty((ng, kb, GROUP_ROWS), sdt)
+    pscale = weight_empty((ng, kb, GROUP_ROWS), sdt)
     _prepack(payload, scale_bits(scale), n, k, codes, pscale)
     return PackedInt4I8(codes, pscale, n, k)
 

@@ -39,6 +39,7 @@ from numba.core.extending import intrinsic
 
 from olv_runtime.errors import InvalidArgument
 
+from .arena import weight_empty
 from .config import JIT, PJIT, check_array, check_int
 from .packed import _pad_rows, prepare_call
 from .packed_f32 import (NB_R1, NB_R2, NB_R4, PF_BYTES as PF_BYTES_F32, PackedF32Workspace,
@@ -138,13 +139,13 @@ def prepack_int4_i8_zp(payload: np.ndarray, scale: np.ndarray, zero_point: np.nd
         raise InvalidArgument(f"zero_point: expected values in [-8, 7] (INT4 codes), got "
                               f"[{lo}, {hi}]")
     ng = -(-n // GROUP_ROWS)
-    codes = _aligned_empty((ng, kb, GROUP_BLOCK_BYTES), np.uint8)
+    codes = weight_empty((ng, kb, GROUP_BLOCK_BYTES), np.uint8)
     sdt = np.uint16 if scale.dtype == np.float16 else np.float32
-    pscale = _aligned_empty((ng, kb, GROUP_ROWS), sdt)
+    pscale = weight_empty((ng, kb, GROUP_ROWS), sdt)
     _prepack(payload, scale_bits(scale), n, k, codes, pscale)
     rows = np.full((ng * GROUP_ROWS, kb), 8, np.uint8)
     rows[:n] = (zero_point.astype(np.int16) + 8).astype(np.uint8)
-    zp = _aligned_empty((ng, kb, GROUP_ROWS), np.uint8)
+    zp = weight_empty((ng, kb, GROUP_ROWS), np.uint8)
     zp[...] = rows.reshape(ng, GROUP_ROWS, kb).transpose(0, 2, 1)
     return PackedInt4I8Zp(codes, pscale, zp, n, k)
 
