@@ -407,3 +407,34 @@ def test_vnni_variants_bitwise_equal(n, k):
         pv._groups_m1(p.codes, p.scale, g0, g1, dg, bz, xsc, n, b, facc)
         np.testing.assert_array_equal(a, b)
         assert np.abs(a[0, 8 * g0:]).sum() > 0
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,k,m", [(100, 96, 7), (13 * 8 - 3, 160, 5), (72, 2080, 4), (40, 64, 2)])
+def test_vnni_group_pairs_bitwise_equal_one_row_groups(n, k, m):
+    """The many-row loop (two groups per pass in 512-bit lanes, then a last single group; 4, 2,
+    1 rows per pass) gives every row the bytes of the M = 1 one-group loop, over even and odd
+    group ranges and a partial last group."""
+    from olv_runtime.kernels import packed_f32_vnni as pv
+
+    assert pv.PAIR_GROUPS
+    rng = np.random.default_rng(n * k + m)
+    _, payload, scale = _weight(n, k, rng)
+    p = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] *= 1e-30  # a block of tiny values: the fixed-point scale differs per block
+    dg, bz, xsc = pv.digit_buffers(m, p.k_blocks)
+    pv._digits_rows(x, m, k, dg, bz, xsc)
+    ng = p.codes.shape[0]
+    facc = np.zeros(64, np.float32)
+    for g0, g1 in ((0, ng), (1, ng), (0, ng - 1), (2, min(ng, 5))):
+        a = np.zeros((m, n), np.float32)
+        pv._groups_rows(p.codes, p.scale, g0, g1, m, dg, bz, xsc, n, a, facc)
+        for i in range(m):
+            d1, b1, s1 = pv.digit_buffers(1, p.k_blocks)
+            d1[0], b1[0], s1[0] = dg[i], bz[i], xsc[i]
+            r = np.zeros((1, n), np.float32)
+            pv._groups_m1(p.codes, p.scale, g0, g1, d1, b1, s1, n, r, facc)
+            np.testing.assert_array_equal(a[i], r[0])
+        assert np.abs(a[:, 8 * g0:min(n, 8 * g1)]).min(axis=1).max() > 0
+        assert not a[:, :8 * g0].any() and not a[:, 8 * g1:].any()

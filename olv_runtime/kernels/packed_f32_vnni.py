@@ -61,8 +61,13 @@ codes stream per task, ~23 cycles from L2: the 32 digit loads per group and bloc
 shared). From DRAM (one thread) the single stream is the faster one for K = 896 (4864 x 896:
 20.4 against 16.7 GB/s; short 3.5 KB group streams, four of them interleaved, defeat the
 memory side), the 4 streams for K = 4864 (896 x 4864: 20.1 against 16.3 GB/s). Codes are
-prefetched :data:`PF_BYTES` ahead in each stream. M >= 2: 4, 2, 1 rows per pass share the
-decoded codes of one group.
+prefetched :data:`PF_BYTES` ahead in each stream. M >= 2 (prefill): 4 rows per pass (then 1
+at a time) share the decoded codes of two groups held in 512-bit vectors (int32 / float32
+lanes 0-7 the first group's output rows, 8-15 the second's; :func:`_pass_rows_pair`), so each
+broadcast activation digit feeds both groups: the one-group pass needs ~2 digit loads per cycle
+beside its 2 ``vpdpbusd`` and is bound by them (M = 128, one thread: 160 -> 194 G
+multiply-adds/s at the gate|up shape, 134 -> 195 at the down shape); a last odd group runs
+alone.
 
 Only compiled and run where the CPU has AVX-512 VNNI + VL (:func:`~.packed_i8.use_vnni`); the
 fallback is the float path of :mod:`.packed_f32` (tests force it).
@@ -98,6 +103,7 @@ NG_MULTI = 4               # groups per pass of the M = 1 multi-group variant
 NG4_MIN_K = 2048           # M = 1: K from which the multi-group variant runs (below: 1 group)
 PF_BYTES = 4096           # software prefetch distance in each codes stream
 DIGITS_PAR_MIN_M = 8       # rows from which the digits are computed in a parallel loop
+PAIR_GROUPS = True         # M >= 2: two groups per pass in 512-bit lanes (_pass_rows_pair)
 
 
 def digit_buffers(m_max: int, kb: int):
@@ -352,13 +358,107 @@ def _make_zeros(ngrp):
     return _zeros
 
 
+_LV16I32 = ir.VectorType(_I32, 16)
+_LV64I8 = ir.VectorType(_I8, 64)
+_LV32I16 = ir.VectorType(_I16, 32)
+_LV16F32 = ir.VectorType(_F32, 16)
+
+
+def _emit_xblocks_pair(context, builder, sig, args, nrows):
+    """IR of one block of the two consecutive groups ``g, g + 1`` for ``nrows`` activation rows
+    in 512-bit vectors: int32 / float32 lanes 0-7 are group g's rows, 8-15 group g + 1's, so
+    each broadcast activation digit feeds both groups in one ``vpdpbusd`` (half the digit loads
+    of two one-group passes; the loads, not the dot products, bound those). Every lane does the
+    operations of :func:`_emit_xblocks` in the same order (bitwise the same results).
+    Accumulator of row r: ``facc[16 r : 16 r + 16]``."""
+    codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc = args
+    aty = sig.args
+    it = rb0.type
+
+    def ci(v):
+        return ir.Constant(it, v)
+    fma = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_LV16F32, [_LV16F32] * 3), "llvm.fma.v16f32")
+    dp = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_LV16I32, [_LV16I32, _LV64I8, _LV64I8]),
+        "llvm.x86.avx512.vpdpbusd.512")
+    m0f = ir.Constant(_LV64I8, [0x0F] * 64)
+    cat64 = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+    cat16 = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+    rbs = [builder.add(rb0, builder.mul(kbw, ci(r))) for r in range(nrows)]
+    gcb = [cb, builder.add(cb, gsc)]
+    gso = [so, builder.add(so, gss)]
+    vec = {}
+    for c in range(4):
+        v0 = builder.load(_elem_ptr(context, builder, aty[0], codes,
+                                    builder.add(gcb[0], ci(32 * c)), _LV32I8), align=1)
+        v1 = builder.load(_elem_ptr(context, builder, aty[0], codes,
+                                    builder.add(gcb[1], ci(32 * c)), _LV32I8), align=1)
+        v = builder.shuffle_vector(v0, v1, cat64)
+        vec[c, 0] = builder.and_(v, m0f)
+        vec[c, 1] = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(v, _LV32I16),
+                                                              ir.Constant(_LV32I16, [4] * 32)),
+                                                 _LV64I8), m0f)
+    sh8 = ir.Constant(_LV16I32, [8] * 16)
+    k16 = ir.Constant(_LV16F32, [65536.0] * 16)
+    s0 = _load_scales8(context, builder, aty[3], scale, gso[0])
+    s1 = _load_scales8(context, builder, aty[3], scale, gso[1])
+    sc = builder.shuffle_vector(s0, s1, cat16)
+    for r in range(nrows):
+        rb = rbs[r]
+        e = []
+        for pc in range(PIECES):
+            e.append(_splat(builder, builder.load(_elem_ptr(
+                context, builder, aty[7], bz, builder.add(builder.mul(rb, ci(PIECES)), ci(pc)),
+                _I32)), _LV16I32))
+        for c in range(4):
+            for h in range(2):
+                for pc in range(PIECES):
+                    doff = builder.add(builder.mul(rb, ci(DG_BYTES)),
+                                       ci(BLOCK * pc + 16 * h + 4 * c))
+                    xv = builder.load(_elem_ptr(context, builder, aty[6], dg, doff, _I32),
+                                      align=1)
+                    xv = builder.bitcast(_splat(builder, xv, _LV16I32), _LV64I8)
+                    e[pc] = builder.call(dp, [e[pc], vec[c, h], xv])
+        a = builder.add(builder.shl(e[3], sh8), e[2])
+        b = builder.add(builder.shl(e[1], sh8), e[0])
+        tv = builder.call(fma, [builder.sitofp(a, _LV16F32), k16, builder.sitofp(b, _LV16F32)])
+        xs = _splat(builder, builder.load(_elem_ptr(context, builder, aty[8], xsc, rb, _F32)),
+                    _LV16F32)
+        p = _elem_ptr(context, builder, aty[11], facc, ci(16 * r), _LV16F32)
+        acc = builder.load(p, align=4)
+        builder.store(builder.call(fma, [tv, builder.fmul(sc, xs), acc]), p, align=4)
+    return context.get_dummy_value()
+
+
+def _make_xblock_pair(nrows):
+    @intrinsic
+    def _xblock_pair(typingctx, codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc):
+        """One block (codes byte ``cb``, scale element ``so`` of group g; group strides ``gsc``
+        / ``gss``) of groups g and g + 1 for ``nrows`` rows (digit row-block ``rb0``, row
+        stride ``kbw`` blocks), accumulated into ``facc[16 r : 16 r + 16]``."""
+        if not (_check_array_arg(codes, types.uint8) and _is_scale_array(scale)
+                and _check_array_arg(dg, types.int8) and _check_array_arg(bz, types.int32)
+                and _check_array_arg(xsc, types.float32)
+                and _check_array_arg(facc, types.float32)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _emit_xblocks_pair(context, builder, sig, args, nrows)
+        sig = types.none(codes, types.intp, types.intp, scale, types.intp, types.intp, dg, bz,
+                         xsc, types.intp, types.intp, facc)
+        return sig, codegen
+    return _xblock_pair
+
+
 _xa_g4 = _make_xacc(NG_MULTI)
 _xa_g1 = _make_xacc(1)
 _z_g4 = _make_zeros(NG_MULTI)
 _z_g1 = _make_zeros(1)
 _xb_g1 = _make_xblock(1, 1)
-_xb_r2 = _make_xblock(1, 2)
 _xb_r4 = _make_xblock(1, 4)
+_xp_r1 = _make_xblock_pair(1)
+_xp_r4 = _make_xblock_pair(4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -452,7 +552,7 @@ def _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc):
 
 @njit(inline="always", **JIT)  # into its callers: one library level less
 def _pass_rows(codes, scale, g, i0, nr, dg, bz, xsc, facc):
-    """``facc[8 r : 8 r + 8] = y[i0 + r, 8 g : 8 g + 8]`` for ``r < nr`` (1, 2 or 4 rows sharing
+    """``facc[8 r : 8 r + 8] = y[i0 + r, 8 g : 8 g + 8]`` for ``r < nr`` (1 or 4 rows sharing
     the decoded codes of group g)."""
     kb = codes.shape[1]
     kbw = xsc.shape[1]
@@ -471,27 +571,70 @@ def _pass_rows(codes, scale, g, i0, nr, dg, bz, xsc, facc):
         rb0 = i0 * kbw + b
         if nr == 4:
             _xb_r4(codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc)
-        elif nr == 2:
-            _xb_r2(codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc)
         else:
             _xb_g1(codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc)
 
 
+@njit(inline="always", **JIT)  # into its callers: one library level less
+def _pass_rows_pair(codes, scale, g, i0, nr, dg, bz, xsc, facc):
+    """``facc[16 r : 16 r + 8] = y[i0 + r, 8 g : 8 g + 8]`` and ``facc[16 r + 8 : 16 r + 16] =
+    y[i0 + r, 8 g + 8 : 8 g + 16]`` for ``r < nr`` (1 or 4 rows: a variant for 2 costs ~0.3 s
+    of compile for a few remainder rows; groups g and g + 1 in 512-bit lanes)."""
+    kb = codes.shape[1]
+    kbw = xsc.shape[1]
+    for t in range(2 * GROUP_ROWS * nr):
+        facc[t] = np.float32(0.0)
+    base = g * kb
+    gsc = kb * GROUP_BLOCK_BYTES
+    gss = kb * GROUP_ROWS
+    for b in range(kb):
+        cb = (base + b) * GROUP_BLOCK_BYTES
+        so = (base + b) * GROUP_ROWS
+        if PF_BYTES > 0:
+            _prefetch(codes, cb + PF_BYTES)
+            _prefetch(codes, cb + PF_BYTES + 64)
+            _prefetch(codes, cb + gsc + PF_BYTES)
+            _prefetch(codes, cb + gsc + PF_BYTES + 64)
+            _prefetch(scale, so + PF_BYTES // 16)
+            _prefetch(scale, so + gss + PF_BYTES // 16)
+        rb0 = i0 * kbw + b
+        if nr == 4:
+            _xp_r4(codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc)
+        else:
+            _xp_r1(codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc)
+
+
 @njit(**JIT)
 def _groups_rows(codes, scale, g0, g1, m, dg, bz, xsc, n, out, facc):
-    """Groups ``g0..g1-1`` of rows ``0..m-1``: chunks of 4, 2, 1 rows per pass (a later chunk
-    re-reads the group's codes from L1/L2)."""
-    for g in range(g0, g1):
+    """Groups ``g0..g1-1`` of rows ``0..m-1``: pairs of groups (:func:`_pass_rows_pair`), then
+    a last odd group alone; chunks of 4 rows, then 1, per pass (a later chunk re-reads the groups'
+    codes from L1/L2)."""
+    g = g0
+    if PAIR_GROUPS:
+        while g + 2 <= g1:
+            r0 = g * GROUP_ROWS
+            nc = min(2 * GROUP_ROWS, n - r0)
+            i0 = np.int64(0)
+            while i0 < m:
+                nr = np.int64(4) if m - i0 >= 4 else np.int64(1)
+                _pass_rows_pair(codes, scale, g, i0, nr, dg, bz, xsc, facc)
+                for r in range(nr):
+                    for c in range(nc):
+                        out[i0 + r, r0 + c] = facc[r * 2 * GROUP_ROWS + c]
+                i0 += nr
+            g += 2
+    while g < g1:
         r0 = g * GROUP_ROWS
         nc = min(GROUP_ROWS, n - r0)
         i0 = np.int64(0)
         while i0 < m:
-            nr = np.int64(4) if m - i0 >= 4 else (np.int64(2) if m - i0 >= 2 else np.int64(1))
+            nr = np.int64(4) if m - i0 >= 4 else np.int64(1)
             _pass_rows(codes, scale, g, i0, nr, dg, bz, xsc, facc)
             for r in range(nr):
                 for c in range(nc):
                     out[i0 + r, r0 + c] = facc[r * GROUP_ROWS + c]
             i0 += nr
+        g += 1
 
 
 @njit(**JIT)
