@@ -93,6 +93,15 @@ def qwen2_exports(tmp_path_factory):
             torch.onnx.export(Logits(model), (torch.tensor(IDS),), path, opset_version=opset,
                               input_names=["input_ids"], output_names=["logits"], dynamo=True)
         out[opset] = path
+    # a variable sequence length (what a decoder export normally declares): the dynamo graph
+    # builds its causal mask with CumSum and GatherND
+    path = str(root / "qwen2_dyn.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Logits(model), (torch.tensor(IDS),), path, opset_version=18,
+                          input_names=["input_ids"], output_names=["logits"], dynamo=True,
+                          dynamic_axes={"input_ids": {1: "seq"}})
+    out["dyn"] = path
     return out
 
 
@@ -102,6 +111,20 @@ def test_torch_exported_qwen2(qwen2_exports, opset):
     (ref,) = _ort(path, {"input_ids": IDS}, accuracy_level0=False)
     (got,) = InferenceSession(path).run(None, {"input_ids": IDS})
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+def test_torch_exported_qwen2_variable_length(qwen2_exports):
+    path = qwen2_exports["dyn"]
+    ops = {n.op_type for n in onnx.load(path).graph.node}
+    assert {"CumSum", "GatherND"} <= ops, ops
+    sess = InferenceSession(path)
+    rng = np.random.default_rng(3)
+    for length in (1, 3, 7, 12):
+        ids = rng.integers(0, 256, (1, length))
+        (ref,) = _ort(path, {"input_ids": ids}, accuracy_level0=False)
+        (got,) = sess.run(None, {"input_ids": ids})
+        assert got.shape == (1, length, 256)
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("block", [32, 128])

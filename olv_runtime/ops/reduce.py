@@ -158,3 +158,59 @@ class ArgMin(_ArgReduce):
     """ONNX ArgMin-11..13."""
 
     fn = staticmethod(np.argmin)
+
+
+_CUMSUM_TYPES = (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint32, np.uint64)
+
+
+@register("CumSum", 11)
+class CumSum(Op):
+    """ONNX CumSum-11/14 (https://onnx.ai/onnx/operators/onnx__CumSum.html): running sums of
+    ``x`` along the rank-0 ``axis`` input (int32 / int64, negative counts from the back);
+    ``exclusive=1`` starts each sum at 0 (element i sums the elements before it),
+    ``reverse=1`` sums from the end. Accumulates in ``x``'s own type, element by element in
+    order (integers wrap), as the ONNX reference does. ``x`` of any rank >= 1; float16,
+    float32, float64, int32, int64, uint32, uint64 (CumSum-14 adds bfloat16: not supported).
+
+    Raises InvalidArgument for an axis that is not a rank-0 integer tensor or is out of
+    range, a rank-0 ``x`` or another dtype."""
+
+    attributes = {"exclusive": 0, "reverse": 0}
+
+    def setup(self, session_info) -> None:
+        for key in ("exclusive", "reverse"):
+            if self.attrs[key] not in (0, 1):
+                raise ValidationError(f"node {self.name!r} (CumSum): attribute {key!r} must be "
+                                      f"0 or 1, got {self.attrs[key]!r}")
+
+    def run(self, x, axis):
+        if x.dtype.type not in _CUMSUM_TYPES:
+            raise self.fail(f"x: unsupported dtype {x.dtype} (expected one of "
+                            f"{[np.dtype(t).name for t in _CUMSUM_TYPES]})")
+        a = np.asarray(axis)
+        if a.ndim != 0 or a.dtype not in (np.int32, np.int64):
+            raise self.fail(f"axis: expected a rank-0 int32/int64 tensor, got "
+                            f"{a.dtype}{list(a.shape)}")
+        if x.ndim == 0:
+            raise self.fail("x: expected rank >= 1, got a scalar")
+        ax = int(a)
+        if not -x.ndim <= ax < x.ndim:
+            raise self.fail(f"axis {ax} out of range for rank {x.ndim}")
+        ax %= x.ndim
+        src = np.flip(x, ax) if self.attrs["reverse"] else x
+        res = np.empty(x.shape, x.dtype)
+        dst = np.flip(res, ax) if self.attrs["reverse"] else res
+        if self.attrs["exclusive"]:
+            n = x.shape[ax]
+            head = [slice(None)] * x.ndim
+            head[ax] = slice(0, min(1, n))
+            dst[tuple(head)] = 0
+            if n > 1:
+                lo = [slice(None)] * x.ndim
+                hi = [slice(None)] * x.ndim
+                lo[ax] = slice(0, n - 1)
+                hi[ax] = slice(1, n)
+                np.cumsum(src[tuple(lo)], axis=ax, dtype=x.dtype, out=dst[tuple(hi)])
+        else:
+            np.cumsum(src, axis=ax, dtype=x.dtype, out=dst)
+        return (res,)

@@ -553,6 +553,52 @@ class GatherElements(Op):
         return (np.take_along_axis(data, idx, axis=axis),)
 
 
+@register("GatherND", 11)
+class GatherND(Op):
+    """ONNX GatherND-11/12/13 (https://onnx.ai/onnx/operators/onnx__GatherND.html): ``data``
+    rank r >= 1, int64 ``indices`` rank q >= 1 whose last dimension k <= r - b indexes the
+    first k dimensions after the ``batch_dims`` b leading ones (shared by both inputs);
+    output shape ``indices.shape[:-1] + data.shape[b + k:]``. Negative indices count from the
+    end. (``batch_dims`` is an attribute from GatherND-12; GatherND-11 nodes have none.)
+
+    Raises InvalidArgument for ranks, a k too large, batch dimensions that differ or an index
+    out of range (naming the dimension)."""
+
+    attributes = {"batch_dims": 0}
+
+    def run(self, data, indices):
+        b = int(self.attrs["batch_dims"])
+        if indices.dtype != np.int64:
+            raise self.fail(f"indices: expected int64, got {indices.dtype}")
+        if data.ndim < 1 or indices.ndim < 1:
+            raise self.fail(f"data and indices must have rank >= 1, got {data.ndim} and "
+                            f"{indices.ndim}")
+        if not 0 <= b < min(data.ndim, indices.ndim):
+            raise self.fail(f"batch_dims {b} must lie in [0, {min(data.ndim, indices.ndim) - 1}]")
+        if data.shape[:b] != indices.shape[:b]:
+            raise self.fail(f"the first {b} (batch) dimensions differ: data {list(data.shape)}, "
+                            f"indices {list(indices.shape)}")
+        k = indices.shape[-1]
+        if not 1 <= k <= data.ndim - b:
+            raise self.fail(f"indices.shape[-1] = {k} must lie in [1, {data.ndim - b}] "
+                            f"(data rank {data.ndim}, batch_dims {b})")
+        bsz = int(np.prod(data.shape[:b], dtype=np.int64))
+        idx = indices.reshape(bsz, -1, k)
+        dims = data.shape[b:b + k]
+        fixed = []
+        for j, n in enumerate(dims):
+            col = idx[..., j]
+            if col.size and (col.min() < -n or col.max() >= n):
+                raise self.fail(f"indices[..., {j}] must lie in [{-n}, {n - 1}] (data dimension "
+                                f"{b + j}), got values in [{col.min()}, {col.max()}]")
+            fixed.append(np.where(col < 0, col + n, col))
+        d = data.reshape((bsz,) + data.shape[b:])
+        batch = np.arange(bsz).reshape(bsz, 1)
+        out = d[(batch, *fixed)]
+        return (np.ascontiguousarray(
+            out.reshape(indices.shape[:-1] + data.shape[b + k:])),)
+
+
 class _SplitBase(Op):
     def _split(self, x, sizes):
         axis = self.attrs["axis"]
