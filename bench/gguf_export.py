@@ -227,7 +227,8 @@ def check(olv_model, gguf_path, names=("token_embd.weight", "blk.0.attn_q.weight
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("olv_model")
     ap.add_argument("out")
     ap.add_argument("--check", action="store_true")

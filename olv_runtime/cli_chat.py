@@ -73,6 +73,18 @@ def cmd_chat(args) -> int:
             raise CliError(f"--chat-template {args.chat_template}: no such file")
         template = pathlib.Path(args.chat_template).read_text(encoding="utf-8")
     if template is None:
+        from olv_runtime.sidecars import sidecar_path
+
+        late = [n for n in ("chat_template.jinja", "tokenizer_config.json")
+                if (path.parent / n).is_file() and path.is_file()
+                and sidecar_path(path, n) is None]
+        if late and path.is_file():
+            raise CliError(
+                f"no chat template: {' / '.join(late)} in {path.parent} is not a file recorded "
+                "for this model at conversion (olv convert records the SHA-256 of each sidecar "
+                "it copies; a file added or changed later is not read, README 'Sidecars'): "
+                "pass --chat-template FILE, or put the template in the checkpoint folder and "
+                "convert again")
         raise CliError(f"no chat template: {path.parent} has neither chat_template.jinja nor a "
                        "chat_template in tokenizer_config.json (pass --chat-template FILE)")
     kw = sampling_kwargs(args)

@@ -16,6 +16,11 @@ def cmd_eval(args) -> int:
 
     if args.plot and args.reference is None:  # checked before the (long) evaluation
         raise CliError("--plot needs --reference (it plots the per-position KL divergence)")
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError("--plot needs matplotlib (pip install matplotlib); nothing was run")
     path = pathlib.Path(args.model)
     tokenizer = _tokenizer_for(path) if args.file is not None else None
     src = args.file if args.file is not None else args.token_ids

@@ -262,3 +262,26 @@ def test_end_of_turn_token_stops_without_generation_config(tiny_chat_models, tok
     assert conv.generate_kwargs["eos_token_id"] == [tok.token_to_id("<|im_end|>"),
                                                     tok.token_to_id("<|endoftext|>")]
     conv.close()
+
+
+def test_template_added_after_conversion_is_named_not_read(tiny_chat_dir, tmp_path, capsys):
+    """A chat_template.jinja put beside a converted model later is not read (no digest was
+    recorded for it); the error names it instead of claiming the folder has no template."""
+    import shutil
+
+    from olv_runtime.cli import main as cli_main
+    from olv_runtime.models.qwen import convert
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_chat_dir, ck)
+    cfg = json.loads((ck / "tokenizer_config.json").read_text())
+    template = cfg.pop("chat_template")
+    (ck / "tokenizer_config.json").write_text(json.dumps(cfg))
+    convert(ck, tmp_path / "m" / "model.onnx", weights="float32")
+    model = tmp_path / "m" / "model.onnx"
+    assert load_chat_template(model)[0] is None
+    (model.parent / "chat_template.jinja").write_text(template)
+    assert load_chat_template(model)[0] is None  # not recorded at conversion: not read
+    assert cli_main(["chat", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "chat_template.jinja in" in err and "not a file recorded for this model" in err

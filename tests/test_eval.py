@@ -148,3 +148,20 @@ def test_cli_plot(tiny_chat_models, tokens, tmp_path, capsys):
         assert rc == 2 and "--plot needs matplotlib" in capsys.readouterr().err
     else:
         assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plot_without_matplotlib_fails_before_evaluating(tiny_chat_models, tokens, tmp_path,
+                                                            capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    ids = tmp_path / "tokens.ids"
+    ids.write_text(" ".join(map(str, tokens[:60].tolist())))
+    out = tmp_path / "eval.json"
+    rc = cli_main(["eval", str(tiny_chat_models["int4"]), "--token-ids", str(ids), "--ctx", "32",
+                   "--reference", str(tiny_chat_models["float32"]), "--json", str(out),
+                   "--plot", str(tmp_path / "kl.png")])
+    assert rc == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+    assert not out.exists()  # nothing was evaluated
