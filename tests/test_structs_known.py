@@ -342,8 +342,8 @@ def test_decoder_function_errors_at_resolution():
         resolve(_bad_decoder_model(two_out))
     bad_op = pb.FunctionProto()
     bad_op.CopyFrom(fn)
-    bad_op.node[1].op_type = "GatherND"
-    with pytest.raises(UnsupportedOperatorError, match="GatherND"):
+    bad_op.node[1].op_type = "NonMaxSuppression"
+    with pytest.raises(UnsupportedOperatorError, match="NonMaxSuppression"):
         resolve(_bad_decoder_model(bad_op))
     undefined = pb.FunctionProto()
     undefined.CopyFrom(fn)
