@@ -214,17 +214,20 @@ class Model:
     def check_external_files(self) -> None:
         """Check that the external data files mapped so far are unchanged since they were mapped.
 
-        Called by :class:`~olv_runtime.InferenceSession` at the start of every run: one
-        ``os.stat`` per mapped file, comparing size, modification time (ns), inode and device
-        with the values recorded when the file was mapped.
+        Called by :class:`~olv_runtime.InferenceSession` at the start of every run, and by
+        :func:`as_model` whenever a loaded :class:`Model` is handed to an entry point (session
+        creation, ``decode_value``, ``to_decoded``, ``compile_model``, ``save``, ...) before
+        that code reads a mapped page: one ``os.stat`` per mapped file, comparing size,
+        modification time (ns), inode and device with the values recorded when the file was
+        mapped.
 
         Raises
         ------
         PayloadError
             A mapped file was truncated, extended, rewritten, replaced or removed. Payloads are
             live read-only memory maps, so reading a truncated map would kill the process with
-            SIGBUS and a file rewritten in place would silently change the results; the session
-            refuses to run instead (reload the model).
+            SIGBUS and a file rewritten in place would silently change the results; the model
+            is refused instead (reload it).
 
         Notes
         -----
@@ -249,8 +252,8 @@ class Model:
                         "it was modified in place (modification time changed)")
                 raise PayloadError(
                     f"external data file {str(path)!r} changed after the model was loaded: "
-                    f"{what}; its payloads are memory-mapped, so the session refuses to run "
-                    "(reload the model)"
+                    f"{what}; its payloads are memory-mapped, so the loaded model can no longer "
+                    "be used (reload the model)"
                 )
 
     # -- convenience ---------------------------------------------------------------------------
@@ -278,12 +281,19 @@ def as_model(model) -> Model:
     An ``onnx.ModelProto`` (a different Python class over the same wire format) is re-parsed
     through its serialized bytes: an explicit, documented copy made once.
 
+    A :class:`Model` is returned as it is, after :meth:`Model.check_external_files` (one
+    ``os.stat`` per file it has mapped): the callers read its memory-mapped payloads next, and
+    a mapped file truncated since must raise, not kill the process with SIGBUS.
+
     Raises
     ------
     ModelFormatError
         Anything else.
+    PayloadError
+        A file the model has mapped changed since (truncated, rewritten, replaced, removed).
     """
     if isinstance(model, Model):
+        model.check_external_files()
         return model
     if isinstance(model, ModelProto):
         return Model(model)
