@@ -526,7 +526,62 @@ def save(
 
 
 def _save(model, out, external_data, location, threshold, keep_external, external_params):
+    staged = stage_save(model, out, external_data=external_data, location=location,
+                        threshold=threshold, keep_external=keep_external,
+                        external_params=external_params)
+    commit_staged(staged)
+    return out
+
+
+def commit_staged(staged: list) -> None:
+    """Rename staged ``(temporary file, final path)`` pairs into place, all or none as far as
+    the file system allows: every final path is checked first (an existing directory, a parent
+    that is not a directory: nothing is renamed), then the renames run. On failure the
+    temporary files not yet renamed are removed.
+
+    Raises
+    ------
+    OutputError
+        Naming the final path that cannot be written (never the temporary name).
+    """
+    try:
+        for _tmp, final in staged:
+            final = pathlib.Path(final)
+            if final.is_dir():
+                raise OutputError(f"cannot write {str(final)!r}: it is an existing directory")
+            if not final.parent.is_dir():
+                raise OutputError(f"cannot write {str(final)!r}: {str(final.parent)!r} is not a "
+                                  "directory")
+        while staged:
+            tmp, final = staged[0]
+            try:
+                os.replace(tmp, final)
+            except OSError as exc:
+                raise OutputError(
+                    f"cannot write {str(final)!r}: {exc.strerror or exc}") from None
+            staged.pop(0)
+    finally:
+        discard_staged(staged)
+
+
+def discard_staged(staged: list) -> None:
+    """Remove the temporary files of staged ``(temporary file, final path)`` pairs."""
+    for tmp, _ in staged:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    staged.clear()
+
+
+def stage_save(model, out, *, external_data, location=None, threshold=EXTERNAL_THRESHOLD,
+               keep_external=False, external_params=False) -> list:
+    """:func:`save` without the final renames: writes the model (and its external data file)
+    to temporary files in ``out``'s directory and returns the ``(temporary file, final path)``
+    pairs for :func:`commit_staged` (or :func:`discard_staged`). Nothing is renamed; on an
+    error the temporary files are removed."""
     m = as_model(model)
+    out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if external_data is None:
         external_data = m.proto.ByteSize() > AUTO_EXTERNAL_BYTES
@@ -580,15 +635,10 @@ def _save(model, out, external_data, location, threshold, keep_external, externa
         os.umask(umask)
         for tmp, final in tmp_files:
             os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
-            os.replace(tmp, final)
-        tmp_files.clear()
+        staged, tmp_files = tmp_files, []
     finally:
-        for tmp, _ in tmp_files:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-    return out
+        discard_staged(tmp_files)
+    return staged
 
 
 def _inline(msg, payload) -> None:
