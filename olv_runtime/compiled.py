@@ -1147,9 +1147,9 @@ def _plan_sidecars(m: Model, out: pathlib.Path, warn) -> dict:
     return files
 
 
-def _read_kept_payload(m: Model, v) -> bytes | str:
-    """The bytes of another device's external compiled payload (a regular read, never the
-    mapping), or the reason they cannot be carried."""
+def _kept_range(m: Model, v) -> tuple | str:
+    """``(file, offset, length)`` of another device's external compiled payload, or the reason
+    it cannot be carried into the new payload file."""
     ext = {x.key: x.value for x in v.external_data}
     location = ext.get("location", "")
     try:
@@ -1167,16 +1167,78 @@ def _read_kept_payload(m: Model, v) -> bytes | str:
         return f"payload location {location!r} is not inside the model directory"
     if offset < 0 or length <= 0:
         return f"payload range offset {offset} length {length} is invalid"
-    try:
-        with open(full, "rb") as fh:
-            fh.seek(offset)
-            data = fh.read(length)
-    except OSError as exc:
-        return f"payload file {location!r} cannot be read ({exc.strerror or exc})"
-    if len(data) != length:
-        return (f"payload [{offset}, {offset + length}) lies past the end of {location!r} "
-                "(truncated)")
-    return data
+    if not full.is_file():
+        return f"payload file {location!r} not found"
+    return full, offset, length
+
+
+def _carry_kept(m: Model, kept: list, fh, offset: int, cname: str, devices) -> tuple:
+    """Copy the external payloads of other devices' entries ``kept`` into ``fh`` (the new
+    payload file, at ``offset``) and point the entries at it. Overlapping or touching byte
+    ranges of one file (the records of a merged weight share bytes) are copied once, as one
+    piece at the same offset modulo the alignment: the records keep their relative layout.
+    Regular reads, never the model's mappings. Returns ``(entries carried, dropped, new
+    offset)``; ``dropped``: ``(source_name, device, reason)``."""
+    carried, dropped, spans = [], [], {}
+    for e2 in kept:
+        v = e2.value
+        if v.data_location != TensorProto.EXTERNAL:
+            carried.append(e2)
+            continue
+        got = _kept_range(m, v)
+        if isinstance(got, str):
+            d = devices[e2.device]
+            dropped.append((e2.source_name, f"{d.type}:{d.architecture}", got))
+            continue
+        spans.setdefault(got[0], []).append((got[1], got[2], e2))
+    for full, items in spans.items():
+        items.sort(key=lambda t: t[0])
+        groups, cur = [], None
+        for off, n, e2 in items:
+            if cur is not None and off <= cur[1]:
+                cur[1] = max(cur[1], off + n)
+                cur[2].append((off, n, e2))
+            else:
+                cur = [off, off + n, [(off, n, e2)]]
+                groups.append(cur)
+        try:
+            fsrc = open(full, "rb")
+        except OSError as exc:
+            for _o, _n, e2 in items:
+                d = devices[e2.device]
+                dropped.append((e2.source_name, f"{d.type}:{d.architecture}",
+                                f"payload file {full.name!r} cannot be read "
+                                f"({exc.strerror or exc})"))
+            continue
+        with fsrc:
+            for g0, g1, members in groups:
+                fsrc.seek(g0)
+                data = fsrc.read(g1 - g0)
+                ok = [(o, n, e2) for o, n, e2 in members if o + n <= g0 + len(data)]
+                for o, n, e2 in members:
+                    if o + n > g0 + len(data):
+                        d = devices[e2.device]
+                        dropped.append((e2.source_name, f"{d.type}:{d.architecture}",
+                                        f"payload [{o}, {o + n}) lies past the end of "
+                                        f"{full.name!r} (truncated)"))
+                if not ok:
+                    continue
+                p = (g0 - offset) % _ALIGN
+                if p:
+                    fh.write(b"\0" * p)
+                    offset += p
+                fh.write(data)
+                for o, n, e2 in ok:
+                    v = e2.value
+                    del v.external_data[:]
+                    v.external_data.add(key="location", value=cname)
+                    v.external_data.add(key="offset", value=str(offset + o - g0))
+                    v.external_data.add(key="length", value=str(n))
+                    carried.append(e2)
+                offset += len(data)
+    order = {id(e2): i for i, e2 in enumerate(kept)}
+    carried.sort(key=lambda e2: order[id(e2)])
+    return carried, dropped, offset
 
 
 def _entry_type(lay, arrays: list, gaps: list, ints: dict) -> StructTypeProto:
@@ -1396,26 +1458,7 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
                              f"{'y' if len(ws) == 1 else 'ies'}")
             # other devices' entries: their payload bytes follow, at the same offset modulo
             # the alignment (their fields' alignment holds), in the new payload file
-            for e2 in kept:
-                v = e2.value
-                if v.data_location == TensorProto.EXTERNAL:
-                    data = _read_kept_payload(m, v)
-                    if isinstance(data, str):
-                        d = proto.devices[e2.device]
-                        dropped.append((e2.source_name, f"{d.type}:{d.architecture}", data))
-                        continue
-                    old_off = int({x.key: x.value for x in v.external_data}.get("offset", "0"))
-                    p = (old_off - offset) % _ALIGN
-                    if p:
-                        fh.write(b"\0" * p)
-                        offset += p
-                    fh.write(data)
-                    del v.external_data[:]
-                    v.external_data.add(key="location", value=cname)
-                    v.external_data.add(key="offset", value=str(offset))
-                    v.external_data.add(key="length", value=str(len(data)))
-                    offset += len(data)
-                carried.append(e2)
+            carried, dropped, offset = _carry_kept(m, kept, fh, offset, cname, proto.devices)
             total = offset
         os.chmod(tmp, 0o644)
         new_entries = list(proto.compiled_tensors)

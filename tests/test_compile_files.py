@@ -245,6 +245,9 @@ def test_compile_carries_other_devices_payloads(compiled, tmp_path):
     out = tmp_path / "out" / "fast2.onnx"
     rep = olv_runtime.compile_model(src, out)
     assert rep.carried == len(other) and rep.dropped == []
+    # the records of a merged weight share bytes: carried once, same layout (no duplicate)
+    src_size = src.with_name(src.name + ".compiled").stat().st_size
+    assert out.with_name(out.name + ".compiled").stat().st_size <= 2 * src_size + 64
     p = olv_runtime.load(out).proto
     archs = [d.architecture for d in p.devices]
     assert archs == ["arm64-sve", cpu_architecture()]
@@ -264,6 +267,8 @@ def test_compile_carries_other_devices_payloads(compiled, tmp_path):
     out.write_bytes(q.SerializeToString())
     sess = olv_runtime.InferenceSession(olv_runtime.load(out))
     assert sess.counters["compiled_hits"] == len(kept) and sess.counters["compiled_misses"] == 0
+    ref = olv_runtime.InferenceSession(olv_runtime.load(compiled))  # merged views stay zero-copy
+    assert sess.counters["bytes_copied_other"] == ref.counters["bytes_copied_other"]
     # in place too (the payload file is rewritten: the kept entries move with their bytes)
     _as_other_device(out, "arm64-sve")
     rep = olv_runtime.compile_model(out, out)
