@@ -1097,8 +1097,9 @@ def _check_outputs(m: Model, out: pathlib.Path, keep_external: bool) -> None:
                               f"{str(out)!r}): it is an existing directory")
     targets += [("sidecar", out.parent / n) for n in SIDECAR_FILES]
     inplace = m.path is not None and _same_file(out, m.path)
+    inputs = _input_files(m)
     for role_t, t in targets:
-        for role_f, f in _input_files(m):
+        for role_f, f in inputs:
             if not _same_file(t, f):
                 continue
             if inplace and role_t == role_f and not (role_t == "data" and keep_external):
