@@ -409,13 +409,27 @@ def cmd_inspect(args) -> int:
 def cmd_compile(args) -> int:
     from olv_runtime.compiled import compile_model
 
+    import warnings
+
+    from olv_runtime.compiled import CompileWarning
+    from olv_runtime.errors import OutputError
+
     t0 = time.perf_counter()
     try:
-        rep = compile_model(args.model, args.output, options=_session_options(args),
-                            progress=(lambda msg: print(msg, file=sys.stderr, flush=True))
-                            if args.verbose else None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CompileWarning)
+            rep = compile_model(args.model, args.output, options=_session_options(args),
+                                progress=(lambda msg: print(msg, file=sys.stderr, flush=True))
+                                if args.verbose else None)
+    except OutputError:  # names the file; nothing is left half-written
+        raise
     except OSError as exc:  # unwritable directory, disk full: nothing is left half-written
         raise CliError(f"cannot write {args.output!r}: {exc.strerror or exc}") from None
+    for w in caught:
+        if issubclass(w.category, CompileWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     for name, why in rep.skipped:
         print(f"  not compiled: {name}: {why}", file=sys.stderr)
     if rep.entries == 0:
@@ -426,7 +440,9 @@ def cmd_compile(args) -> int:
               file=sys.stderr)
     print(f"wrote {rep.path} with {rep.entries} compiled entries for {rep.device} "
           f"({rep.bytes / 1e6:.1f} MB in {rep.compiled_path.name}) in "
-          f"{time.perf_counter() - t0:.1f} s")
+          f"{time.perf_counter() - t0:.1f} s"
+          + (f"; kept {rep.carried} entries of other devices" if rep.carried else "")
+          + (f"; copied {', '.join(rep.sidecars)}" if rep.sidecars else ""))
     return 0
 
 

@@ -214,17 +214,20 @@ class Model:
     def check_external_files(self) -> None:
         """Check that the external data files mapped so far are unchanged since they were mapped.
 
-        Called by :class:`~olv_runtime.InferenceSession` at the start of every run: one
-        ``os.stat`` per mapped file, comparing size, modification time (ns), inode and device
-        with the values recorded when the file was mapped.
+        Called by :class:`~olv_runtime.InferenceSession` at the start of every run, and by
+        :func:`as_model` whenever a loaded :class:`Model` is handed to an entry point (session
+        creation, ``decode_value``, ``to_decoded``, ``compile_model``, ``save``, ...) before
+        that code reads a mapped page: one ``os.stat`` per mapped file, comparing size,
+        modification time (ns), inode and device with the values recorded when the file was
+        mapped.
 
         Raises
         ------
         PayloadError
             A mapped file was truncated, extended, rewritten, replaced or removed. Payloads are
             live read-only memory maps, so reading a truncated map would kill the process with
-            SIGBUS and a file rewritten in place would silently change the results; the session
-            refuses to run instead (reload the model).
+            SIGBUS and a file rewritten in place would silently change the results; the model
+            is refused instead (reload it).
 
         Notes
         -----
@@ -249,8 +252,8 @@ class Model:
                         "it was modified in place (modification time changed)")
                 raise PayloadError(
                     f"external data file {str(path)!r} changed after the model was loaded: "
-                    f"{what}; its payloads are memory-mapped, so the session refuses to run "
-                    "(reload the model)"
+                    f"{what}; its payloads are memory-mapped, so the loaded model can no longer "
+                    "be used (reload the model)"
                 )
 
     # -- convenience ---------------------------------------------------------------------------
@@ -278,12 +281,19 @@ def as_model(model) -> Model:
     An ``onnx.ModelProto`` (a different Python class over the same wire format) is re-parsed
     through its serialized bytes: an explicit, documented copy made once.
 
+    A :class:`Model` is returned as it is, after :meth:`Model.check_external_files` (one
+    ``os.stat`` per file it has mapped): the callers read its memory-mapped payloads next, and
+    a mapped file truncated since must raise, not kill the process with SIGBUS.
+
     Raises
     ------
     ModelFormatError
         Anything else.
+    PayloadError
+        A file the model has mapped changed since (truncated, rewritten, replaced, removed).
     """
     if isinstance(model, Model):
+        model.check_external_files()
         return model
     if isinstance(model, ModelProto):
         return Model(model)
@@ -516,7 +526,62 @@ def save(
 
 
 def _save(model, out, external_data, location, threshold, keep_external, external_params):
+    staged = stage_save(model, out, external_data=external_data, location=location,
+                        threshold=threshold, keep_external=keep_external,
+                        external_params=external_params)
+    commit_staged(staged)
+    return out
+
+
+def commit_staged(staged: list) -> None:
+    """Rename staged ``(temporary file, final path)`` pairs into place, all or none as far as
+    the file system allows: every final path is checked first (an existing directory, a parent
+    that is not a directory: nothing is renamed), then the renames run. On failure the
+    temporary files not yet renamed are removed.
+
+    Raises
+    ------
+    OutputError
+        Naming the final path that cannot be written (never the temporary name).
+    """
+    try:
+        for _tmp, final in staged:
+            final = pathlib.Path(final)
+            if final.is_dir():
+                raise OutputError(f"cannot write {str(final)!r}: it is an existing directory")
+            if not final.parent.is_dir():
+                raise OutputError(f"cannot write {str(final)!r}: {str(final.parent)!r} is not a "
+                                  "directory")
+        while staged:
+            tmp, final = staged[0]
+            try:
+                os.replace(tmp, final)
+            except OSError as exc:
+                raise OutputError(
+                    f"cannot write {str(final)!r}: {exc.strerror or exc}") from None
+            staged.pop(0)
+    finally:
+        discard_staged(staged)
+
+
+def discard_staged(staged: list) -> None:
+    """Remove the temporary files of staged ``(temporary file, final path)`` pairs."""
+    for tmp, _ in staged:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    staged.clear()
+
+
+def stage_save(model, out, *, external_data, location=None, threshold=EXTERNAL_THRESHOLD,
+               keep_external=False, external_params=False) -> list:
+    """:func:`save` without the final renames: writes the model (and its external data file)
+    to temporary files in ``out``'s directory and returns the ``(temporary file, final path)``
+    pairs for :func:`commit_staged` (or :func:`discard_staged`). Nothing is renamed; on an
+    error the temporary files are removed."""
     m = as_model(model)
+    out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if external_data is None:
         external_data = m.proto.ByteSize() > AUTO_EXTERNAL_BYTES
@@ -570,15 +635,10 @@ def _save(model, out, external_data, location, threshold, keep_external, externa
         os.umask(umask)
         for tmp, final in tmp_files:
             os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
-            os.replace(tmp, final)
-        tmp_files.clear()
+        staged, tmp_files = tmp_files, []
     finally:
-        for tmp, _ in tmp_files:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-    return out
+        discard_staged(tmp_files)
+    return staged
 
 
 def _inline(msg, payload) -> None:

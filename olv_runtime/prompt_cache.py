@@ -59,6 +59,7 @@ def model_digest(model) -> str:
     cached = _digests.get(m)
     if cached is not None:
         return cached
+    m.check_external_files()  # hashes mapped payloads next: PayloadError, not SIGBUS
     h = hashlib.sha256()
     p, g = m.proto, m.proto.graph
 

@@ -618,7 +618,11 @@ def check_output_path(out_path, inputs=(), what: str = "output") -> pathlib.Path
     parent = out.resolve().parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir():
+        raise OutputError(
+            f"cannot write {what} {str(out)!r}: {str(parent)!r} is not a directory"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(
             f"cannot write {what} {str(out)!r}: {str(parent)!r} is not a writable directory"
         )
