@@ -11,6 +11,7 @@ definitions).
 """
 from __future__ import annotations
 
+import collections.abc as _abc
 import dataclasses
 import json
 import pathlib
@@ -264,10 +265,15 @@ def _check_ids(ids: np.ndarray, vocab, what: str, allow_empty: bool) -> None:
 
 
 def _kv_length(state) -> int | None:
-    """Positions held by a contiguous KV cache (None for other state kinds)."""
+    """Positions held by the state's KV cache: the sequence axis of a contiguous cache
+    (``[B, KVH, T, D]``), the ``length`` field of a paged cache struct (``PagedKVCache``); None
+    for other state kinds (nothing to check against)."""
     first = next(iter(state.values.values()), None)
-    if isinstance(first, np.ndarray) and first.ndim == 4:
-        return int(first.shape[2])
+    if isinstance(first, np.ndarray):
+        return int(first.shape[2]) if first.ndim == 4 else None
+    length = first.get("length") if isinstance(first, _abc.Mapping) else None
+    if isinstance(length, np.ndarray) and length.size == 1 and length.dtype.kind in "iu":
+        return int(length.reshape(()))
     return None
 
 

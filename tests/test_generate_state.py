@@ -105,6 +105,32 @@ def test_state_run_outside_generate_is_detected(sess):
         olv_runtime.generate(sess, [3], 2, state=state)
 
 
+@pytest.fixture(scope="module")
+def paged_sess(tiny_chat_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("paged_state") / "model.onnx"
+    olv_runtime.convert(tiny_chat_dir, path, kv="paged-int8")
+    return olv_runtime.InferenceSession(olv_runtime.load(path))
+
+
+def test_paged_state_run_outside_generate_is_detected(paged_sess):
+    """A paged KV cache run outside generate: its ``length`` field disagrees with the token
+    history, reported like the contiguous cache's sequence axis (no silent wrong logprobs)."""
+    _, state = olv_runtime.generate(paged_sess, [5, 6, 7], 3, return_state=True)
+    assert state.cached_tokens == 5 and len(state.tokens) == 6
+    state.run({"input_ids": np.array([[4, 4, 4, 4]], np.int64)})
+    with pytest.raises(StateError, match="KV cache holds 9 positions but its token history "
+                                         "records 5"):
+        olv_runtime.generate(paged_sess, [9], 3, state=state, return_result=True, logprobs=True)
+    assert len(state.tokens) == 6  # refused before anything was fed
+    # a consistent paged state continues as one call would have
+    full = olv_runtime.generate(paged_sess, PROMPT, 6).tolist()
+    first, st2 = olv_runtime.generate(paged_sess, PROMPT, 3, return_state=True)
+    rest = olv_runtime.generate(paged_sess, [], 3, state=st2)
+    assert first.tolist() + rest.tolist() == full
+    state.close()
+    st2.close()
+
+
 def test_stop_strings(sess, tokenizer):
     ref = olv_runtime.generate(sess, PROMPT, 24, tokenizer=tokenizer, return_result=True)
     text = ref.text
