@@ -233,7 +233,16 @@ def cmd_generate(args) -> int:
 
     path = pathlib.Path(args.model)
     ids = _parse_ids(args.prompt_ids) if args.prompt is None else None  # before any loading
+    cache = getattr(args, "prompt_cache", None)
+    if cache:  # a target that cannot be written: refused before any work
+        from olv_runtime.prompt_cache import check_state_path
+
+        check_state_path(cache)
     model = olv_runtime.load(path)
+    if cache:  # a paged KV cache cannot be saved: refused before generating
+        from olv_runtime.prompt_cache import check_saveable
+
+        check_saveable(model)
     tokenizer = None
     if args.prompt is not None or args.output == "text":
         tokenizer = _tokenizer_for(model)  # SidecarError: another model's / unreadable

@@ -265,3 +265,118 @@ def test_last_only_logits_equal_the_last_row(tiny_chat_models, quantize):
         last_st.run({"input_ids": nxt}, last_only="logits")
     full_st.close()
     last_st.close()
+
+
+def _rewrite_header(src, dst, edit):
+    """Copy a state file with its JSON header edited by ``edit(header)``."""
+    import json
+
+    with np.load(src) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(arrays["__header__"].tobytes().decode())
+    edit(header)
+    arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(dst, **arrays)
+    return dst
+
+
+def test_state_file_whose_tokens_disagree_with_its_kv_is_refused(sess, tmp_path):
+    """tokens / cached_tokens / KV length must agree: a file whose history lost its last two
+    tokens (cached_tokens and the KV still 5 positions) would continue with a wrong logprob."""
+    _, state = olv_runtime.generate(sess, [5, 6, 7], 3, return_state=True)
+    good = state.save(tmp_path / "s.npz")
+    state.close()
+    assert olv_runtime.load_state(sess, good).tokens == [5, 6, 7] + state.tokens[3:]
+
+    def short(h):
+        h["tokens"] = h["tokens"][:-2]
+
+    bad = _rewrite_header(good, tmp_path / "short.npz", short)
+    with pytest.raises(StateFileError, match=r"cached_tokens' must be an integer in "
+                                             r"\[0, len\(tokens\)\] = \[0, 4\], got 5"):
+        olv_runtime.load_state(sess, bad)
+
+    def fewer_cached(h):
+        h["cached_tokens"] = 4
+
+    bad = _rewrite_header(good, tmp_path / "cached.npz", fewer_cached)
+    with pytest.raises(StateFileError, match="KV cache holds 5 positions but the header's "
+                                             "cached_tokens is 4"):
+        olv_runtime.load_state(sess, bad)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h.pop("tokens"), r"lacks \['tokens'\]"),
+    (lambda h: h.pop("cached_tokens"), r"lacks \['cached_tokens'\]"),
+    (lambda h: h.pop("values"), r"lacks \['values'\]"),
+    (lambda h: h.update(tokens="abcdef"), "'tokens' must be a list of integer token ids, got "
+                                          "'abcdef'"),
+    (lambda h: h.update(tokens=[5, 6, 7, 7, 7, 1.5]), "'tokens' must be a list of integer"),
+    (lambda h: h.update(tokens=[5, 6, 7, 7, 7, 10**6]), r"token ids in \[0, \d+\), got 1000000"),
+    (lambda h: h.update(cached_tokens="5"), "'cached_tokens' must be an integer"),
+    (lambda h: h.update(values="cache"), "'values' must be a list of value names"),
+    (lambda h: h.update(rng={"bit_generator": "MT19937"}), "'rng' is not a PCG64"),
+])
+def test_malformed_state_header_is_a_state_file_error(sess, tmp_path, edit, match):
+    _, state = olv_runtime.generate(sess, [5, 6, 7], 3, return_state=True)
+    good = state.save(tmp_path / "s.npz")
+    state.close()
+    with pytest.raises(StateFileError, match=match):
+        olv_runtime.load_state(sess, _rewrite_header(good, tmp_path / "bad.npz", edit))
+
+
+def test_unreadable_state_files_are_state_file_errors(sess, tmp_path):
+    _, state = olv_runtime.generate(sess, [5, 6, 7], 3, return_state=True)
+    good = state.save(tmp_path / "s.npz")
+    data = good.read_bytes()
+    (tmp_path / "half.npz").write_bytes(data[:len(data) // 2])
+    (tmp_path / "tail.npz").write_bytes(data[:-30])
+    corrupt = bytearray(data)
+    mid = data.index(b"__header__.npy") + 200  # inside the first stored member's data
+    corrupt[mid:mid + 8] = b"\xff" * 8
+    (tmp_path / "crc.npz").write_bytes(bytes(corrupt))
+    np.save(tmp_path / "bare.npy", np.zeros(3))
+    for name in ("half.npz", "tail.npz", "crc.npz", "bare.npy", "missing.npz"):
+        with pytest.raises(StateFileError, match=str(tmp_path / name).replace("\\", "\\\\")):
+            olv_runtime.load_state(sess, tmp_path / name)
+    with pytest.raises(StateFileError, match="not a readable state file"):
+        olv_runtime.load_state(sess, tmp_path)  # a directory
+
+
+def test_state_save_to_a_bad_path_names_the_path(sess, tmp_path):
+    from olv_runtime.errors import OutputError
+
+    _, state = olv_runtime.generate(sess, [5, 6, 7], 2, return_state=True)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OutputError, match=r"/d': it is an existing directory") as e:
+        state.save(tmp_path / "d")
+    assert ".tmp" not in str(e.value)
+    with pytest.raises(OutputError, match=r"nope/s.npz'.*does not exist") as e:
+        state.save(tmp_path / "nope" / "s.npz")
+    assert ".tmp" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temporary file left
+    state.close()
+
+
+def test_cli_prompt_cache_refused_before_generating(tiny_chat_dir, tiny_chat_models, tmp_path,
+                                                    capsys):
+    """--prompt-cache that cannot be saved (paged KV model, a directory, a missing directory)
+    is an error before anything is generated or printed, naming the path given."""
+    from olv_runtime.cli import main as cli_main
+
+    paged = tmp_path / "paged" / "model.onnx"
+    olv_runtime.convert(tiny_chat_dir, paged, kv="paged-int8")
+    ids = ",".join(map(str, PROMPT))
+    base = ["generate", "--prompt-ids", ids, "--max-new-tokens", "4", "--output", "ids"]
+    cache = tmp_path / "p.npz"
+    assert cli_main([base[0], str(paged), *base[1:], "--prompt-cache", str(cache)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "paged KV cache" in out.err and not cache.exists()
+    m = str(tiny_chat_models["int4"])
+    (tmp_path / "dir").mkdir()
+    for target, why in ((tmp_path / "dir", "is an existing directory"),
+                        (tmp_path / "nope" / "p.npz", "does not exist")):
+        assert cli_main([base[0], m, *base[1:], "--prompt-cache", str(target)]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and str(target) in out.err and why in out.err
+        assert ".tmp" not in out.err
