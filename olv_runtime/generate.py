@@ -277,6 +277,32 @@ def _kv_length(state) -> int | None:
     return None
 
 
+def _check_eos(eos_token_id, vocab) -> set[int]:
+    """eos ids given as an int or a sequence of ints, each in ``[0, vocab)``; InvalidArgument
+    naming the bad entry otherwise."""
+    if eos_token_id is None:
+        return set()
+    scalar = np.isscalar(eos_token_id) or (isinstance(eos_token_id, np.ndarray)
+                                           and eos_token_id.ndim == 0)
+    try:
+        vals = [eos_token_id] if scalar else list(eos_token_id)
+    except TypeError:
+        raise InvalidArgument(f"eos_token_id must be an int, a list of ints, 'auto' or None, "
+                              f"got {eos_token_id!r}") from None
+    out = set()
+    for v in vals:
+        if isinstance(v, np.ndarray) and v.ndim == 0:
+            v = v[()]
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise InvalidArgument(f"eos_token_id entries must be integer token ids, got {v!r} "
+                                  f"in {eos_token_id!r}")
+        if v < 0 or (vocab is not None and v >= int(vocab)):
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise InvalidArgument(f"eos_token_id entries must be token ids in {limit}, got {v}")
+        out.add(int(v))
+    return out
+
+
 def check_seed(seed) -> int | None:
     """A sampling seed: None or an int in [0, 2**128) (numpy's SeedSequence takes non-negative
     integers); InvalidArgument otherwise."""
@@ -368,6 +394,13 @@ def generate(
         Called with each new token id as soon as it is chosen.
     text_callback : callable, optional
         Called with each piece of final text (see :class:`TextStream`; needs ``tokenizer``).
+        An exception raised by ``callback`` or ``text_callback`` propagates out of
+        ``generate`` unchanged and ends the generation. The state is not rolled back: it stays
+        consistent and keeps every token chosen so far, the token just passed to the callback
+        included (it is the pending last entry of ``state.tokens``; its KV is computed by the
+        next call), exactly as after a KeyboardInterrupt, so ``generate([], n, state=state)``
+        continues where the callback stopped. A state made by this call (``state=None``) is
+        closed.
     stats : GenerationStats, optional
         Filled with token counts and timings.
     state : State, optional
@@ -390,8 +423,13 @@ def generate(
     InvalidArgument
         Empty prompt with nothing pending, non-integer or out-of-vocabulary ids (only
         ``[0, vocab)``, unlike ``State.run``, which follows ONNX Gather and counts negative ids
-        from the end), bad sampling values, a seed that is not None or an integer >= 0, stop strings without a tokenizer, a model without ``input_ids``/``logits``, a
-        state of another session.
+        from the end), bad sampling values, a seed that is not None or an integer >= 0, stop
+        strings without a tokenizer, a tokenizer without ``decode``, a ``callback`` /
+        ``text_callback`` that is not callable, eos ids that are not integers in
+        ``[0, vocab)``, ``top_logprobs`` above the vocabulary size, a ``state`` that is not a
+        State or ``stats`` that is not a GenerationStats, a model without
+        ``input_ids``/``logits``, a state of another session. Every argument is checked before
+        the state is touched.
     StateError
         A state whose KV cache length disagrees with its token history (it was run outside
         generate), or a closed state.
@@ -413,8 +451,26 @@ def generate(
         raise InvalidArgument(f"stop strings must be non-empty strings, got {stops!r}")
     if (stops or text_callback is not None) and tokenizer is None:
         raise InvalidArgument("stop strings and text_callback need a tokenizer (tokenizers.Tokenizer)")
-    if not isinstance(top_logprobs, (int, np.integer)) or top_logprobs < 0:
+    if not isinstance(top_logprobs, (int, np.integer)) or isinstance(top_logprobs, bool) \
+            or top_logprobs < 0:
         raise InvalidArgument(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
+    for name, fn in (("callback", callback), ("text_callback", text_callback)):
+        if fn is not None and not callable(fn):
+            raise InvalidArgument(f"{name} must be callable or None, got {type(fn).__name__} "
+                                  f"{fn!r}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise InvalidArgument(
+            f"tokenizer must have a decode(ids, skip_special_tokens=...) method "
+            f"(tokenizers.Tokenizer), got {type(tokenizer).__name__} {str(tokenizer)[:40]!r}")
+    if stats is not None and not isinstance(stats, GenerationStats):
+        raise InvalidArgument(f"stats must be a GenerationStats or None, got "
+                              f"{type(stats).__name__}")
+    if state is not None:
+        from olv_runtime.state.state import State
+
+        if not isinstance(state, State):
+            raise InvalidArgument(f"state must be a State (make_state, load_state, or generate "
+                                  f"with return_state=True) or None, got {type(state).__name__}")
 
     if state is not None:
         if state.closed:
@@ -442,8 +498,10 @@ def generate(
                                   f"got {eos_token_id!r}")
         eos = set(eos_token_ids(session))
     else:
-        eos = set() if eos_token_id is None else (
-            {int(eos_token_id)} if np.isscalar(eos_token_id) else {int(e) for e in eos_token_id})
+        eos = _check_eos(eos_token_id, vocab)
+    if vocab is not None and top_logprobs > int(vocab):
+        raise InvalidArgument(f"top_logprobs must be at most the vocabulary size {vocab}, got "
+                              f"{top_logprobs}")
     if state is not None:
         held = _kv_length(state)
         if held is not None and held != state.cached_tokens:

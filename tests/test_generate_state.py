@@ -154,7 +154,8 @@ def test_several_eos_ids_and_generation_config(sess, tiny_chat_models, tokenizer
     eos = olv_runtime.eos_token_ids(sess)
     assert eos == [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
     ref = olv_runtime.generate(sess, PROMPT, 10).tolist()
-    res = olv_runtime.generate(sess, PROMPT, 10, eos_token_id=[10**6, ref[3]], return_result=True)
+    absent = next(t for t in range(300) if t not in ref)  # eos ids must be in [0, vocab)
+    res = olv_runtime.generate(sess, PROMPT, 10, eos_token_id=[absent, ref[3]], return_result=True)
     assert res.ids.tolist() == ref[:ref.index(ref[3]) + 1] and res.finish_reason == "eos"
     auto = olv_runtime.generate(sess, PROMPT, 10, eos_token_id="auto").tolist()
     cut = [i for i, t in enumerate(ref) if t in eos]
@@ -380,3 +381,69 @@ def test_cli_prompt_cache_refused_before_generating(tiny_chat_dir, tiny_chat_mod
         out = capsys.readouterr()
         assert out.out == "" and str(target) in out.err and why in out.err
         assert ".tmp" not in out.err
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(callback=3), "callback must be callable or None, got int 3"),
+    (dict(text_callback="x", tokenizer=None), "need a tokenizer"),
+    (dict(tokenizer="x", stop=["a"]), "tokenizer must have a decode"),
+    (dict(tokenizer=object()), "tokenizer must have a decode"),
+    (dict(stats={}), "stats must be a GenerationStats or None, got dict"),
+    (dict(eos_token_id=[2, "x"]), "eos_token_id entries must be integer token ids, got 'x'"),
+    (dict(eos_token_id=[2, 1.0]), "eos_token_id entries must be integer token ids, got 1.0"),
+    (dict(eos_token_id=True), "eos_token_id entries must be integer token ids, got True"),
+    (dict(eos_token_id=-1), r"eos_token_id entries must be token ids in \[0, \d+\), got -1"),
+    (dict(eos_token_id=[2, 10**6]), r"token ids in \[0, \d+\), got 1000000"),
+    (dict(eos_token_id=object()), "eos_token_id must be an int, a list of ints"),
+    (dict(top_logprobs=10**6, logprobs=True), "top_logprobs must be at most the vocabulary "
+                                              "size"),
+    (dict(top_logprobs=True), "top_logprobs must be an integer"),
+])
+def test_arguments_are_checked_before_the_state_is_touched(sess, kwargs, match):
+    """Every argument is checked before the prefill: a bad one leaves a continued state as it
+    was (tokens, cached tokens, KV, generator)."""
+    _, state = olv_runtime.generate(sess, PROMPT, 3, return_state=True, seed=3)
+    tokens, cached = list(state.tokens), state.cached_tokens
+    kv = {k: v.copy() for k, v in state.values.items()}
+    rng = state.rng.bit_generator.state
+    with pytest.raises(InvalidArgument, match=match):
+        olv_runtime.generate(sess, [9], 3, state=state, **kwargs)
+    assert state.tokens == tokens and state.cached_tokens == cached
+    assert state.rng.bit_generator.state == rng
+    assert all(np.array_equal(state.values[k], v) for k, v in kv.items())
+    state.close()
+
+
+def test_state_argument_of_the_wrong_type(sess):
+    with pytest.raises(InvalidArgument, match="state must be a State .* got dict"):
+        olv_runtime.generate(sess, [9], 3, state={})
+
+
+def test_a_raising_callback_keeps_the_tokens_so_far(sess, tokenizer):
+    """The documented behaviour: the callback's exception propagates unchanged; the state keeps
+    every token chosen so far, the one passed to the raising callback included (pending), and
+    a continuation yields what one uninterrupted call would have."""
+    full = olv_runtime.generate(sess, PROMPT, 9).tolist()
+    for kind in ("callback", "text_callback"):
+        state = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
+        seen = []
+
+        def cb(tok):
+            seen.append(tok)
+            if len(seen) == 3:
+                raise ValueError("stop here")
+
+        def text_cb(piece):  # one piece per token at most: count tokens through callback
+            if len(seen) >= 3:
+                raise ValueError("stop here")
+
+        kw = (dict(callback=cb) if kind == "callback"
+              else dict(callback=seen.append, text_callback=text_cb, tokenizer=tokenizer))
+        with pytest.raises(ValueError, match="stop here"):
+            olv_runtime.generate(sess, PROMPT, 9, state=state, **kw)
+        n = len(seen)
+        assert n >= 3 and seen == full[:n]
+        assert state.tokens == PROMPT + seen and state.cached_tokens == len(PROMPT) + n - 1
+        rest = olv_runtime.generate(sess, [], 9 - n, state=state)
+        assert seen + rest.tolist() == full
+        state.close()
