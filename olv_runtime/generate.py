@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections.abc as _abc
 import dataclasses
 import json
+import math
 import pathlib
 import time
 from typing import Callable, Sequence
@@ -22,7 +23,8 @@ import numpy as np
 
 from olv_runtime.errors import InvalidArgument, StateError
 from olv_runtime.kernels.precompile import kernel_seconds
-from olv_runtime.sampling import SamplingParams, TokenLogprob, select_token, token_logprob
+from olv_runtime.sampling import (SamplingParams, TokenLogprob, check_finite, select_token,
+                                  token_logprob)
 from olv_runtime.session import InferenceSession, SessionOptions
 from olv_runtime.state import empty_cache, make_state
 
@@ -555,8 +557,12 @@ def generate(
             argmax_only = params.greedy and not params.penalised
             while True:
                 row = logits[0, -1]
-                tok = int(row.argmax()) if argmax_only else select_token(row, history, params,
-                                                                         rng)
+                if argmax_only:
+                    tok = int(row.argmax())
+                    if not math.isfinite(row[tok]):  # argmax finds a NaN first: O(1) check
+                        check_finite(row, tok)
+                else:
+                    tok = select_token(row, history, params, rng)
                 if lps is not None:
                     lps.append(token_logprob(row, tok, top_logprobs))
                 out.append(tok)

@@ -18,6 +18,11 @@ them when sampling:
 Removed tokens get ``-inf``. Probabilities are ``softmax`` of the processed scores. Greedy
 decoding (temperature 0) takes the argmax of the penalised scores (steps 1-2), as transformers
 does with ``do_sample=False``. Arithmetic is float64.
+
+Inputs are checked, not coerced: logits are one row ``[vocab]`` of real numbers with a finite
+maximum and no NaN or +inf (-inf entries are masked tokens); token ids (``token_logprob``'s
+``token_id``, the penalties' history) are integers in ``[0, vocab)``. Violations raise
+:class:`~olv_runtime.errors.InvalidArgument`.
 """
 from __future__ import annotations
 
@@ -105,10 +110,48 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def _window(history, params: SamplingParams) -> np.ndarray:
-    h = np.asarray(history if history is not None else (), dtype=np.int64).reshape(-1)
+def _row(logits) -> np.ndarray:
+    """One row of logits ``[vocab]`` (1-D, non-empty, real numbers); InvalidArgument naming
+    the shape or dtype otherwise. No copy."""
+    a = np.asarray(logits)
+    if a.ndim != 1 or a.size == 0:
+        raise InvalidArgument(f"logits must be one row [vocab] (1-D, non-empty), got shape "
+                              f"{list(a.shape)}")
+    if a.dtype.kind not in "fiu":
+        raise InvalidArgument(f"logits must be real numbers, got dtype {a.dtype}")
+    return a
+
+
+def check_finite(a: np.ndarray, top: int) -> None:
+    """``top`` is ``argmax(a)``: numpy's argmax returns the first NaN when there is one, so a
+    finite ``a[top]`` proves the row has no NaN, no +inf and a finite maximum (O(1) after the
+    argmax the caller needs anyway). InvalidArgument naming what was found otherwise."""
+    if np.isfinite(a[top]):
+        return
+    nan = np.flatnonzero(np.isnan(a))
+    pinf = np.flatnonzero(np.isposinf(a))
+    if nan.size:
+        what = f"{nan.size} NaN (first at index {int(nan[0])})"
+    elif pinf.size:
+        what = f"{pinf.size} +inf (first at index {int(pinf[0])})"
+    else:
+        what = "every entry -inf"
+    raise InvalidArgument(f"non-finite logits: {what} in a row of {a.size}; the model's output "
+                          "is not a distribution")
+
+
+def _window(history, params: SamplingParams, vocab: int) -> np.ndarray:
+    h = np.asarray(history if history is not None else (), dtype=None).reshape(-1)
+    if h.size and h.dtype.kind not in "iu":
+        raise InvalidArgument(f"history must be integer token ids, got dtype {h.dtype}")
+    h = h.astype(np.int64, copy=False)
     if params.penalty_last_n:
         h = h[-params.penalty_last_n:]
+    if h.size:
+        lo, hi = int(h.min()), int(h.max())
+        if lo < 0 or hi >= vocab:
+            raise InvalidArgument(f"history: token ids must be in [0, {vocab}) (the logits' "
+                                  f"vocabulary), got {lo if lo < 0 else hi}")
     return h
 
 
@@ -121,20 +164,25 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int] | np.ndarray | No
     logits : numpy.ndarray
         ``[vocab]`` scores (any float dtype).
     history : sequence of int
-        Token ids seen so far (prompt and generated); ids outside ``[0, vocab)`` are ignored
-        (as transformers ignores ids beyond the output vocabulary).
+        Token ids seen so far (prompt and generated), in ``[0, vocab)`` (the ids the penalties
+        look at: the last ``penalty_last_n``, or all).
     params : SamplingParams
 
     Returns
     -------
     numpy.ndarray
         float64 ``[vocab]``, a new array.
+
+    Raises
+    ------
+    InvalidArgument
+        Logits that are not one row; a history id outside ``[0, vocab)`` or not an integer
+        (with penalties on).
     """
-    s = np.array(logits, dtype=np.float64).reshape(-1)
+    s = np.array(_row(logits), dtype=np.float64)
     if not params.penalised:
         return s
-    h = _window(history, params)
-    h = h[(h >= 0) & (h < s.size)]
+    h = _window(history, params, s.size)
     if h.size == 0:
         return s
     ids, counts = np.unique(h, return_counts=True)
@@ -172,6 +220,7 @@ def process_logits(logits: np.ndarray, history: Sequence[int] | np.ndarray | Non
         float64 ``[vocab]``.
     """
     s = apply_penalties(logits, history, params)
+    check_finite(s, int(np.argmax(s)))
     if params.greedy:
         return s
     if params.temperature != 1.0:
@@ -213,18 +262,32 @@ def select_token(logits: np.ndarray, history: Sequence[int] | np.ndarray | None,
     Greedy (temperature 0): argmax of the penalised scores, lowest id on ties. Otherwise one
     draw from :func:`probabilities` with ``rng``.
 
+    Parameters
+    ----------
+    logits : numpy.ndarray
+        One row ``[vocab]`` of raw scores.
+    history : sequence of int, optional
+        Token ids seen so far, in ``[0, vocab)`` (for the penalties).
+    params : SamplingParams
+    rng : numpy.random.Generator, optional
+        Required when sampling (temperature > 0).
+
     Raises
     ------
     InvalidArgument
-        Sampling without an ``rng``.
+        Sampling without an ``rng``; logits that are not one row ``[vocab]``; non-finite
+        logits (a NaN, a +inf, or every entry -inf); history ids outside ``[0, vocab)``.
     """
+    a = _row(logits)
+    top = int(np.argmax(a))
+    check_finite(a, top)
     if params.greedy:
         if not params.penalised:
-            return int(np.argmax(logits))
-        return int(np.argmax(apply_penalties(logits, history, params)))
+            return top
+        return int(np.argmax(apply_penalties(a, history, params)))
     if rng is None:
         raise InvalidArgument("sampling with temperature > 0 needs an rng (or a seed)")
-    p = probabilities(logits, history, params)
+    p = probabilities(a, history, params)
     keep = np.flatnonzero(p)
     q = p[keep]
     return int(keep[rng.choice(keep.size, p=q / q.sum())])
@@ -250,9 +313,35 @@ class TokenLogprob:
 
 
 def token_logprob(logits: np.ndarray, token_id: int, top_n: int = 0) -> TokenLogprob:
-    """:class:`TokenLogprob` of ``token_id`` from one row of raw logits ``[vocab]``."""
-    s = np.asarray(logits, dtype=np.float64).reshape(-1)
-    m = s.max()
+    """:class:`TokenLogprob` of ``token_id`` from one row of raw logits ``[vocab]``.
+
+    Parameters
+    ----------
+    logits : numpy.ndarray
+        One row ``[vocab]`` of raw scores.
+    token_id : int
+        In ``[0, vocab)`` (no counting from the end).
+    top_n : int
+        How many best alternatives to list (>= 0; at most ``vocab`` are listed).
+
+    Raises
+    ------
+    InvalidArgument
+        Logits that are not one row or not finite (a NaN, a +inf, every entry -inf); a
+        ``token_id`` that is not an integer in ``[0, vocab)``; a negative ``top_n``.
+    """
+    a = _row(logits)
+    if isinstance(token_id, (bool, np.bool_)) or not isinstance(token_id, (int, np.integer)) \
+            or not 0 <= token_id < a.size:
+        raise InvalidArgument(f"token_id must be an integer in [0, {a.size}) (the logits' "
+                              f"vocabulary), got {token_id!r}")
+    if isinstance(top_n, (bool, np.bool_)) or not isinstance(top_n, (int, np.integer)) \
+            or top_n < 0:
+        raise InvalidArgument(f"top_n must be an integer >= 0, got {top_n!r}")
+    s = a.astype(np.float64)
+    top = int(np.argmax(s))
+    check_finite(s, top)
+    m = s[top]
     lse = m + np.log(np.exp(s - m).sum())
     top: list[tuple[int, float]] = []
     if top_n:

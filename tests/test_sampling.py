@@ -155,3 +155,101 @@ def test_bad_params(kwargs, match):
 def test_sampling_needs_rng():
     with pytest.raises(InvalidArgument, match="rng"):
         select_token(fixed_logits(0), None, SamplingParams(temperature=1.0))
+
+
+def test_token_logprob_refuses_ids_outside_the_vocabulary():
+    z = fixed_logits(5)
+    ref = z.astype(np.float64) - np.log(np.exp(z.astype(np.float64)).sum())
+    assert abs(token_logprob(z, VOCAB - 1).logprob - ref[-1]) < 1e-9
+    for bad in (-1, VOCAB, 500, True, 2.0):
+        with pytest.raises(InvalidArgument, match=rf"token_id must be an integer in \[0, {VOCAB}\)"):
+            token_logprob(z, bad)
+    with pytest.raises(InvalidArgument, match="top_n must be an integer >= 0"):
+        token_logprob(z, 3, top_n=-1)
+
+
+@pytest.mark.parametrize("call", [
+    lambda z: select_token(z, None, SamplingParams()),
+    lambda z: select_token(z, [1], SamplingParams(repetition_penalty=1.2)),
+    lambda z: select_token(z, None, SamplingParams(temperature=0.8), np.random.default_rng(0)),
+    lambda z: probabilities(z, None, SamplingParams(temperature=1.0)),
+    lambda z: token_logprob(z, 3),
+])
+def test_logits_must_be_one_row(call):
+    z = fixed_logits(0)
+    with pytest.raises(InvalidArgument, match=r"one row \[vocab\] .*got shape \[2, 48\]"):
+        call(z.reshape(2, 48))
+    with pytest.raises(InvalidArgument, match=r"got shape \[0\]"):
+        call(z[:0])
+    with pytest.raises(InvalidArgument, match="real numbers"):
+        call(z.astype(np.complex64))
+
+
+@pytest.mark.parametrize("poison, what", [
+    ({17: np.nan}, r"1 NaN \(first at index 17\)"),
+    ({5: np.nan, 60: np.nan}, r"2 NaN \(first at index 5\)"),
+    ({9: np.inf}, r"1 \+inf \(first at index 9\)"),
+    ("all -inf", "every entry -inf"),
+])
+@pytest.mark.parametrize("call", [
+    lambda z: select_token(z, None, SamplingParams()),
+    lambda z: select_token(z, [1], SamplingParams(repetition_penalty=1.2)),
+    lambda z: select_token(z, None, SamplingParams(temperature=0.8), np.random.default_rng(0)),
+    lambda z: probabilities(z, None, SamplingParams(temperature=1.0, top_p=0.9)),
+    lambda z: token_logprob(z, 3),
+])
+def test_non_finite_logits_are_refused(poison, what, call):
+    z = fixed_logits(1)
+    if poison == "all -inf":
+        z[:] = -np.inf
+    else:
+        for i, v in poison.items():
+            z[i] = v
+    with pytest.raises(InvalidArgument, match="non-finite logits: " + what):
+        call(z)
+
+
+def test_some_minus_inf_logits_are_fine():
+    z = fixed_logits(2)
+    z[:10] = -np.inf  # masked tokens: never chosen, logprob -inf
+    assert select_token(z, None, SamplingParams()) == int(np.argmax(z))
+    p = probabilities(z, None, SamplingParams(temperature=1.0))
+    assert np.all(p[:10] == 0) and abs(p.sum() - 1) < 1e-12
+    assert token_logprob(z, 3).logprob == -np.inf
+
+
+@pytest.mark.parametrize("history", [[3, 7, VOCAB], [-1, 3], [3, 500]])
+def test_penalty_history_outside_the_vocabulary_is_refused(history):
+    z = fixed_logits(3)
+    params = SamplingParams(repetition_penalty=1.3)
+    with pytest.raises(InvalidArgument, match=rf"history: token ids must be in \[0, {VOCAB}\)"):
+        apply_penalties(z, history, params)
+    with pytest.raises(InvalidArgument, match="history"):
+        select_token(z, history, params)
+    # only the window the penalties look at is checked
+    ok = apply_penalties(z, history + [3, 4], SamplingParams(repetition_penalty=1.3,
+                                                             penalty_last_n=2))
+    assert ok.shape == (VOCAB,)
+    with pytest.raises(InvalidArgument, match="integer token ids"):
+        apply_penalties(z, [1.5, 2.0], params)
+
+
+def test_generate_refuses_nan_logits(tiny_chat_models, monkeypatch):
+    """The greedy fast path of generate (argmax without select_token) checks the chosen
+    logit too: a NaN row is an error, not the NaN's index."""
+    import olv_runtime
+
+    sess = olv_runtime.InferenceSession(olv_runtime.load(tiny_chat_models["int4"]))
+    real = olv_runtime.State.run
+
+    def poisoned(self, feeds, **kw):
+        out = real(self, feeds, **kw)
+        if feeds["input_ids"].shape[1] == 1:  # decode steps: one NaN in the row
+            out["logits"][0, -1, 42] = np.nan
+        return out
+
+    monkeypatch.setattr(olv_runtime.State, "run", poisoned)
+    for kw in (dict(), dict(temperature=0.7, seed=1), dict(repetition_penalty=1.1)):
+        with pytest.raises(InvalidArgument, match=r"non-finite logits: 1 NaN \(first at index "
+                                                  r"42\)"):
+            olv_runtime.generate(sess, [5, 6, 7], 4, **kw)
