@@ -447,3 +447,12 @@ def test_a_raising_callback_keeps_the_tokens_so_far(sess, tokenizer):
         rest = olv_runtime.generate(sess, [], 9 - n, state=state)
         assert seen + rest.tolist() == full
         state.close()
+
+
+@pytest.mark.parametrize("batch", [-1, 0, 1.0, True, "2"])
+def test_empty_cache_batch_size_is_checked(sess, paged_sess, batch):
+    for s in (sess, paged_sess):
+        with pytest.raises(InvalidArgument, match=f"batch_size must be an integer >= 1, got "
+                                                  f"{batch!r}"):
+            olv_runtime.empty_cache(s, batch)
+    assert all(v.shape[0] == 2 for v in olv_runtime.empty_cache(sess, 2).values())

@@ -980,7 +980,13 @@ def empty_cache(model, batch_size: int = 1) -> dict[str, np.ndarray]:
     ------
     BindingError
         A bound input that is not a tensor with a declared shape.
+    InvalidArgument
+        ``batch_size`` not an integer >= 1.
     """
+    if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, (int, np.integer)) \
+            or batch_size < 1:
+        raise InvalidArgument(f"empty_cache: batch_size must be an integer >= 1, got "
+                              f"{batch_size!r}")
     session = model if isinstance(model, InferenceSession) else None
     m = session.model if session else as_model(model)
     bindings = resolve_bindings(m)
