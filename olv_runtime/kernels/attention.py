@@ -309,10 +309,11 @@ def _state_init(m, l, o, ng):
 
 @njit(**JIT)
 def _state_finish(l, o, ng, out):
-    """``out[hh] = o[hh] / l[hh]`` (zeros for a head that attended no key)."""
+    """``out[hh] = o[hh] / l[hh]`` (zeros for a head that attended no key, ``l == 0``; a NaN
+    ``l`` -- a NaN or infinite score -- gives NaN rows, as the IEEE softmax does)."""
     d = o.shape[1]
     for hh in range(ng):
-        inv = np.float32(1.0) / l[hh] if l[hh] > 0 else np.float32(0.0)
+        inv = np.float32(1.0) / l[hh] if l[hh] != 0 else np.float32(0.0)
         for i in range(d):
             out[hh, i] = o[hh, i] * inv
 
@@ -320,22 +321,25 @@ def _state_finish(l, o, ng, out):
 @njit(**JIT)
 def _merge_partials(pm, pl, po, n, h, out):
     """Combine ``n`` partial softmax states of head ``h`` (``pm/pl [n, H]``, ``po [n, H, D]``,
-    disjoint key ranges) into ``out[D] = sum_t exp(m_t - M) o_t / sum_t exp(m_t - M) l_t``."""
+    disjoint key ranges) into ``out[D] = sum_t exp(m_t - M) o_t / sum_t exp(m_t - M) l_t``.
+    A partial state that attended no key (``l == 0``) is skipped; one whose sum is NaN (a NaN or
+    infinite score in its range) makes the row NaN, as the one-pass softmax does (``!= 0``
+    rather than ``> 0`` lets NaN through: no extra work)."""
     d = out.shape[0]
     mx = np.float32(-np.inf)
     for t in range(n):
-        if pl[t, h] > 0 and pm[t, h] > mx:
+        if pl[t, h] != 0 and pm[t, h] > mx:
             mx = pm[t, h]
     for i in range(d):
         out[i] = 0.0
     tot = np.float32(0.0)
     for t in range(n):
-        if pl[t, h] > 0:
+        if pl[t, h] != 0:
             w = _exp_neg(pm[t, h] - mx)
             tot += w * pl[t, h]
             for i in range(d):
                 out[i] += w * po[t, h, i]
-    inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
+    inv = np.float32(1.0) / tot if tot != 0 else np.float32(0.0)
     for i in range(d):
         out[i] *= inv
 
