@@ -1358,13 +1358,15 @@ def _convert_block(sfmt, sf32, su16, scodes, sscale, stable, sslot, ntok,
     for g in range(kvh):
         if dfmt != 4 and not per_token:
             amax = np.float32(0.0)
+            bad = np.float32(0.0)  # NaN once a NaN/inf is seen (``a > amax`` skips NaN)
             for t in range(ntok):
                 _load_row(sfmt, sf32, su16, scodes, sscale, stable, sslot, g, t, row)
                 for i in range(d):
                     a = abs(row[i])
+                    bad += a - a
                     if a > amax:
                         amax = a
-            bscale = amax / qmax
+            bscale = (amax + bad) / qmax
             dscale[dslot, g, 0, 0] = bscale
         for t in range(bs):
             if t >= ntok:
@@ -1379,10 +1381,13 @@ def _convert_block(sfmt, sf32, su16, scodes, sscale, stable, sslot, ntok,
             if dfmt == 4:
                 for grp in range(d >> 5):
                     amax = np.float32(0.0)
+                    bad = np.float32(0.0)
                     for j in range(32):
                         a = abs(row[grp * 32 + j])
+                        bad += a - a
                         if a > amax:
                             amax = a
+                    amax += bad
                     dscale[dslot, g, t, grp] = amax
                     inv = np.float32(1.0) / amax if amax > 0 else np.float32(0.0)
                     for jb in range(8):
@@ -1401,11 +1406,13 @@ def _convert_block(sfmt, sf32, su16, scodes, sscale, stable, sslot, ntok,
                 continue
             if per_token:
                 amax = np.float32(0.0)
+                bad = np.float32(0.0)
                 for i in range(d):
                     a = abs(row[i])
+                    bad += a - a
                     if a > amax:
                         amax = a
-                s = amax / qmax
+                s = (amax + bad) / qmax
                 dscale[dslot, g, t, 0] = s
             else:
                 s = dscale[dslot, g, 0, 0]
