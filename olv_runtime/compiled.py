@@ -363,11 +363,25 @@ def _cache_dir() -> pathlib.Path | None:
 
 
 def _find_cache_dir() -> pathlib.Path | None:
-    if os.environ.get("OLV_VERIFY_DIGESTS", "").strip().lower() == "full":
+    from olv_runtime.errors import env_error
+
+    mode = os.environ.get("OLV_VERIFY_DIGESTS", "").strip().lower()
+    if mode == "full":
         return None
+    if mode != "":
+        raise env_error("OLV_VERIFY_DIGESTS", os.environ["OLV_VERIFY_DIGESTS"],
+                        "'full' (hash every payload at every load), unset or empty (the "
+                        "default: remember verified files by identity)")
     base = os.environ.get("OLV_CACHE_DIR")
     if base:
         root = pathlib.Path(base)
+        # the nearest existing ancestor must be a directory (``/dev/null/x`` can never be made)
+        p = root.absolute()
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        if not p.is_dir():
+            raise env_error("OLV_CACHE_DIR", base, f"a directory or a path creatable as one "
+                            f"({str(p)!r} exists and is not a directory)")
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")
         root = pathlib.Path(xdg) / "olv_runtime" if xdg else pathlib.Path.home() / ".cache" / "olv_runtime"

@@ -135,3 +135,15 @@ class SidecarError(ModelFormatError):
 class OutputError(OlvError, OSError):
     """An output path cannot be written: an existing directory, an input file of the same
     call, a read-only or impossible location. The message names the path."""
+
+
+class EnvironmentVariableError(OlvError, ValueError):
+    """An ``OLV_*`` environment variable holds a value outside its accepted set (raised where
+    the variable is first used; the message names the variable, the value and what is
+    accepted)."""
+
+
+def env_error(name: str, value: str, accepted: str) -> EnvironmentVariableError:
+    """The error of environment variable ``name`` set to ``value`` (``accepted``: a phrase)."""
+    return EnvironmentVariableError(f"environment variable {name}={value!r} is not valid; "
+                                    f"accepted: {accepted}")

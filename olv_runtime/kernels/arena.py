@@ -40,7 +40,14 @@ _state = {"chunk": None, "used": 0, "madvise": None}
 
 
 def _enabled() -> bool:
-    return os.environ.get("OLV_WEIGHT_ARENA", "1").strip() != "0"
+    v = os.environ.get("OLV_WEIGHT_ARENA", "1").strip()
+    if v == "1" or v == "":
+        return True
+    if v == "0":
+        return False
+    from olv_runtime.errors import env_error
+
+    raise env_error("OLV_WEIGHT_ARENA", v, "'1' (the default: on), '0' (off)")
 
 
 def _madvise_hugepage(addr: int, nbytes: int) -> bool:
@@ -101,7 +108,7 @@ def weight_empty(shape, dtype) -> np.ndarray:
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < MIN_BYTES or not _enabled():
+    if not _enabled() or nbytes < MIN_BYTES:
         raw = np.empty(nbytes + _ALIGN, np.uint8)
         off = (-raw.ctypes.data) % _ALIGN
         return raw[off:off + nbytes].view(dtype).reshape(shape)

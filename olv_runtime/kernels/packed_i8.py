@@ -136,9 +136,25 @@ def isa() -> str:
     forced = _ISA["forced"]
     if forced is None:
         forced = _ISA["env"]
+        if forced is not None and forced != "avx2":
+            _check_env_isa(forced)
     if forced == "avx2" or not HOST_VNNI:
         return "avx2"
     return "avx512vnni"
+
+
+def _check_env_isa(value: str) -> None:
+    """``OLV_ISA`` (read at import) checked at first use, as :func:`set_isa` checks its
+    argument: unset/empty, ``avx2`` or (where the CPU has it) ``avx512vnni``."""
+    if value == "avx512vnni" and HOST_VNNI:
+        return
+    from olv_runtime.errors import env_error
+
+    if value == "avx512vnni":
+        raise env_error("OLV_ISA", value, "unset or empty (choose from the CPU), 'avx2'; "
+                        "'avx512vnni' only where the CPU has AVX-512 VNNI (+VL), this one has not")
+    raise env_error("OLV_ISA", value, "unset or empty (choose from the CPU), 'avx2', "
+                    "'avx512vnni'")
 
 
 def set_isa(name: str | None) -> None:

@@ -161,11 +161,17 @@ def kernel_seconds() -> float:
 
 
 def enabled() -> bool:
-    """Whether workers are used: ``OLV_COMPILE_WORKERS=0`` never, ``=1`` always, otherwise when
-    the process may use at least two CPUs."""
+    """Whether workers are used: ``OLV_COMPILE_WORKERS=0`` never, ``=1`` always, unset, empty or
+    ``auto`` when the process may use at least two CPUs; any other value raises
+    :class:`~olv_runtime.errors.EnvironmentVariableError`."""
     env = os.environ.get("OLV_COMPILE_WORKERS", "").strip()
     if env in ("0", "1"):
         return env == "1"
+    if env not in ("", "auto"):
+        from olv_runtime.errors import env_error
+
+        raise env_error("OLV_COMPILE_WORKERS", env,
+                        "'0' (never), '1' (always), unset, empty or 'auto' (when >= 2 CPUs)")
     try:
         ncpu = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
