@@ -97,7 +97,7 @@ class SessionOptions:
         Tokens of a newly allocated contiguous KV capacity buffer (at least what the call needs).
     kv_growth : float
         Capacity multiplier when a KV buffer is outgrown (the prefix is copied once then);
-        finite and > 1.
+        finite, > 1 and <= 16.
     use_compiled : bool
         Use the model's seed 004 compiled entries (persisted prepacked weights) where every
         loading rule holds (default True); False repacks every weight from its source.
@@ -105,7 +105,9 @@ class SessionOptions:
     Raises
     ------
     InvalidArgument
-        num_threads outside numba's pool, kv_initial_capacity < 0, kv_growth not finite or <= 1.
+        A flag that is not a bool; num_threads not an int in numba's pool; kv_initial_capacity
+        not an int in [0, :data:`MAX_KV_CAPACITY`]; kv_growth not a number in
+        (1, :data:`MAX_KV_GROWTH`].
     """
 
     num_threads: int | None = None
@@ -118,30 +120,48 @@ class SessionOptions:
     use_compiled: bool = True
 
     def __post_init__(self):
+        for name in ("enable_fusion", "prepack", "quantize_activations", "compiled_decode",
+                     "use_compiled"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise InvalidArgument(
+                    f"SessionOptions.{name} must be a bool (True or False), got "
+                    f"{type(v).__name__} {v!r}")
         if self.num_threads is not None:
             import numba
 
             most = int(numba.config.NUMBA_NUM_THREADS)
-            if not 1 <= int(self.num_threads) <= most:
-                raise InvalidArgument(
-                    f"num_threads must be in [1, {most}] (numba's thread pool on this machine), "
-                    f"got {self.num_threads}"
-                )
-        if int(self.kv_initial_capacity) < 0:
+            _check_int("num_threads", self.num_threads, 1, most,
+                       "numba's thread pool on this machine")
+        _check_int("kv_initial_capacity", self.kv_initial_capacity, 0, MAX_KV_CAPACITY,
+                   "tokens of a new contiguous KV buffer")
+        v = self.kv_growth
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer,
+                                                                 np.floating)):
             raise InvalidArgument(
-                f"kv_initial_capacity must be >= 0 tokens, got {self.kv_initial_capacity}"
-            )
-        try:
-            growth = float(self.kv_growth)
-        except (TypeError, ValueError):
+                f"SessionOptions.kv_growth must be a finite number in (1, {MAX_KV_GROWTH:g}], "
+                f"got {type(v).__name__} {v!r}")
+        growth = float(v)
+        if not (math.isfinite(growth) and 1.0 < growth <= MAX_KV_GROWTH):
             raise InvalidArgument(
-                f"kv_growth must be a finite number > 1, got {self.kv_growth!r}"
-            ) from None
-        if not (math.isfinite(growth) and growth > 1.0):
-            raise InvalidArgument(
-                f"kv_growth must be a finite number > 1 (the capacity multiplier when a KV "
-                f"buffer is outgrown), got {self.kv_growth!r}"
-            )
+                f"SessionOptions.kv_growth must be a finite number in (1, {MAX_KV_GROWTH:g}] "
+                f"(the capacity multiplier when a KV buffer is outgrown), got {v!r}")
+
+
+#: Upper bounds of :class:`SessionOptions` fields: a KV buffer of more tokens, or a growth
+#: factor beyond this, only fails later (allocation, "maximum allowed dimension exceeded").
+MAX_KV_CAPACITY = 1 << 24
+MAX_KV_GROWTH = 16.0
+
+
+def _check_int(name: str, v, lo: int, hi: int, what: str) -> None:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise InvalidArgument(
+            f"SessionOptions.{name} must be an int in [{lo}, {hi}] ({what}), got "
+            f"{type(v).__name__} {v!r}")
+    if not lo <= int(v) <= hi:
+        raise InvalidArgument(
+            f"SessionOptions.{name} must be in [{lo}, {hi}] ({what}), got {v}")
 
 
 @dataclasses.dataclass(frozen=True)
