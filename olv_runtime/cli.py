@@ -510,6 +510,13 @@ def _non_negative(text: str) -> int:
     return v
 
 
+#: Why an option of one command is not one of the others (appended to the error).
+_OPTION_NOTES = {
+    "--kv": " (the KV cache layout is fixed when the model is converted: "
+            "'olv convert CHECKPOINT OUT.onnx --kv paged'; the other commands use the model's)",
+}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a "did you mean" hint for a mistyped command, choice or option."""
 
@@ -525,21 +532,32 @@ class _Parser(argparse.ArgumentParser):
                 message += f"; did you mean {close[0]!r}?"
         m = re.match(r"unrecognized arguments: (.*)", message)
         if m:
-            known, todo = [], [self]
+            known, owners, todo = [], {}, [(self, None)]
             while todo:  # this parser's options and its commands' (parse_args reports here)
-                q = todo.pop()
+                q, cmd = todo.pop()
                 for a in q._actions:
                     known += a.option_strings
+                    for o in a.option_strings:
+                        owners.setdefault(o, []).append(cmd)
                     if isinstance(a, argparse._SubParsersAction):
-                        todo += list(a.choices.values())
-            hints = []
+                        todo += [(sp, name) for name, sp in a.choices.items()]
+            hints, notes = [], []
             for arg in m.group(1).split():
                 if arg.startswith("-"):
-                    close = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.6)
+                    opt = arg.split("=")[0]
+                    if opt in owners:
+                        # an option of another command: a "did you mean" of itself helps nobody
+                        cmds = sorted({c for c in owners[opt] if c})
+                        notes.append(f"{opt} is an option of 'olv {' / olv '.join(cmds)}', not "
+                                     f"of this command" + _OPTION_NOTES.get(opt, ""))
+                        continue
+                    close = difflib.get_close_matches(opt, known, n=1, cutoff=0.6)
                     if close:
                         hints.append(f"{arg} -> {close[0]}")
             if hints:
                 message += f" (did you mean: {', '.join(hints)}?)"
+            if notes:
+                message += "; " + "; ".join(notes)
         super().error(message)
 
 

@@ -312,6 +312,18 @@ def as_model(model) -> Model:
     )
 
 
+
+def _file_kind(p) -> str:
+    """What a non-regular existing path is (for error messages)."""
+    import stat
+
+    mode = os.stat(p).st_mode
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
 def load(path: PathLike) -> Model:
     """Load a model file written by olv_runtime or by any ONNX tool.
 
@@ -340,6 +352,9 @@ def load(path: PathLike) -> Model:
             f"{str(p)!r} is a directory, not a model file (pass the .onnx file inside it)"
         )
     if not p.is_file():
+        if p.exists():  # a device, FIFO or socket: reading it could block or never end
+            raise ModelFormatError(
+                f"{str(p)!r} is not a regular file ({_file_kind(p)}); pass the .onnx model file")
         raise ModelFormatError(f"model file not found: {str(p)!r}")
     try:
         with open(p, "rb") as fh:

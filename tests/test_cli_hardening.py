@@ -301,3 +301,22 @@ def test_typos_get_a_hint():
     line = _one_error(olv("generate", "m.onnx", "--prompt-ids", "1", "--zzzzzz"),
                       "unrecognized arguments: --zzzzzz")
     assert "did you mean" not in line
+
+
+def test_option_of_another_command_is_named_not_suggested_as_itself():
+    line = _one_error(olv("generate", "m.onnx", "--kv", "paged", "--prompt-ids", "1"),
+                      "unrecognized arguments: --kv paged",
+                      "--kv is an option of 'olv convert', not of this command",
+                      "fixed when the model is converted")
+    assert "--kv -> --kv" not in line
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_model_path_that_is_not_a_regular_file(tmp_path):
+    from olv_runtime.errors import ModelFormatError
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((os.devnull, "a character device"), (fifo, "a FIFO")):
+        with pytest.raises(ModelFormatError, match=f"is not a regular file \\({kind}\\)"):
+            olv_runtime.load(path)
+        _one_error(olv("generate", path, "--prompt-ids", "1"), "is not a regular file", kind)
