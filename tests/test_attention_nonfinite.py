@@ -119,3 +119,36 @@ def test_state_with_nonfinite_initial_kv(model, val):
     state = olv_runtime.make_state(sess, cache)
     out = state.run({"input_ids": np.array([[5]], np.int64)})["logits"]
     assert np.isnan(out).all()
+
+
+@pytest.fixture(scope="module")
+def paged_models(tmp_path_factory, tiny_qwen2_dir):
+    from olv_runtime.cli import main as cli_main
+    d = tmp_path_factory.mktemp("nonfinite_paged")
+    out = {}
+    for kv in ("paged", "paged-int8"):
+        out[kv] = d / f"{kv}.onnx"
+        assert cli_main(["convert", str(tiny_qwen2_dir), str(out[kv]), "--kv", kv]) == 0
+    return out
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("kv, policy", [("paged", "float32"), ("paged-int8", "int8")])
+@pytest.mark.parametrize("pos", [5, 35])  # a sealed block, the open (float32) block
+def test_paged_session_one_token_like_two_tokens(paged_models, compiled, kv, policy, pos):
+    sess = olv_runtime.InferenceSession(paged_models[kv],
+                                        olv_runtime.SessionOptions(compiled_decode=compiled))
+    rng = np.random.default_rng(0)
+    caches = {}
+    for li in range(2):  # tiny Qwen2: 2 kv heads of 16, blocks of 16 tokens
+        mgr = PagedKV(Geometry(2, 16, 16), SealPolicy(policy), chunk_blocks=4)
+        k = rng.standard_normal((40, 2, 16)).astype(np.float32)
+        v = rng.standard_normal((40, 2, 16)).astype(np.float32)
+        if li == 0:
+            k[pos, 1, 0] = np.nan
+        q = rng.standard_normal((40, 4, 16)).astype(np.float32)
+        _, caches[f"cache.{li}"] = mgr.run(empty_paged_cache(), q, k, v, 0.25, True)
+    one = sess.run(["logits"], {"input_ids": np.array([[5]]), **caches})[0]
+    two = sess.run(["logits"], {"input_ids": np.array([[5, 6]]), **caches})[0]
+    assert np.isnan(two).all()
+    assert np.isnan(one).all()
