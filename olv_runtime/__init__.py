@@ -17,9 +17,9 @@ import time as _time
 IMPORT_TIME = _time.perf_counter()
 
 from olv_runtime.errors import (  # noqa: F401,E402  (the exceptions the README names)
-    BindingError, CompiledTensorError, ConversionError, EncodingError, GGUFFormatError,
-    InvalidArgument, ModelFormatError, OlvError, OutputError, PayloadError, SidecarError,
-    StateError, StateFileError, UnsupportedOperatorError, ValidationError)
+    BindingError, CompiledTensorError, ConversionError, EncodingError, EnvironmentVariableError,
+    GGUFFormatError, InvalidArgument, ModelFormatError, OlvError, OutputError, PayloadError,
+    SidecarError, StateError, StateFileError, UnsupportedOperatorError, ValidationError)
 from olv_runtime.generate import (  # noqa: F401
     GenerationResult, GenerationStats, TextStream, eos_token_ids, generate, sample_token)
 from olv_runtime.sampling import SamplingParams, TokenLogprob  # noqa: F401
