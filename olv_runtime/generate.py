@@ -104,7 +104,9 @@ class GenerationResult:
         int64 ``[n_new]`` generated ids (with the eos id or the token completing a stop string,
         when generation stopped on one).
     text : str or None
-        The decoded continuation (needs ``tokenizer``), cut before a matched stop string.
+        The decoded continuation (needs ``tokenizer``), cut before a matched stop string. Special
+        tokens -- an eos such as ``<|endoftext|>`` included -- are kept unless
+        ``skip_special_tokens=True`` (``olv generate`` passes True unless ``--special``).
     finish_reason : {"length", "eos", "stop", "interrupted"}
         ``"interrupted"``: a KeyboardInterrupt stopped the loop (the state stays consistent).
     stop_string : str or None
