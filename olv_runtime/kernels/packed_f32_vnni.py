@@ -92,7 +92,6 @@ _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
 _LV32I8 = ir.VectorType(_I8, 32)
 _LV16I16 = ir.VectorType(_I16, 16)
-_LV8I32 = ir.VectorType(_I32, 8)
 _LV8F32 = ir.VectorType(_F32, 8)
 _LV32I32 = ir.VectorType(_I32, 32)
 _LV32F32 = ir.VectorType(_F32, 32)
@@ -198,6 +197,58 @@ def _xdigits(typingctx, x, xoff, ln, dg, bz, xsc, rb):
     return types.boolean(x, types.intp, types.intp, dg, bz, xsc, types.intp), codegen
 
 
+def _vnni_fns(builder, lanes):
+    """``(fma, vpdpbusd)`` LLVM functions on ``lanes`` int32 / float32 lanes (8: 256-bit,
+    16: 512-bit)."""
+    vf = ir.VectorType(_F32, lanes)
+    vi = ir.VectorType(_I32, lanes)
+    vb = ir.VectorType(_I8, 4 * lanes)
+    fma = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+    dp = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vi, [vi, vb, vb]),
+        f"llvm.x86.avx512.vpdpbusd.{32 * lanes}")
+    return fma, dp
+
+
+def _emit_block_sums(context, builder, aty_dg, dg, aty_bz, bz, rb, code_vec, nslots, lanes):
+    """``T = sum_j q_j X_j`` (float32, one rounding; module docstring) of digit row-block ``rb``
+    for each of ``nslots`` code vector sets ``code_vec(slot, c, h)`` (``4 * lanes`` unsigned
+    nibbles): the 4 digit chains per slot side by side in program order (``4 * nslots``
+    independent chains), each broadcast activation digit word feeding every slot."""
+    fma, dp = _vnni_fns(builder, lanes)
+    vi = ir.VectorType(_I32, lanes)
+    vb = ir.VectorType(_I8, 4 * lanes)
+    vf = ir.VectorType(_F32, lanes)
+    it = rb.type
+
+    def ci(v):
+        return ir.Constant(it, v)
+    e = [[None] * PIECES for _ in range(nslots)]
+    for pc in range(PIECES):
+        init = _splat(builder, builder.load(_elem_ptr(
+            context, builder, aty_bz, bz, builder.add(builder.mul(rb, ci(PIECES)), ci(pc)),
+            _I32)), vi)
+        for sl in range(nslots):
+            e[sl][pc] = init
+    for c in range(4):
+        for h in range(2):
+            for pc in range(PIECES):
+                doff = builder.add(builder.mul(rb, ci(DG_BYTES)), ci(BLOCK * pc + 16 * h + 4 * c))
+                xv = builder.load(_elem_ptr(context, builder, aty_dg, dg, doff, _I32), align=1)
+                xv = builder.bitcast(_splat(builder, xv, vi), vb)
+                for sl in range(nslots):
+                    e[sl][pc] = builder.call(dp, [e[sl][pc], code_vec(sl, c, h), xv])
+    sh8 = ir.Constant(vi, [8] * lanes)
+    k16 = ir.Constant(vf, [65536.0] * lanes)
+    out = []
+    for sl in range(nslots):
+        a = builder.add(builder.shl(e[sl][3], sh8), e[sl][2])
+        b = builder.add(builder.shl(e[sl][1], sh8), e[sl][0])
+        out.append(builder.call(fma, [builder.sitofp(a, vf), k16, builder.sitofp(b, vf)]))
+    return out
+
+
 def _emit_xblocks(context, builder, sig, args, ngrp, nrows, regs=False):
     """IR of one block of ``ngrp`` consecutive groups for ``nrows`` activation rows:
     ``acc = fma(T, scale * xsc, acc)`` (see the module docstring) for the accumulator of each
@@ -216,11 +267,7 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows, regs=False):
 
     def ci(v):
         return ir.Constant(it, v)
-    fma = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_LV8F32, [_LV8F32] * 3), "llvm.fma.v8f32")
-    dp = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_LV8I32, [_LV8I32, _LV32I8, _LV32I8]),
-        "llvm.x86.avx512.vpdpbusd.256")
+    fma, _ = _vnni_fns(builder, 8)
     m0f = ir.Constant(_LV32I8, [0x0F] * 32)
     rbs = [builder.add(rb0, builder.mul(kbw, ci(r))) for r in range(nrows)]
     gcb = [builder.add(cb, builder.mul(gsc, ci(gi))) for gi in range(ngrp)]
@@ -247,34 +294,11 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows, regs=False):
             raw[gi, c, h] = builder.and_(v, m0f)
         return raw[gi, c, h]
 
-    sh8 = ir.Constant(_LV8I32, [8] * 8)
-    k16 = ir.Constant(_LV8F32, [65536.0] * 8)
     tv = {}
     for r in range(nrows):
-        rb = rbs[r]
-        # the (group, piece) chains side by side in program order: 4 * ngrp independent chains
-        e = [[None] * PIECES for _ in range(ngrp)]
-        for pc in range(PIECES):
-            init = _splat(builder, builder.load(_elem_ptr(
-                context, builder, aty[7], bz, builder.add(builder.mul(rb, ci(PIECES)), ci(pc)),
-                _I32)), _LV8I32)
-            for gi in range(ngrp):
-                e[gi][pc] = init
-        for c in range(4):
-            for h in range(2):
-                for pc in range(PIECES):
-                    doff = builder.add(builder.mul(rb, ci(DG_BYTES)),
-                                       ci(BLOCK * pc + 16 * h + 4 * c))
-                    xv = builder.load(_elem_ptr(context, builder, aty[6], dg, doff, _I32),
-                                      align=1)
-                    xv = builder.bitcast(_splat(builder, xv, _LV8I32), _LV32I8)
-                    for gi in range(ngrp):
-                        e[gi][pc] = builder.call(dp, [e[gi][pc], code_vec(gi, c, h), xv])
-        for gi in range(ngrp):
-            a = builder.add(builder.shl(e[gi][3], sh8), e[gi][2])
-            b = builder.add(builder.shl(e[gi][1], sh8), e[gi][0])
-            tv[gi, r] = builder.call(fma, [builder.sitofp(a, _LV8F32), k16,
-                                           builder.sitofp(b, _LV8F32)])
+        for gi, t in enumerate(_emit_block_sums(context, builder, aty[6], dg, aty[7], bz,
+                                                rbs[r], code_vec, ngrp, 8)):
+            tv[gi, r] = t
     xss = [_splat(builder, builder.load(_elem_ptr(context, builder, aty[8], xsc, rbs[r], _F32)),
                   _LV8F32) for r in range(nrows)]
     if regs:
@@ -358,7 +382,6 @@ def _make_zeros(ngrp):
     return _zeros
 
 
-_LV16I32 = ir.VectorType(_I32, 16)
 _LV64I8 = ir.VectorType(_I8, 64)
 _LV32I16 = ir.VectorType(_I16, 32)
 _LV16F32 = ir.VectorType(_F32, 16)
@@ -377,11 +400,7 @@ def _emit_xblocks_pair(context, builder, sig, args, nrows):
 
     def ci(v):
         return ir.Constant(it, v)
-    fma = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_LV16F32, [_LV16F32] * 3), "llvm.fma.v16f32")
-    dp = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_LV16I32, [_LV16I32, _LV64I8, _LV64I8]),
-        "llvm.x86.avx512.vpdpbusd.512")
+    fma, _ = _vnni_fns(builder, 16)
     m0f = ir.Constant(_LV64I8, [0x0F] * 64)
     cat64 = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
     cat16 = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
@@ -399,30 +418,13 @@ def _emit_xblocks_pair(context, builder, sig, args, nrows):
         vec[c, 1] = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(v, _LV32I16),
                                                               ir.Constant(_LV32I16, [4] * 32)),
                                                  _LV64I8), m0f)
-    sh8 = ir.Constant(_LV16I32, [8] * 16)
-    k16 = ir.Constant(_LV16F32, [65536.0] * 16)
     s0 = _load_scales8(context, builder, aty[3], scale, gso[0])
     s1 = _load_scales8(context, builder, aty[3], scale, gso[1])
     sc = builder.shuffle_vector(s0, s1, cat16)
     for r in range(nrows):
         rb = rbs[r]
-        e = []
-        for pc in range(PIECES):
-            e.append(_splat(builder, builder.load(_elem_ptr(
-                context, builder, aty[7], bz, builder.add(builder.mul(rb, ci(PIECES)), ci(pc)),
-                _I32)), _LV16I32))
-        for c in range(4):
-            for h in range(2):
-                for pc in range(PIECES):
-                    doff = builder.add(builder.mul(rb, ci(DG_BYTES)),
-                                       ci(BLOCK * pc + 16 * h + 4 * c))
-                    xv = builder.load(_elem_ptr(context, builder, aty[6], dg, doff, _I32),
-                                      align=1)
-                    xv = builder.bitcast(_splat(builder, xv, _LV16I32), _LV64I8)
-                    e[pc] = builder.call(dp, [e[pc], vec[c, h], xv])
-        a = builder.add(builder.shl(e[3], sh8), e[2])
-        b = builder.add(builder.shl(e[1], sh8), e[0])
-        tv = builder.call(fma, [builder.sitofp(a, _LV16F32), k16, builder.sitofp(b, _LV16F32)])
+        (tv,) = _emit_block_sums(context, builder, aty[6], dg, aty[7], bz, rb,
+                                 lambda sl, c, h: vec[c, h], 1, 16)
         xs = _splat(builder, builder.load(_elem_ptr(context, builder, aty[8], xsc, rb, _F32)),
                     _LV16F32)
         p = _elem_ptr(context, builder, aty[11], facc, ci(16 * r), _LV16F32)
