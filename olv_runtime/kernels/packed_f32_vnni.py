@@ -83,7 +83,7 @@ from numba.core.extending import intrinsic
 from .config import JIT, PJIT
 from .packed_i8 import (
     BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, V8F32, _check_array_arg, _elem_ptr, _fstore,
-    _is_scale_array, _load_scales8, _prefetch, _splat, prefetch_task_head,
+    _is_scale_array, _load_scales8, _prefetch, _splat, emit_prefetch, prefetch_task_head,
 )
 
 __all__ = ["PIECES", "DG_BYTES", "digit_buffers"]
@@ -275,9 +275,9 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows, regs=False):
     if regs and PF_BYTES > 0:
         for gi in range(ngrp):
             pa = builder.add(gcb[gi], pfc)
-            _emit_prefetch(context, builder, aty[0], codes, pa)
-            _emit_prefetch(context, builder, aty[0], codes, builder.add(pa, ci(64)))
-            _emit_prefetch(context, builder, aty[3], scale, builder.add(gso[gi], pfs))
+            emit_prefetch(context, builder, aty[0], codes, pa)
+            emit_prefetch(context, builder, aty[0], codes, builder.add(pa, ci(64)))
+            emit_prefetch(context, builder, aty[3], scale, builder.add(gso[gi], pfs))
     raw = {}
 
     def code_vec(gi, c, h):
@@ -316,18 +316,6 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows, regs=False):
             builder.store(builder.call(fma, [tv[gi, r], builder.fmul(sc, xss[r]), acc]), p,
                           align=4)
     return context.get_dummy_value()
-
-
-def _emit_prefetch(context, builder, aty, arr, off):
-    """``prefetcht0`` of element ``off`` of array ``arr`` (may lie past the end: never faults)."""
-    ary = context.make_array(aty)(context, builder, arr)
-    esz = context.get_abi_sizeof(context.get_data_type(aty.dtype))
-    p = builder.bitcast(ary.data, _I8.as_pointer())
-    p = builder.gep(p, [builder.mul(off, ir.Constant(off.type, esz))])
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
-        "llvm.prefetch.p0i8")
-    builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
 def _make_xblock(ngrp, nrows):

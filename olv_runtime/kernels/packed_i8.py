@@ -358,46 +358,39 @@ def _add16(typingctx, a, b):
     return V16I16(V16I16, V16I16), codegen
 
 
-@intrinsic
-def _prefetch(typingctx, arr, off):
-    """Software prefetch (prefetcht0) of the byte at linear element ``off`` of ``arr`` (may point
-    past the end: prefetches never fault)."""
-    if not isinstance(arr, types.Array):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        p = builder.bitcast(ary.data, _I8.as_pointer())
-        p = builder.gep(p, [builder.mul(args[1], ir.Constant(args[1].type,
-                                                             context.get_abi_sizeof(
-                                                                 context.get_data_type(
-                                                                     sig.args[0].dtype))))])
-        fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-    return types.none(arr, types.intp), codegen
+def emit_prefetch(context, builder, aty, arr, off, locality=3):
+    """IR: ``llvm.prefetch`` (read) of the byte at linear element ``off`` of array ``arr``
+    (type ``aty``; may lie past the end: prefetches never fault). ``locality`` 3 is
+    ``prefetcht0``, 2 ``prefetcht1`` (into L2)."""
+    ary = context.make_array(aty)(context, builder, arr)
+    esz = context.get_abi_sizeof(context.get_data_type(aty.dtype))
+    p = builder.bitcast(ary.data, _I8.as_pointer())
+    p = builder.gep(p, [builder.mul(off, ir.Constant(off.type, esz))])
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
+        "llvm.prefetch.p0i8")
+    builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, locality),
+                      ir.Constant(_I32, 1)])
 
 
-@intrinsic
-def _prefetch_l2(typingctx, arr, off):
-    """Software prefetch into L2 (``prefetcht1``) of the byte at linear element ``off`` of
-    ``arr`` (may point past the end)."""
-    if not isinstance(arr, types.Array):
-        return None
+def _make_prefetch(locality, doc):
+    @intrinsic
+    def prefetch(typingctx, arr, off):
+        if not isinstance(arr, types.Array):
+            return None
 
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        p = builder.bitcast(ary.data, _I8.as_pointer())
-        p = builder.gep(p, [builder.mul(args[1], ir.Constant(args[1].type,
-                                                             context.get_abi_sizeof(
-                                                                 context.get_data_type(
-                                                                     sig.args[0].dtype))))])
-        fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-    return types.none(arr, types.intp), codegen
+        def codegen(context, builder, sig, args):
+            emit_prefetch(context, builder, sig.args[0], args[0], args[1], locality)
+            return context.get_dummy_value()
+        return types.none(arr, types.intp), codegen
+    prefetch.__doc__ = doc
+    return prefetch
+
+
+_prefetch = _make_prefetch(3, "Software prefetch (prefetcht0) of the byte at linear element "
+                              "``off`` of ``arr`` (may point past the end: never faults).")
+_prefetch_l2 = _make_prefetch(2, "Software prefetch into L2 (prefetcht1) of the byte at linear "
+                                 "element ``off`` of ``arr`` (may point past the end).")
 
 
 @intrinsic
