@@ -38,7 +38,7 @@ import threading
 import numba
 import numpy as np
 
-from olv_runtime.errors import InvalidArgument, ValidationError
+from olv_runtime.errors import InvalidArgument, ValidationError, node_failed
 from olv_runtime.fusion import (LAST_ONLY, KVAppended, KVResults, LinearStep, RopeAttention,
                                 SiluMul, Step, last_position_args)
 from olv_runtime.kernels import config, packed_i8
@@ -845,8 +845,7 @@ class DecoderStack:
             except (InvalidArgument, ValidationError):
                 raise
             except Exception as exc:
-                raise InvalidArgument(
-                    f"node {st.name!r} ({st.kind}) failed: {type(exc).__name__}: {exc}") from exc
+                raise node_failed(st, exc) from exc
             for n, v in zip(st.outputs, res):
                 if n:
                     env[n] = v

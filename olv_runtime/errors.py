@@ -147,3 +147,10 @@ def env_error(name: str, value: str, accepted: str) -> EnvironmentVariableError:
     """The error of environment variable ``name`` set to ``value`` (``accepted``: a phrase)."""
     return EnvironmentVariableError(f"environment variable {name}={value!r} is not valid; "
                                     f"accepted: {accepted}")
+
+
+def node_failed(step, exc: BaseException) -> InvalidArgument:
+    """The InvalidArgument an executor raises (``from exc``) when a plan step's kernel fails
+    with an exception that is not already an InvalidArgument / ValidationError: it names the
+    node (``step.name``), its kind and the original error."""
+    return InvalidArgument(f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}")

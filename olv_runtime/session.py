@@ -47,6 +47,7 @@ from olv_runtime.errors import (
     MissingDecoderError,
     UnsupportedOperatorError,
     ValidationError,
+    node_failed,
 )
 from olv_runtime import pool as pool_mod
 from olv_runtime.io import Model, as_model
@@ -856,9 +857,7 @@ class InferenceSession:
                 except (InvalidArgument, ValidationError):
                     raise
                 except Exception as exc:
-                    raise InvalidArgument(
-                        f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}"
-                    ) from exc
+                    raise node_failed(step, exc) from exc
                 tr = type(results)
                 if tr is KVResults or tr is KVAppended:
                     k = results.pooled
@@ -1044,9 +1043,7 @@ class DecodeProgram:
         except (InvalidArgument, ValidationError):
             raise
         except Exception as exc:
-            raise InvalidArgument(
-                f"node {step.name!r} ({step.kind}) failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise node_failed(step, exc) from exc
         finally:
             if token is not None:
                 LAST_ONLY.reset(token)
