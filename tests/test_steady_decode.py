@@ -53,6 +53,15 @@ def _ids(*t):
     return np.array([list(t)], np.int64)
 
 
+def _steady(sess):
+    """A state of ``sess`` after the prompt and 3 one-token calls (steady from the 2nd)."""
+    st = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
+    st.run({"input_ids": _ids(*PROMPT)}, outputs=LOGITS)
+    for tok in TOKENS[:3]:
+        st.run({"input_ids": _ids(tok)}, outputs=LOGITS)
+    return st
+
+
 def _program_calls(monkeypatch):
     """Counts the decode program's calls that ran a token (returned a result)."""
     calls = []
@@ -231,10 +240,7 @@ def test_failing_program_call_publishes_nothing(model, fault):
 def test_steady_calls_refuse_what_the_generic_path_refuses(model, monkeypatch):
     calls = _program_calls(monkeypatch)
     sess = _session(model)
-    st = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
-    st.run({"input_ids": _ids(*PROMPT)}, outputs=LOGITS)
-    for tok in TOKENS[:3]:
-        st.run({"input_ids": _ids(tok)}, outputs=LOGITS)
+    st = _steady(sess)
     assert calls[-1]
     vals = st.values
     with pytest.raises(InvalidArgument, match=r"ids: expected indices in \[-128, 128\), got 128"):
@@ -263,10 +269,7 @@ def test_steady_calls_refuse_what_the_generic_path_refuses(model, monkeypatch):
 
 def test_concurrent_call_is_refused_during_a_program_call(model):
     sess = _session(model)
-    st = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
-    st.run({"input_ids": _ids(*PROMPT)}, outputs=LOGITS)
-    for tok in TOKENS[:3]:
-        st.run({"input_ids": _ids(tok)}, outputs=LOGITS)
+    st = _steady(sess)
     stack = next(s.impl for s in sess.all_steps() if s.kind == "DecoderStack")
     real = stack.run_kernel
     seen = []
@@ -349,10 +352,7 @@ def test_replaced_step_functions_send_calls_to_the_executor(model, monkeypatch):
     executor (which calls the replacement), and takes them again once it is restored."""
     calls = _program_calls(monkeypatch)
     sess = _session(model)
-    st = olv_runtime.make_state(sess, olv_runtime.empty_cache(sess))
-    st.run({"input_ids": _ids(*PROMPT)}, outputs=LOGITS)
-    for tok in TOKENS[:3]:
-        st.run({"input_ids": _ids(tok)}, outputs=LOGITS)
+    st = _steady(sess)
     assert calls[-1]
     gather = sess._steps[0]
     seen = []
