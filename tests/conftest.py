@@ -152,3 +152,14 @@ def tiny_chat_models(tiny_chat_dir, tmp_path_factory) -> dict:
         convert(tiny_chat_dir, d / "model.onnx", weights=w)
         out["int4" if w.startswith("int4") else "float32"] = d / "model.onnx"
     return out
+
+
+@pytest.fixture(scope="module")
+def module_digest_cache(tmp_path_factory):
+    """``OLV_CACHE_DIR`` set to a fresh directory for one test module (the compiled-entry
+    digest cache of olv_runtime.compiled; never the user's) and ``OLV_VERIFY_DIGESTS`` unset.
+    Use with ``pytestmark = pytest.mark.usefixtures("module_digest_cache")``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OLV_CACHE_DIR", str(tmp_path_factory.mktemp("olv-cache")))
+        mp.delenv("OLV_VERIFY_DIGESTS", raising=False)
+        yield

@@ -20,13 +20,8 @@ from olv_runtime.errors import OutputError
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cache_dir(tmp_path_factory):
-    # this module's own verified-digest cache (never the user's)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OLV_CACHE_DIR", str(tmp_path_factory.mktemp("olv-cache")))
-        mp.delenv("OLV_VERIFY_DIGESTS", raising=False)
-        yield
+# this module's own verified-digest cache (never the user's): conftest.module_digest_cache
+pytestmark = pytest.mark.usefixtures("module_digest_cache")
 
 
 def _env():

@@ -31,13 +31,8 @@ from olv_runtime.io import Model
 from olv_runtime.kernels.layouts import LAYOUTS, PACKED_LAYOUT_VERSION, cpu_architecture
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cache_dir(tmp_path_factory):
-    # this module's own verified-digest cache (never the user's)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OLV_CACHE_DIR", str(tmp_path_factory.mktemp("olv-cache")))
-        mp.delenv("OLV_VERIFY_DIGESTS", raising=False)
-        yield
+# this module's own verified-digest cache (never the user's): conftest.module_digest_cache
+pytestmark = pytest.mark.usefixtures("module_digest_cache")
 
 
 @pytest.fixture(scope="module")
