@@ -86,7 +86,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from olv_runtime.errors import CompiledTensorError, OlvError, OutputError
-from olv_runtime.io import Model, as_model
+from olv_runtime.io import Model, as_model, same_file
 from olv_runtime.proto import (
     CompiledTensorProto,
     DeviceProto,
@@ -1085,15 +1085,6 @@ def _input_files(m: Model) -> list:
     return out
 
 
-def _same_file(a: pathlib.Path, b: pathlib.Path) -> bool:
-    try:
-        if a.resolve() == b.resolve():
-            return True
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except (OSError, RuntimeError, ValueError):
-        return False
-
-
 def _check_outputs(m: Model, out: pathlib.Path, keep_external: bool) -> None:
     """Refuse, before any work, an output whose model, ``.data``, ``.compiled`` or sidecar
     file would be a file the input model reads (resolved path or same inode), unless it is the
@@ -1110,11 +1101,11 @@ def _check_outputs(m: Model, out: pathlib.Path, keep_external: bool) -> None:
             raise OutputError(f"cannot write {str(t)!r} (written with the output model "
                               f"{str(out)!r}): it is an existing directory")
     targets += [("sidecar", out.parent / n) for n in SIDECAR_FILES]
-    inplace = m.path is not None and _same_file(out, m.path)
+    inplace = m.path is not None and same_file(out, m.path)
     inputs = _input_files(m)
     for role_t, t in targets:
         for role_f, f in inputs:
-            if not _same_file(t, f):
+            if not same_file(t, f):
                 continue
             if inplace and role_t == role_f and not (role_t == "data" and keep_external):
                 continue  # replaced atomically, with the input model that reads it
@@ -1144,7 +1135,7 @@ def _plan_sidecars(m: Model, out: pathlib.Path, warn) -> dict:
         if src is None:
             continue
         dst = out.parent / name
-        if _same_file(dst, src):
+        if same_file(dst, src):
             continue
         data = src.read_bytes()
         if dst.exists() or dst.is_symlink():

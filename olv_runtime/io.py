@@ -275,6 +275,18 @@ class Model:
         )
 
 
+def same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: the same resolved path, or (both existing)
+    the same inode (a hard link). Unresolvable paths are not the same file."""
+    a, b = pathlib.Path(a), pathlib.Path(b)
+    try:
+        if a.resolve() == b.resolve():
+            return True
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 def as_model(model) -> Model:
     """Accept a :class:`Model`, an ``olv_runtime.proto.ModelProto``, an ``onnx.ModelProto`` or a path.
 

@@ -20,7 +20,7 @@ import numpy as np
 from olv_runtime.builder import GraphBuilder
 from olv_runtime.errors import ConversionError, OutputError
 from olv_runtime.helper import make_affine_encoded
-from olv_runtime.io import save
+from olv_runtime.io import same_file, save
 from olv_runtime.models.checkpoint import Checkpoint
 from olv_runtime.proto import ModelProto, TensorProto
 from olv_runtime.quantize import quantize_int4_blockwise
@@ -608,9 +608,7 @@ def check_output_path(out_path, inputs=(), what: str = "output") -> pathlib.Path
     for src in inputs:
         src = pathlib.Path(src)
         for t in targets:
-            same = (t.exists() and src.exists() and os.path.samefile(t, src)) or \
-                t.resolve() == src.resolve()
-            if same:
+            if same_file(t, src):
                 raise OutputError(
                     f"{what} {str(t)!r} is an input of this conversion ({str(src)!r}); "
                     "refusing to overwrite it (choose another output path)"
