@@ -6,7 +6,7 @@ token is timed (median of ``--reps``):
 
 * ``contiguous fp32``: :func:`olv_runtime.kernels.attention` over a capacity buffer
   (the kernel alone; the KV append is a separate ``kv_write``);
-* ``paged fp32`` / ``paged int8`` / ``paged int4``: :meth:`olv_runtime.state.paged.PagedKV.run`
+* ``paged fp32`` / ``paged int8`` / ``paged int4``: :meth:`olv_runtime.kv.paged.PagedKV.run`
   for one token — append, attention over the blocks (decoded inside the kernel), sealing — and
   the kernel alone (:func:`olv_runtime.kernels.paged_attention.paged_attention` over the cache
   value's block table: the ``ctx`` cached tokens);
@@ -30,7 +30,7 @@ import numpy as np
 from olv_runtime import kernels
 from olv_runtime.counters import recording
 from olv_runtime.kernels.paged_attention import paged_attention
-from olv_runtime.state.paged import Geometry, PagedKV, SealPolicy, empty_paged_cache
+from olv_runtime.kv.paged import Geometry, PagedKV, SealPolicy, empty_paged_cache
 
 H, KVH, D, BS = 14, 2, 64, 16
 

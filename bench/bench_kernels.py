@@ -40,7 +40,7 @@ resident data) print one streaming read measured at the session's start.
   cache the CPU reports) that every call reads its weight from DRAM, as in decode; for M >= 32
   (compute-bound) one copy is reused.
 * ``linear_int4_step`` -- the same kernels at M = 1 as the compiled decode step runs them
-  (:mod:`olv_runtime.kernels.decode_stack`): one parallel region per block of calls, both
+  (:mod:`olv_runtime.kernels.decoder_layers`): one parallel region per block of calls, both
   tasks claiming chunks of each weight (``_linear_part``), each prefetching the head of its
   share of the next weight before the barrier that ends a call, the activations quantized
   (int8) or split into digits (exact) privately per call -- on the same cycled copies. No Python
@@ -72,11 +72,12 @@ import pytest
 from numba import njit, prange
 
 from olv_runtime import kernels
-from olv_runtime.kernels import decode_stack as ds
+from olv_runtime.kernels import decoder_layers as ds
 from olv_runtime.kernels import packed_f32_vnni
 from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact, make_workspace_f32
-from olv_runtime.kernels.packed_i8 import (PackedInt4I8, linear_packed_i8, make_workspace_i8,
-                                           prepack_int4_i8, set_isa, use_vnni)
+from olv_runtime.kernels.packed_i8 import (PackedInt4I8, make_workspace_i8, prepack_int4_i8,
+                                           set_isa, use_vnni)
+from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
 
 THREADS = int(os.environ.get("OLV_BENCH_THREADS", "2"))
 STREAM_BYTES = int(os.environ.get("OLV_BENCH_STREAM_BYTES", str(1 << 30)))
@@ -406,7 +407,7 @@ def _step_task(tid, nt, i8ws, x, codes_all, scales_all, c0, ncalls, out, facc32,
 @njit(parallel=True, cache=True)
 def _step_calls(nt, i8ws, x, codes_all, scales_all, c0, ncalls, out, facc32, bar, vnni):
     """``ncalls`` linears ``out = x @ W_c.T`` on copies ``c0, c0 + 1, ...`` (cyclic) in one
-    parallel region, as :func:`olv_runtime.kernels.decode_stack.decode_stack` runs a linear:
+    parallel region, as :func:`olv_runtime.kernels.decoder_layers.decode_stack` runs a linear:
     per task its private activation quantization / digits, chunks claimed by
     ``_linear_part``, the head of its share of the next weight prefetched, a barrier."""
     for tid in prange(nt):

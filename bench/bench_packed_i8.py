@@ -1,4 +1,4 @@
-"""Benchmark: int8-dot INT4 GEMV (packed_i8.linear_packed_i8) vs linear_packed(quantize_activations=True).
+"""Benchmark: int8-dot INT4 GEMV (packed_i8_gemm.linear_packed_i8) vs linear_packed(quantize_activations=True).
 
     python bench/bench_packed_i8.py [--threads 2] [--rounds 5] [--max-load 0.3] [--shapes ...]
 
@@ -29,7 +29,8 @@ from numba import njit, prange
 
 from olv_runtime.kernels import config  # noqa: F401  (threading layer selection first)
 from olv_runtime.kernels.packed import PackedInt4, linear_packed, make_workspace, prepack_int4
-from olv_runtime.kernels.packed_i8 import linear_packed_i8, make_workspace_i8, prepack_int4_i8
+from olv_runtime.kernels.packed_i8 import make_workspace_i8, prepack_int4_i8
+from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
 
 SHAPES = {  # name: (N, K)
     "gate/up": (4864, 896), "down": (896, 4864), "qkv": (1152, 896), "lm_head": (151936, 896),

@@ -1,6 +1,6 @@
 """Where the paged decode attention's time goes: one layer of Qwen2.5-0.5B's geometry (H=14,
 KVH=2, D=64, block_size 16), one thread, the loop of the compiled paged decode step
-(:func:`olv_runtime.kernels.decode_stack._stack_thread_paged`: one softmax tile of blocks at a
+(:func:`olv_runtime.kernels.decoder_layers._stack_thread_paged`: one softmax tile of blocks at a
 time for every kv head, int8 queries as in int8-activation mode), split into phases:
 
 * ``full``: :func:`~olv_runtime.kernels.paged_attention._paged_rows` over every tile (scores,
@@ -29,7 +29,7 @@ from numba import njit
 from olv_runtime.kernels import paged_attention as pk
 from olv_runtime.kernels.attention import SLACK, _softmax_tile, _state_init, _tile_max_init
 from olv_runtime.kernels.packed_i8 import isa, use_vnni
-from olv_runtime.state.paged import Geometry, PagedKV, SealPolicy, empty_paged_cache
+from olv_runtime.kv.paged import Geometry, PagedKV, SealPolicy, empty_paged_cache
 
 H, KVH, D, BS = 14, 2, 64, 16
 

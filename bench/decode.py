@@ -772,7 +772,7 @@ def prepare_compiled(args, model: pathlib.Path) -> pathlib.Path:
     import hashlib
 
     import olv_runtime
-    from olv_runtime.compiled import this_device
+    from olv_runtime.structs.compiled import this_device
 
     tag = hashlib.sha1(str(model.resolve()).encode()).hexdigest()[:10]
     out = pathlib.Path(args.cache_dir).expanduser() / "compiled" / tag / "model.onnx"

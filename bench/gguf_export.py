@@ -138,7 +138,7 @@ def export_f16(checkpoint_dir, out_path, progress=print) -> pathlib.Path:
 
     sys.path.insert(0, str(HERE.parent))
     from olv_runtime.models.checkpoint import Checkpoint
-    from olv_runtime.models.qwen import QwenConfig
+    from olv_runtime.models.qwen_graph import QwenConfig
 
     t0 = time.perf_counter()
     cfg = json.loads((pathlib.Path(checkpoint_dir) / "config.json").read_text())

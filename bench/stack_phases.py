@@ -1,6 +1,6 @@
 """Per-token time breakdown of the compiled contiguous decode step, by phase and task.
 
-The step (olv_runtime.kernels.decode_stack) stamps the CPU's time-stamp counter at its phase
+The step (olv_runtime.kernels.decoder_layers) stamps the CPU's time-stamp counter at its phase
 boundaries when its barrier array is longer than the normal one (``barrier_slots(nt) + nt *
 PROF_SLOTS``; with the normal array the stamps cost one compare each). This script
 

@@ -16,53 +16,78 @@ import time as _time
 #: to the first generated token: the cold-start figure of bench/cold_start.py).
 IMPORT_TIME = _time.perf_counter()
 
+from olv_runtime.decoding import decode_value, to_decoded  # noqa: F401
 from olv_runtime.errors import (  # noqa: F401,E402  (the exceptions the README names)
-    BindingError, CompiledTensorError, ConversionError, EncodingError, EnvironmentVariableError,
-    GGUFFormatError, InvalidArgument, ModelFormatError, OlvError, OutputError, PayloadError,
-    SidecarError, StateError, StateFileError, UnsupportedOperatorError, ValidationError)
-from olv_runtime.generate import (  # noqa: F401
-    GenerationResult, GenerationStats, TextStream, eos_token_ids, generate, sample_token)
-from olv_runtime.sampling import SamplingParams, TokenLogprob  # noqa: F401
+    BindingError,
+    CompiledTensorError,
+    ConversionError,
+    EncodingError,
+    EnvironmentVariableError,
+    GGUFFormatError,
+    InvalidArgument,
+    ModelFormatError,
+    OlvError,
+    OutputError,
+    PayloadError,
+    SidecarError,
+    StateError,
+    StateFileError,
+    UnsupportedOperatorError,
+    ValidationError,
+)
+from olv_runtime.executor.session import InferenceSession, NodeArg, SessionOptions  # noqa: F401
+from olv_runtime.generation.generate import (  # noqa: F401
+    GenerationResult,
+    GenerationStats,
+    TextStream,
+    eos_token_ids,
+    generate,
+    sample_token,
+)
+from olv_runtime.generation.sampling import SamplingParams, TokenLogprob  # noqa: F401
 from olv_runtime.io import Model, load, save  # noqa: F401
-from olv_runtime.session import InferenceSession, NodeArg, SessionOptions  # noqa: F401
+from olv_runtime.lazy import lazy_module  # noqa: E402
 from olv_runtime.state import State, StateOptions, empty_cache, make_state  # noqa: F401
-from olv_runtime.structs import decode_value, to_decoded  # noqa: F401
 from olv_runtime.structs.runtime import RuntimeStruct  # noqa: F401
 
 __version__ = "0.1.0"
 
-#: public names imported on first use (PEP 562): modules a decode does not need (warm start)
-_LAZY = {"load_state": "olv_runtime.prompt_cache", "save_state": "olv_runtime.prompt_cache",
-         "model_digest": "olv_runtime.prompt_cache"}
-
-
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'olv_runtime' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+# modules a decode does not need, imported at their first use (warm start, issue 14)
+_compile = lazy_module("olv_runtime.models.compile")
+_hf = lazy_module("olv_runtime.models.hf")
+_files = lazy_module("olv_runtime.state.files")
+_restore = lazy_module("olv_runtime.state.restore")
 
 
 def compile_model(model, out_path, **kwargs):
     """Persist the prepacked weights of ``model`` for this CPU (seed 004 compiled entries).
 
-    See :func:`olv_runtime.compiled.compile_model` (``olv compile``).
+    See :func:`olv_runtime.models.compile.compile_model` (``olv compile``).
     """
-    from olv_runtime.compiled import compile_model as _compile
-
-    return _compile(model, out_path, **kwargs)
+    return _compile.compile_model(model, out_path, **kwargs)
 
 
 def convert(checkpoint_dir, out_path, weights: str = "int4-block32", **kwargs):
     """Convert a Hugging Face Qwen2/Qwen3/Llama checkpoint directory, or a GGUF file (tensors
     referenced in place, docs/gguf.md), to an olv ONNX model.
 
-    See :func:`olv_runtime.models.qwen.convert` and :func:`olv_runtime.models.gguf.convert_gguf`.
+    See :func:`olv_runtime.models.hf.convert` and :func:`olv_runtime.models.gguf.convert_gguf`.
     """
-    from olv_runtime.models.qwen import convert as _convert
+    return _hf.convert(checkpoint_dir, out_path, weights=weights, **kwargs)
 
-    return _convert(checkpoint_dir, out_path, weights=weights, **kwargs)
+
+def save_state(state, path):
+    """Write a state's KV cache and token bookkeeping to ``path`` (``.npz``); see
+    :func:`olv_runtime.state.files.save_state`."""
+    return _files.save_state(state, path)
+
+
+def load_state(model, path):
+    """A :class:`State` restored from a file written by :func:`save_state`; see
+    :func:`olv_runtime.state.restore.load_state`."""
+    return _restore.load_state(model, path)
+
+
+def model_digest(model) -> str:
+    """SHA-256 (hex) of a model's content; see :func:`olv_runtime.state.files.model_digest`."""
+    return _files.model_digest(model)

@@ -14,7 +14,7 @@ Counter names (integers; bytes unless noted):
 ``runs``                        (count) graph executions
 ``arrays_allocated``            (count) arrays allocated while running: step outputs whose memory
                                 is new (not a view of a constant, feed or earlier array) and
-                                KV capacity buffers (counted by :mod:`olv_runtime.state.kv`)
+                                KV capacity buffers (counted by :mod:`olv_runtime.kv.contiguous`)
 ``bytes_allocated``             bytes of those arrays
 ``bytes_copied_state``          payload bytes copied by state management (retaining initial
                                 values, outputs and next-call inputs). Measured, not assumed:
@@ -45,7 +45,7 @@ Counter names (integers; bytes unless noted):
                                 weights served by seed 004 compiled entries): a layout change,
                                 not a payload copy
 ``kv_blocks_allocated``         (count) paged KV block slots taken (K and V sides counted apart;
-                                :mod:`olv_runtime.state.paged`)
+                                :mod:`olv_runtime.kv.paged`)
 ``bytes_kv_converted``          payload bytes of paged KV block sides converted at sealing (the
                                 source slot's bytes)
 ``kv_blocks_converted``         (count) block sides converted at sealing
@@ -56,7 +56,7 @@ Counter names (integers; bytes unless noted):
                                 max/sum/accumulator and row scratch); independent of context
 ``compiled_hits``               (count) seed 004 compiled entries a session used instead of
 ``compiled_misses``             repacking, and entries it rejected (cache misses, see
-                                :mod:`olv_runtime.compiled`; the reasons are logged)
+                                :mod:`olv_runtime.structs.compiled`; the reasons are logged)
 ``bytes_digest_verified``       bytes hashed at session creation to verify source / compiled
                                 digests (0 when the verifications are cached)
 =============================== ==================================================================
@@ -71,6 +71,7 @@ import weakref
 import numpy as np
 
 from olv_runtime.pool import owner as _owner  # the array owning a view's memory
+from olv_runtime.proto import FunctionProto, GraphProto, ModelProto
 
 NAMES = (
     "runs",
@@ -197,12 +198,14 @@ class Counters:
         """Per-call figures: ``after - before`` for sums; levels and peaks as in ``after``."""
         return {k: after[k] if k in LEVELS else after[k] - before[k] for k in NAMES}
 
-    def run_meter(self, pool=None) -> "RunMeter | _NoMeter":
+    def run_meter(self, pool=None, kv_length=None) -> "RunMeter | _NoMeter":
         """A :class:`RunMeter` for one run (a no-op one when ``track_allocations`` is False).
 
         Buffers of ``pool`` (an :class:`olv_runtime.pool.BufferPool`) are not counted here: the
-        pool counts the ones it allocates and reuses the rest."""
-        return RunMeter(self, pool) if self.track_allocations else _NO_METER
+        pool counts the ones it allocates and reuses the rest. ``kv_length(view) -> int | None``
+        (:func:`olv_runtime.kv.contiguous.committed_length`) tells KV capacity buffers apart:
+        their in-place appends are not allocations."""
+        return RunMeter(self, pool, kv_length) if self.track_allocations else _NO_METER
 
     def __getitem__(self, name: str) -> int:
         return self._values[name]
@@ -242,7 +245,8 @@ PROCESS = Counters()
 
 
 # -- allocations and workspace of one run ------------------------------------------------------
-_committed_length = None  # olv_runtime.state.kv.committed_length, imported at first use
+def _no_kv(view) -> None:
+    return None
 
 
 class RunMeter:
@@ -260,12 +264,7 @@ class RunMeter:
     __slots__ = ("counters", "_seen", "_live", "_peak", "_count", "_bytes", "_kv", "_pool",
                  "__weakref__")
 
-    def __init__(self, counters: Counters, pool=None):
-        global _committed_length
-        if _committed_length is None:
-            from olv_runtime.state.kv import committed_length  # lazy: kv imports this module
-
-            _committed_length = committed_length
+    def __init__(self, counters: Counters, pool=None, kv_length=None):
         self.counters = counters
         self._pool = pool
         self._seen: dict[int, weakref.ref] = {}
@@ -273,7 +272,7 @@ class RunMeter:
         self._peak = 0
         self._count = 0
         self._bytes = 0
-        self._kv = _committed_length
+        self._kv = _no_kv if kv_length is None else kv_length
 
     def step(self, args, results) -> None:
         """Record the outputs ``results`` of one step that read ``args``."""
@@ -355,8 +354,6 @@ def install_model_guard() -> None:
     global _guard_installed
     if _guard_installed:
         return
-    from olv_runtime.proto import FunctionProto, GraphProto, ModelProto
-
     for cls in (ModelProto, GraphProto, FunctionProto):
         for meth in _GUARDED:
             orig = getattr(cls, meth, None)

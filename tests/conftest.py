@@ -144,7 +144,7 @@ def tiny_chat_dir(tmp_path_factory) -> pathlib.Path:
 def tiny_chat_models(tiny_chat_dir, tmp_path_factory) -> dict:
     """``tiny_chat_dir`` converted twice: {"int4": path, "float32": path} (tokenizer files
     copied beside each)."""
-    from olv_runtime.models.qwen import convert
+    from olv_runtime.models.hf import convert
 
     out = {}
     for w in ("int4-block32", "float32"):
@@ -157,7 +157,7 @@ def tiny_chat_models(tiny_chat_dir, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def module_digest_cache(tmp_path_factory):
     """``OLV_CACHE_DIR`` set to a fresh directory for one test module (the compiled-entry
-    digest cache of olv_runtime.compiled; never the user's) and ``OLV_VERIFY_DIGESTS`` unset.
+    digest cache of olv_runtime.structs.compiled; never the user's) and ``OLV_VERIFY_DIGESTS`` unset.
     Use with ``pytestmark = pytest.mark.usefixtures("module_digest_cache")``."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OLV_CACHE_DIR", str(tmp_path_factory.mktemp("olv-cache")))

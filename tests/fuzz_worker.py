@@ -31,7 +31,7 @@ def run_case(path: str) -> None:
         if path == "selftest:raw":
             raise ZeroDivisionError("raw")
     import olv_runtime
-    from olv_runtime.structs import resolve
+    from olv_runtime.decoding import resolve
 
     model = olv_runtime.load(path)
     resolve(model)

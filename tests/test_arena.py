@@ -1,5 +1,5 @@
 """Huge-page memory for prepacked weights (olv_runtime.kernels.arena) and the 2 MiB-piece writer
-of compiled payload files (olv_runtime.compiled._HugePageWriter)."""
+of compiled payload files (olv_runtime.models.compile._HugePageWriter)."""
 from __future__ import annotations
 
 import io
@@ -109,7 +109,7 @@ class _Recorder(io.RawIOBase):
 
 
 def test_huge_page_writer_writes_whole_aligned_pieces():
-    from olv_runtime.compiled import _HugePageWriter
+    from olv_runtime.models.compile import _HugePageWriter
 
     rng = np.random.default_rng(1)
     pieces = [rng.integers(0, 256, s, dtype=np.uint8) for s in (10, 3 << 20, 64, 5 << 20, 7)]

@@ -10,7 +10,7 @@ import pytest
 
 import olv_runtime
 from olv_runtime import kernels
-from olv_runtime.state.paged import Geometry, PagedKV, SealPolicy, empty_paged_cache
+from olv_runtime.kv.paged import Geometry, PagedKV, SealPolicy, empty_paged_cache
 
 D = 64
 KVH = 2

@@ -22,9 +22,9 @@ from olv_runtime.builder import (
     UnavailableValueError,
 )
 from olv_runtime.errors import BindingError, MissingDecoderError, RecordCountError
-from olv_runtime.helper import make_affine_encoded, make_node
+from olv_runtime.proto.helper import make_affine_encoded, make_node
 from olv_runtime.proto import ModelProto, TensorProto
-from olv_runtime.quantize import pack_codes
+from olv_runtime.structs.quantize import pack_codes
 from olv_runtime.structs import build as B
 from olv_runtime.structs import examples as X
 
@@ -368,7 +368,7 @@ def test_bindings_validated_against_final_graph():
 
 
 def test_converted_qwen_roundtrips(tiny_qwen3_dir):
-    from olv_runtime.models.qwen import build_model
+    from olv_runtime.models.qwen_graph import build_model
 
     model = build_model(tiny_qwen3_dir, "int4-block32")
     b = GraphBuilder.from_model(model)

@@ -18,9 +18,9 @@ import olv_runtime
 from olv_runtime.builder import GraphBuilder, StandardExportError
 from olv_runtime.builder.export import FEEDBACK_METADATA_KEY, export_standard, to_onnx
 from olv_runtime.cli import main as cli_main
-from olv_runtime.helper import make_affine_encoded
+from olv_runtime.proto.helper import make_affine_encoded
 from olv_runtime.proto import TensorProto
-from olv_runtime.quantize import pack_codes
+from olv_runtime.structs.quantize import pack_codes
 from olv_runtime.structs import build as B
 from olv_runtime.structs import examples as X
 
@@ -194,7 +194,7 @@ def test_codebook_struct_weight_runs_in_onnxruntime():
 
 
 def test_struct_without_function_decoder_fails_naming_the_value():
-    from olv_runtime.structs import register_native_decoder, unregister_native_decoder
+    from olv_runtime.decoding import register_native_decoder, unregister_native_decoder
 
     b = GraphBuilder("g", opsets={"": 23, "olv": 1})
     b.add_struct_type(X.int4_block_2001())

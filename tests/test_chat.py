@@ -13,7 +13,7 @@ import time
 import pytest
 
 import olv_runtime
-from olv_runtime.chat import ChatTemplateError, apply_chat_template, load_chat_template
+from olv_runtime.generation.chat import ChatTemplateError, apply_chat_template, load_chat_template
 
 import transformers
 
@@ -213,7 +213,7 @@ def test_ctrl_c_in_a_terminal(tiny_chat_models, tmp_path):
 def test_template_that_rewrites_the_answer_cuts_the_cache_back(tiny_chat_models, tok):
     """A template that changes the recorded answer (here: wraps it) breaks the text prefix;
     the cache is cut back to the longest common token prefix and the turn stays exact."""
-    from olv_runtime.chat import Conversation
+    from olv_runtime.generation.chat import Conversation
 
     template, special = load_chat_template(tiny_chat_models["int4"])
     rewriting = template.replace("{{ message['content'] }}",
@@ -250,7 +250,7 @@ def test_chat_errors(tiny_qwen2_dir, tiny_chat_models, tmp_path, capsys):
 def test_end_of_turn_token_stops_without_generation_config(tiny_chat_models, tok, tmp_path):
     import shutil
 
-    from olv_runtime.chat import Conversation
+    from olv_runtime.generation.chat import Conversation
 
     src = tiny_chat_models["int4"].parent
     for name in ("model.onnx", "tokenizer.json", "tokenizer_config.json"):
@@ -270,7 +270,7 @@ def test_template_added_after_conversion_is_named_not_read(tiny_chat_dir, tmp_pa
     import shutil
 
     from olv_runtime.cli import main as cli_main
-    from olv_runtime.models.qwen import convert
+    from olv_runtime.models.hf import convert
 
     ck = tmp_path / "ck"
     shutil.copytree(tiny_chat_dir, ck)

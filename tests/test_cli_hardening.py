@@ -216,7 +216,7 @@ def test_missing_required_tensor_and_unused_tensors(tmp_path, tiny_qwen2_dir):
     assert r.returncode == 0, r.stderr
     assert "2 checkpoint tensors are not used" in r.stderr
     assert "lm_head.weight" in r.stderr and "model.extra.weight" in r.stderr
-    with pytest.warns(olv_runtime.models.qwen.ConversionWarning, match="model.extra.weight"):
+    with pytest.warns(olv_runtime.models.hf.ConversionWarning, match="model.extra.weight"):
         res = olv_runtime.convert(ck, tmp_path / "z.onnx")
     assert res.unused_tensors == ("lm_head.weight", "model.extra.weight")
     with pytest.raises(ConversionError, match="q_proj.bias"):

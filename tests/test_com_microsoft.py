@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from olv_runtime.errors import InvalidArgument, ValidationError
-from olv_runtime.session import InferenceSession
+from olv_runtime.executor.session import InferenceSession
 
 MS = "com.microsoft"
 

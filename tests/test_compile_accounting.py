@@ -204,7 +204,7 @@ def test_cli_reports_the_second_token_and_the_wait(model):
 _ENTRIES_CHILD = r"""
 import json, sys
 import olv_runtime
-from olv_runtime.kernels.decode_stack import precompile_entries
+from olv_runtime.kernels.decoder_layers import precompile_entries
 sess = olv_runtime.InferenceSession(olv_runtime.load(sys.argv[1]))
 (step,) = [s for s in sess.all_steps() if s.kind == "DecoderStack"]
 first = precompile_entries(step.impl._decode_entry())[:-1]

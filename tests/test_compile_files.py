@@ -103,7 +103,7 @@ def test_truncated_mapped_file_raises_at_every_entry_point(plain, compiled, tmp_
 
 def test_prompt_digest_of_a_truncated_model_raises(plain, tmp_path):
     from olv_runtime.errors import PayloadError
-    from olv_runtime.prompt_cache import model_digest
+    from olv_runtime.state.files import model_digest
 
     d = tmp_path / "m"
     shutil.copytree(plain.parent, d)
@@ -274,7 +274,7 @@ def test_compile_carries_other_devices_payloads(compiled, tmp_path):
 
 
 def test_compile_drops_other_devices_entries_without_payload(compiled, tmp_path):
-    from olv_runtime.compiled import CompileWarning
+    from olv_runtime.models.compile import CompileWarning
 
     src = _copy(compiled, tmp_path / "src")
     _as_other_device(src, "arm64-sve")
@@ -294,7 +294,7 @@ def test_compile_drops_other_devices_entries_without_payload(compiled, tmp_path)
 # ------------------------------------------------------------------------------------------------
 def test_compile_copies_sidecars(plain, tmp_path):
     from olv_runtime.cli import main as cli_main
-    from olv_runtime.sidecars import SIDECAR_FILES, load_tokenizer
+    from olv_runtime.io.sidecars import SIDECAR_FILES, load_tokenizer
 
     names = [n for n in SIDECAR_FILES if (plain.parent / n).is_file()]
     assert "tokenizer.json" in names and "generation_config.json" in names
@@ -308,7 +308,7 @@ def test_compile_copies_sidecars(plain, tmp_path):
 
 
 def test_compile_sidecars_never_replace_silently(plain, compiled, tmp_path):
-    from olv_runtime.compiled import CompileWarning
+    from olv_runtime.models.compile import CompileWarning
 
     # a different tokenizer.json that another model in the folder records: refused
     d = tmp_path / "shared"

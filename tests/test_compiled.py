@@ -18,7 +18,7 @@ import pytest
 import olv_runtime
 from olv_runtime import proto as pb
 from olv_runtime.cli import main as cli_main
-from olv_runtime.compiled import (
+from olv_runtime.structs.compiled import (
     DIGEST_ALGORITHMS,
     PAYLOAD_DIGEST_KEY,
     canonical_parts,
@@ -26,7 +26,7 @@ from olv_runtime.compiled import (
     this_device,
 )
 from olv_runtime.errors import CompiledTensorError
-from olv_runtime.helper import make_tensor
+from olv_runtime.proto.helper import make_tensor
 from olv_runtime.io import Model
 from olv_runtime.kernels.layouts import LAYOUTS, PACKED_LAYOUT_VERSION, cpu_architecture
 
@@ -212,7 +212,7 @@ def test_compiled_model_hits_every_entry_bitwise_equal(plain, compiled_dir):
 def _packed_types(sess) -> list:
     import numba
 
-    from olv_runtime.fusion import LinearStep
+    from olv_runtime.executor.steps import LinearStep
     from olv_runtime.kernels.layouts import layout_of
 
     out = []
@@ -268,7 +268,7 @@ def _plain_equivalent(path, tmp_path):
 
 def _check_miss(path, tmp_path, reason, expect_misses=None, caplog=None):
     ref, _ = run_logits(_plain_equivalent(path, tmp_path))
-    with caplog.at_level(logging.DEBUG, logger="olv_runtime.compiled") if caplog else \
+    with caplog.at_level(logging.DEBUG, logger="olv_runtime.structs.compiled") if caplog else \
             _nullctx():
         got, sess = run_logits(path)
     report = sess.compiled_report()
@@ -597,7 +597,7 @@ def test_compile_gguf_import_keeps_the_gguf_in_place(tmp_path, ttype):
     does (no tensor copied into a .data file); a model with nothing to persist says why."""
     from gguf_models import write_gguf
 
-    from olv_runtime.compiled import compile_model
+    from olv_runtime.models.compile import compile_model
 
     gg = write_gguf(tmp_path / "m.gguf", "qwen2", ttype, layers=1, seed=4)
     olv_runtime.convert(gg, tmp_path / "m.onnx")
@@ -635,7 +635,7 @@ def _double_scale(path, name):
     p = pb.ModelProto()
     p.CopyFrom(m.proto)
     t = next(t for t in p.graph.initializer if t.name == name)
-    arr = np.array(olv_runtime.values.tensor_from_proto(t, m.payload(t)
+    arr = np.array(olv_runtime.structs.initializers.tensor_from_proto(t, m.payload(t)
                    if t.data_location == pb.TensorProto.EXTERNAL or t.HasField("raw_data")
                    else None))
     new = numpy_helper.from_array(arr * 2, name)
@@ -686,7 +686,7 @@ def test_standard_export_compiles_hits_and_misses_on_changed_scales(plain, tmp_p
     # the same changed model without compiled entries
     target = proto.compiled_tensors[1].source_name
     _double_scale(out, _scale_initializer_of(proto, target))
-    with caplog.at_level(logging.DEBUG, logger="olv_runtime.compiled"):
+    with caplog.at_level(logging.DEBUG, logger="olv_runtime.structs.compiled"):
         changed, sess = _run_standard(out)
     missed = [s for s in sess.compiled_report() if s.status == "miss"]
     assert [s.source_name for s in missed] == [target]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from olv_runtime.errors import ConversionError, OlvError
-from olv_runtime.helper import (
+from olv_runtime.proto.helper import (
     make_affine_encoded,
     make_node,
     make_tensor,
@@ -27,10 +27,10 @@ from olv_runtime.helper import (
     tensor_to_array,
 )
 from olv_runtime.models.checkpoint import Checkpoint
-from olv_runtime.models.qwen import build_model, compute_inv_freq, convert
+from olv_runtime.models.hf import build_model, compute_inv_freq, convert
 from olv_runtime.proto import AttributeProto, ModelProto, TensorProto
-from olv_runtime import quantize as quantize_mod
-from olv_runtime.quantize import pack_codes, quantize_int4_blockwise
+from olv_runtime.structs import quantize as quantize_mod
+from olv_runtime.structs.quantize import pack_codes, quantize_int4_blockwise
 
 ALL_DIRS = ["tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen2_untied_dir", "tiny_llama_dir"]
 

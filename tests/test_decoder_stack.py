@@ -1,4 +1,4 @@
-"""The compiled decode step (olv_runtime.decoder_stack + kernels.decode_stack).
+"""The compiled decode step (olv_runtime.executor.decoder_step + kernels.decode_stack).
 
 Oracle: the same session with ``compiled_decode=False`` (the per-operator plan, itself checked
 against transformers in test_qwen_parity). The compiled step must give the same greedy tokens,
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import olv_runtime
-from olv_runtime import decoder_stack
+from olv_runtime.executor import decoder_step as decoder_stack
 from olv_runtime.kernels import get_num_threads, set_num_threads, threading_layer
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
@@ -279,7 +279,7 @@ def test_float32_scales_exact_in_float16_are_read_as_float16(qwen2_bf16_f32_scal
     """The compiled step stores float32 block scales that are all float16 values as float16
     (4.5 bits per weight instead of 5): every logit is bitwise that of the same compiled step
     reading the float32 scales (narrowing switched off)."""
-    from olv_runtime import decoder_stack
+    from olv_runtime.executor import decoder_step as decoder_stack
 
     model = olv_runtime.load(qwen2_bf16_f32_scales)
     sess = _session(model, True, quant)
@@ -298,7 +298,7 @@ def test_narrowed_scales_persist_as_float32(qwen2_bf16_f32_scales, tmp_path):
     """olv compile of such a model stores the source's float32 scales (its entries hit again)."""
     import shutil
 
-    from olv_runtime.compiled import compile_model
+    from olv_runtime.models.compile import compile_model
 
     for f in qwen2_bf16_f32_scales.parent.iterdir():
         shutil.copy(f, tmp_path / f.name)
@@ -335,10 +335,10 @@ def test_cold_cache_session_hands_the_driver_to_a_worker(qwen2_int4, monkeypatch
     monkeypatch.setattr(precompile, "release_idle", lambda: calls.append(("release",)))
     sess = _session(qwen2_int4, True)
     assert [c[0] for c in calls] == ["prestart", "start", "release"]
-    assert calls[0][1] == ("olv_runtime.kernels.decode_stack",)
+    assert calls[0][1] == ("olv_runtime.kernels.decoder_layers",)
     # prefill kernels and the attention rows the prefill shares with the step first, then the
     # step (kernels.decode_stack.precompile_entries)
-    from olv_runtime.kernels.decode_stack import precompile_entries
+    from olv_runtime.kernels.decoder_layers import precompile_entries
 
     entry = _stack(sess)._decode_entry()
     assert calls[1][1] == precompile_entries(entry) and calls[1][1][-1] == entry
@@ -360,7 +360,7 @@ def test_claims_partition_the_groups():
     unit exactly once, each task starts in its own range, and every chunk starts at its
     range's start plus a multiple of CHUNK_MULTIPLE (where the static split's multi-group
     passes fall)."""
-    from olv_runtime.kernels import decode_stack as ds
+    from olv_runtime.kernels import decoder_layers as ds
 
     rng = np.random.default_rng(3)
     for nt, n, step in [(2, 37, 4), (3, 1000, 8), (2, 5, 4), (4, 3, 4), (3, 608, 4)]:
@@ -392,7 +392,7 @@ def test_claimed_chunks_give_the_static_split_bits(mode, order):
     other (the first drains its own range, then takes every chunk of the other's; the second
     finds nothing left), and the output (+ residual) is bitwise the static split's (each task
     its own range in one group-kernel call), in every activation mode."""
-    from olv_runtime.kernels import decode_stack as ds, packed_f32, packed_f32_vnni, packed_i8
+    from olv_runtime.kernels import decoder_layers as ds, packed_f32, packed_f32_vnni, packed_i8
 
     if mode == "digits" and not packed_i8.HOST_VNNI:
         pytest.skip("the CPU has no AVX-512 VNNI (exact-mode digit kernels)")

@@ -13,10 +13,10 @@ from onnx.reference import ReferenceEvaluator
 import olv_runtime
 from olv_runtime import proto as pb
 from olv_runtime.errors import AffineLayoutError, EncodingError, PayloadError
-from olv_runtime.helper import make_affine_encoded, make_tensor, make_tensor_type
+from olv_runtime.proto.helper import make_affine_encoded, make_tensor, make_tensor_type
 from olv_runtime.io import Model
-from olv_runtime.quantize import pack_codes
-from olv_runtime.structs import resolve
+from olv_runtime.structs.quantize import pack_codes
+from olv_runtime.decoding import resolve
 
 T = pb.TensorProto
 STORAGE = {  # type -> (bits, lo, hi)
@@ -79,7 +79,7 @@ def _model(ev, with_decode=False):
     m.opset_import.add(domain="olv", version=1)
     m.graph.encoded_initializer.append(ev)
     if with_decode:
-        from olv_runtime.helper import make_node, make_tensor_value_info
+        from olv_runtime.proto.helper import make_node, make_tensor_value_info
 
         m.graph.node.append(make_node("Decode", [ev.name], ["y"], domain="olv"))
         m.graph.output.append(make_tensor_value_info("y", T.FLOAT, None))

@@ -11,8 +11,8 @@ import pytest
 
 import olv_runtime
 from olv_runtime import proto as pb
-from olv_runtime.helper import make_node, make_tensor_value_info
-from olv_runtime.structs import register_native_decoder, resolve, unregister_native_decoder
+from olv_runtime.proto.helper import make_node, make_tensor_value_info
+from olv_runtime.decoding import register_native_decoder, resolve, unregister_native_decoder
 from olv_runtime.structs import examples as X
 
 T = pb.TensorProto

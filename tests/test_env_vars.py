@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from olv_runtime import compiled
+from olv_runtime.structs import compiled
 from olv_runtime.errors import EnvironmentVariableError
 from olv_runtime.kernels import arena, packed_i8, precompile
 

@@ -1,4 +1,4 @@
-"""olv eval / olv_runtime.evaluate: the tiny Qwen2 INT4 model against its float32 conversion,
+"""olv eval / olv_runtime.generation.evaluate: the tiny Qwen2 INT4 model against its float32 conversion,
 checked against an independent numpy computation from both models' logits (one-shot stateless
 runs per window, logsumexp by np.logaddexp.reduce)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import olv_runtime
 from olv_runtime.cli import main as cli_main
 from olv_runtime.errors import InvalidArgument
-from olv_runtime.evaluate import evaluate, read_tokens
+from olv_runtime.generation.evaluate import evaluate, read_tokens
 
 CTX, STRIDE, BATCH, N = 64, 40, 24, 203
 

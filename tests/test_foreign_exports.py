@@ -23,7 +23,7 @@ import torch
 import transformers
 from onnx import TensorProto, helper
 
-from olv_runtime.session import InferenceSession, SessionOptions
+from olv_runtime.executor.session import InferenceSession, SessionOptions
 
 IDS = np.array([[3, 17, 42, 99, 5, 7]], np.int64)
 

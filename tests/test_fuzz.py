@@ -65,8 +65,8 @@ def build_bases(root: pathlib.Path) -> dict[str, pathlib.Path]:
 def _struct_model(d: pathlib.Path) -> pathlib.Path:
     import olv_runtime
     from olv_runtime import proto as pb
-    from olv_runtime.helper import make_node, make_tensor_value_info
-    from olv_runtime.quantize import pack_codes
+    from olv_runtime.proto.helper import make_node, make_tensor_value_info
+    from olv_runtime.structs.quantize import pack_codes
     from olv_runtime.structs import build as B
     from olv_runtime.structs import examples as X
 

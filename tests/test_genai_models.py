@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 
-from olv_runtime.session import InferenceSession, SessionOptions
+from olv_runtime.executor.session import InferenceSession, SessionOptions
 from olv_runtime.state import empty_cache, make_state
 
 PROMPT = [3, 17, 42, 99, 5, 7]
@@ -162,7 +162,7 @@ def test_decode_runs_in_the_compiled_step(genai_models, kind, quant, threads, mo
     5e-2; the step's SiLU uses libm's exp, the plan numpy's). From a bfloat16 checkpoint the
     step reads the float32 scales as float16 (all are float16 values): bitwise equal to the same
     step reading float32 scales."""
-    from olv_runtime import decoder_stack
+    from olv_runtime.executor import decoder_step as decoder_stack
     from olv_runtime.kernels import get_num_threads, set_num_threads
 
     path = str(genai_models[kind] / "model.onnx")

@@ -7,10 +7,11 @@ import pytest
 
 import olv_runtime
 from olv_runtime import SessionOptions
-from olv_runtime.structs import ggml, resolve
+from olv_runtime.decoding import resolve
+from olv_runtime.structs import ggml
 from olv_runtime.kernels import packed_i8
 from olv_runtime.kernels.ggml_packed import dequantize_rows
-from olv_runtime.structs.ggml_native import (
+from olv_runtime.decoding.ggml_native import (
     BLOCK_KERNEL_TYPES, FAST_TYPES, GGMLWeight, PlanesWeight, linear_weight,
 )
 

@@ -22,10 +22,10 @@ from olv_runtime.errors import (
     PayloadError,
     ValidationError,
 )
-from olv_runtime.helper import make_affine_encoded, make_node, make_tensor_value_info
+from olv_runtime.proto.helper import make_affine_encoded, make_node, make_tensor_value_info
 from olv_runtime.io import Model
-from olv_runtime.quantize import pack_codes
-from olv_runtime.structs import resolve
+from olv_runtime.structs.quantize import pack_codes
+from olv_runtime.decoding import resolve
 from olv_runtime.structs.catalogue import MAX_NESTING, Catalogue
 
 T = pb.TensorProto

@@ -20,9 +20,8 @@ from olv_runtime.kernels.packed import linear_packed, prepack_int4
 from olv_runtime.kernels.packed_f32 import (
     PackedF32Workspace, linear_packed_i8_exact, make_workspace_f32,
 )
-from olv_runtime.kernels.packed_i8 import (
-    HOST_VNNI, linear_packed_i8, prepack_int4_i8, set_isa, use_vnni,
-)
+from olv_runtime.kernels.packed_i8 import HOST_VNNI, prepack_int4_i8, set_isa, use_vnni
+from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
 
 ISAS = ["avx2", "avx512vnni"] if HOST_VNNI else ["avx2"]
 

@@ -12,9 +12,9 @@ from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels import get_num_threads, set_num_threads
 from olv_runtime.kernels.packed import linear_packed, prepack_int4
 from olv_runtime.kernels.packed_i8 import (
-    GROUP_ROWS, PackedI8Workspace, PackedInt4I8, linear_packed_i8, make_workspace_i8,
-    prepack_int4_i8,
+    GROUP_ROWS, PackedI8Workspace, PackedInt4I8, make_workspace_i8, prepack_int4_i8,
 )
+from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
 
 
 def _weight(n, k, rng, q=None):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from olv_runtime.kernels import get_num_threads, packed_i8, set_num_threads
-from olv_runtime.kernels.packed_i8 import SERIAL_MAX_WORK, linear_packed_i8, prepack_int4_i8
+from olv_runtime.kernels.packed_i8 import SERIAL_MAX_WORK, prepack_int4_i8
+from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
 
 from test_kernels_packed_i8 import _model, _weight
 

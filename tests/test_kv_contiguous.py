@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import olv_runtime
-from olv_runtime.state import kv
+from olv_runtime.kv import contiguous as kv
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from olv_runtime import kernels
 from olv_runtime import proto as pb
 from olv_runtime.counters import Counters, recording
 from olv_runtime.errors import InvalidArgument, ValidationError
-from olv_runtime.helper import make_node
-from olv_runtime.state.paged import (
+from olv_runtime.proto.helper import make_node
+from olv_runtime.kv.paged import (
     Geometry,
     PagedKV,
     SealPolicy,
@@ -156,7 +156,7 @@ def test_kernel_reads_exactly_the_decoded_blocks(policy):
 
 
 def test_codebook_block_decoder_matches_seed_function_decoder():
-    from olv_runtime.structs.decoders import FunctionDecoder
+    from olv_runtime.decoding.decoders import FunctionDecoder
     from olv_runtime.structs.examples import scaled_codebook2_1102
 
     *_, (_, _, _, cache, _, _) = run_steps("codebook2", [9])

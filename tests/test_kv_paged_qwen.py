@@ -6,7 +6,7 @@ import pytest
 
 import olv_runtime
 from olv_runtime.cli import main as cli_main
-from olv_runtime.state.paged import block_counts, block_format
+from olv_runtime.kv.paged import block_counts, block_format
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 N_NEW = 32

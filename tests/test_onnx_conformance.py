@@ -29,7 +29,7 @@ import pytest
 
 from olv_runtime.errors import OlvError, UnsupportedOperatorError, ValidationError
 from olv_runtime.ops import registered
-from olv_runtime.session import InferenceSession
+from olv_runtime.executor.session import InferenceSession
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the case generators overflow on purpose (Cast cases)

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 
 from olv_runtime.errors import UnsupportedOperatorError
 from olv_runtime.ops.registry import MAX_OPSET, Op, lookup, register, registered_ranges
-from olv_runtime.session import InferenceSession
+from olv_runtime.executor.session import InferenceSession
 
 
 def _model(nodes, inputs, outputs, opset):

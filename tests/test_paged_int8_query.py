@@ -18,8 +18,8 @@ import pytest
 
 from olv_runtime.kernels import packed_i8
 from olv_runtime.kernels.paged_attention import paged_attention
-from olv_runtime.state.paged import Geometry, PagedKV, SealPolicy, block_format, empty_paged_cache
-from olv_runtime.values import AffineValue
+from olv_runtime.kv.paged import Geometry, PagedKV, SealPolicy, block_format, empty_paged_cache
+from olv_runtime.structs.initializers import AffineValue
 
 
 def _key_codes(field, d):
@@ -230,7 +230,7 @@ def test_compiled_int8_mode_uses_int8_queries(d64_models, kv, monkeypatch):
     attention reads float queries): close, not equal (the queries are rounded to int8); the
     VNNI and AVX2 paths of the whole step bitwise equal."""
     import olv_runtime
-    from olv_runtime import decoder_stack
+    from olv_runtime.executor import decoder_step as decoder_stack
 
     monkeypatch.setattr(decoder_stack, "STACK_SERIAL_MAX_WORK", 0)
 
@@ -262,7 +262,7 @@ def test_compiled_step_across_tiles(d64_models, kv, monkeypatch):
     (16 + 3 blocks). Exact mode: the per-operator plan's logits within 1e-4; int8-activation
     mode: close to it (int8 queries) and the VNNI and AVX2 paths bitwise equal."""
     import olv_runtime
-    from olv_runtime import decoder_stack
+    from olv_runtime.executor import decoder_step as decoder_stack
 
     monkeypatch.setattr(decoder_stack, "STACK_SERIAL_MAX_WORK", 0)
     prompt = [(7 * i + 3) % 128 for i in range(600)]

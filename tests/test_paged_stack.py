@@ -1,4 +1,4 @@
-"""The compiled decode step over paged KV caches (olv_runtime.paged_stack +
+"""The compiled decode step over paged KV caches (olv_runtime.executor.paged_decoder_step +
 kernels.decode_stack.decode_stack_paged) and the vectorised attention kernels.
 
 Oracles: the same paged model with ``compiled_decode=False`` (the per-operator plan: PagedAttention
@@ -19,7 +19,7 @@ import pytest
 import olv_runtime
 import naive
 from olv_runtime.kernels import attention, get_num_threads, set_num_threads, threading_layer
-from olv_runtime.state.paged import block_counts, block_format
+from olv_runtime.kv.paged import block_counts, block_format
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 FORCED = [11, 40, 2, 77, 9, 31, 120, 6, 15, 88, 23, 54, 3, 70, 19, 101, 44, 8, 60, 27, 95, 13,
@@ -75,7 +75,7 @@ def paged_models(tmp_path_factory, tiny_qwen2_dir):
         out[kv] = olv_runtime.load(path)
     # float16 open blocks (the compiled step writes the new key/value as float16)
     from olv_runtime import proto as pb
-    from olv_runtime.models.paged import to_paged
+    from olv_runtime.models.paged_kv import to_paged
 
     m = pb.ModelProto()
     m.ParseFromString((d / "contiguous.onnx").read_bytes())  # external data stays beside it
@@ -124,7 +124,7 @@ def test_paged_plan_runs_one_compiled_step(paged_models):
 def test_compiled_paged_matches_per_operator_and_contiguous(paged_models, kv, monkeypatch):
     # the tiny models' linears are below the serial threshold: force the parallel driver (the
     # one-thread test below covers the serial one)
-    from olv_runtime import decoder_stack
+    from olv_runtime.executor import decoder_step as decoder_stack
 
     monkeypatch.setattr(decoder_stack, "STACK_SERIAL_MAX_WORK", 0)
     sess = _session(paged_models[kv], True)

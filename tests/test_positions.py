@@ -1,4 +1,4 @@
-"""The fused rotary position step (olv_runtime.positions).
+"""The fused rotary position step (olv_runtime.executor.positions).
 
 Oracle: the 18 operators of the converter's position subgraph it replaces, run one by one (the
 step's generic path is exactly those steps); the fused values must be bitwise equal for every
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import olv_runtime
-from olv_runtime.positions import RotaryPositions
+from olv_runtime.executor.positions import RotaryPositions
 
 
 @pytest.fixture(scope="module")

@@ -88,16 +88,16 @@ def test_cold_cache_detection(tmp_path, monkeypatch):
     from numba.core import caching, config
 
     monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
-    assert not precompile.cache_index_exists("decode_stack.py", ("_stack_thread", "_stack_par"))
+    assert not precompile.cache_index_exists("decoder_layers.py", ("_stack_thread", "_stack_par"))
     import olv_runtime.kernels as k
 
-    src = os.path.join(os.path.dirname(os.path.abspath(k.__file__)), "decode_stack.py")
+    src = os.path.join(os.path.dirname(os.path.abspath(k.__file__)), "decoder_layers.py")
     sub = caching._CacheLocator.get_suitable_cache_subpath(src)
     (tmp_path / sub).mkdir(parents=True, exist_ok=True)
-    (tmp_path / sub / "decode_stack._stack_thread_paged-9.py311.nbi").write_bytes(b"")
-    assert not precompile.cache_index_exists("decode_stack.py", ("_stack_thread",))
-    (tmp_path / sub / "decode_stack._stack_thread-457.py311.nbi").write_bytes(b"")
-    assert precompile.cache_index_exists("decode_stack.py", ("_stack_thread", "_stack_par"))
+    (tmp_path / sub / "decoder_layers._stack_thread_paged-9.py311.nbi").write_bytes(b"")
+    assert not precompile.cache_index_exists("decoder_layers.py", ("_stack_thread",))
+    (tmp_path / sub / "decoder_layers._stack_thread-457.py311.nbi").write_bytes(b"")
+    assert precompile.cache_index_exists("decoder_layers.py", ("_stack_thread", "_stack_par"))
 
 
 def test_prestarted_worker_takes_the_job(fresh_module):

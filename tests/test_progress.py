@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_convert_bar_counts_layers(tiny_chat_dir, tmp_path, capsys):
-    from olv_runtime.models.qwen import convert
+    from olv_runtime.models.hf import convert
 
     with ConversionProgress(enabled=True) as p:
         convert(tiny_chat_dir, tmp_path / "m.onnx", progress=p)

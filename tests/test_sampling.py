@@ -1,4 +1,4 @@
-"""Token selection (olv_runtime.sampling) against transformers' logits processors of the same
+"""Token selection (olv_runtime.generation.sampling) against transformers' logits processors of the same
 names on fixed logits: probabilities within 1e-6 before sampling; presence / frequency
 penalties (no transformers processor) against the OpenAI / llama.cpp formula written out here."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from olv_runtime.errors import InvalidArgument
-from olv_runtime.sampling import (
+from olv_runtime.generation.sampling import (
     SamplingParams,
     apply_penalties,
     probabilities,

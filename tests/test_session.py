@@ -13,8 +13,8 @@ from olv_runtime.errors import (
     UnsupportedOperatorError,
     ValidationError,
 )
-from olv_runtime.helper import make_node, make_tensor, make_tensor_value_info
-from olv_runtime.quantize import quantize_int4_blockwise
+from olv_runtime.proto.helper import make_node, make_tensor, make_tensor_value_info
+from olv_runtime.structs.quantize import quantize_int4_blockwise
 
 
 def _model(nodes, inputs, outputs, inits=(), encoded=(), opsets=(("", 23), ("olv", 1))):
@@ -31,7 +31,7 @@ def _model(nodes, inputs, outputs, inits=(), encoded=(), opsets=(("", 23), ("olv
 
 
 def _encoded_weight(name, w):
-    from olv_runtime.helper import make_affine_encoded
+    from olv_runtime.proto.helper import make_affine_encoded
 
     payload, scale = quantize_int4_blockwise(w)
     return make_affine_encoded(name, payload.tobytes(), pb.TensorProto.INT4, list(w.shape), scale,

@@ -17,9 +17,9 @@ import olv_runtime
 
 #: never imported by import olv_runtime -> load -> InferenceSession -> generate
 NOT_IMPORTED = ("onnx", "onnx.defs", "scipy.linalg", "numpy.f2py", "olv_runtime.builder",
-                "olv_runtime.models.qwen", "transformers", "jinja2", "tokenizers", "torch",
+                "olv_runtime.models.hf", "transformers", "jinja2", "tokenizers", "torch",
                 "olv_runtime.structs.ggml", "olv_runtime.ops.com_microsoft",
-                "olv_runtime.state.paged", "olv_runtime.prompt_cache",
+                "olv_runtime.kv.paged", "olv_runtime.state.files",
                 "olv_runtime.kernels.packed_zp",
                 "ml_dtypes")  # 0.1-0.9 s to import; only bfloat16 values need it
 
@@ -29,7 +29,7 @@ import olv_runtime
 model = olv_runtime.load(sys.argv[1])
 sess = olv_runtime.InferenceSession(model)
 # the compiled decode step's kernels are imported by the first decode step, not before
-deferred = "olv_runtime.kernels.decode_stack" not in sys.modules
+deferred = "olv_runtime.kernels.decoder_layers" not in sys.modules
 ids = olv_runtime.generate(sess, [5, 17, 200, 3], 2)
 import numba.np.arraymath as am
 print(json.dumps({"modules": sorted(sys.modules), "hits": sess.counters["compiled_hits"],
@@ -62,7 +62,7 @@ def test_decoding_a_compiled_model_imports_no_heavy_module(compiled_model):
     mods = set(got["modules"])
     assert not [m for m in NOT_IMPORTED if m in mods]
     assert "numba.np.arraymath" in mods and got["probe"] == "LazyProbe"
-    assert got["deferred"] and "olv_runtime.kernels.decode_stack" in mods
+    assert got["deferred"] and "olv_runtime.kernels.decoder_layers" in mods
 
 
 def test_deferred_blas_probe_gives_numbas_answer():
@@ -91,12 +91,17 @@ def test_lazy_probe_runs_once():
 
 
 def test_models_package_is_lazy():
-    code = ("import sys, olv_runtime.models.genai, olv_runtime.models as m;"
-            "a = 'olv_runtime.models.qwen' in sys.modules;"
-            "print(a, m.convert.__module__, m.qwen.__name__, 'onnx' in sys.modules)")
+    """Loading a model reads an onnxruntime-genai folder's config (olv_runtime.io.genai): that
+    must not pull in the converters, the graph builder and onnx; the models package then gives
+    the converter's names."""
+    code = ("import sys, olv_runtime.io.genai;"
+            "a = 'olv_runtime.models' in sys.modules or 'olv_runtime.models.hf' in sys.modules;"
+            "b = 'onnx' in sys.modules;"
+            "import olv_runtime.models as m;"
+            "print(a, b, m.convert.__module__, m.hf.__name__, 'onnx' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["False", "olv_runtime.models.qwen", "olv_runtime.models.qwen",
+    assert r.stdout.split() == ["False", "False", "olv_runtime.models.hf", "olv_runtime.models.hf",
                                 "True"]
 
 
@@ -106,7 +111,7 @@ def test_bfloat16_tables_import_ml_dtypes_when_first_needed():
     code = ("import sys, olv_runtime\n"
             "from olv_runtime.proto import TensorProto as T\n"
             "from olv_runtime.structs.layout import LEAF_TYPES\n"
-            "from olv_runtime.helper import np_dtype_to_tensor_type, tensor_type_to_np_dtype\n"
+            "from olv_runtime.proto.helper import np_dtype_to_tensor_type, tensor_type_to_np_dtype\n"
             "before = 'ml_dtypes' in sys.modules\n"
             "bits, kind, dt = LEAF_TYPES[T.BFLOAT16]\n"
             "import ml_dtypes\n"

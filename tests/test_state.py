@@ -18,7 +18,7 @@ import olv_runtime
 from olv_runtime import proto as pb
 from olv_runtime.counters import PROCESS, Counters, recording
 from olv_runtime.errors import BindingError, InvalidArgument, StateError, ValidationError
-from olv_runtime.helper import make_node, make_tensor, make_tensor_value_info
+from olv_runtime.proto.helper import make_node, make_tensor, make_tensor_value_info
 from olv_runtime.io import Model
 from olv_runtime.ops.registry import Op, register
 from olv_runtime.state import make_state, resolve_bindings
@@ -679,7 +679,7 @@ def _save(model_proto, path):
 def test_one_check_per_value_per_call(monkeypatch):
     """A call checks each feed and each value it retains once: the retained inputs, checked
     when they were retained, enter the next call without a second per-binding check."""
-    import olv_runtime.session as session_mod
+    import olv_runtime.executor.session as session_mod
     import olv_runtime.state.state as state_mod
 
     state = _state()

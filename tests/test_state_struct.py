@@ -8,7 +8,7 @@ import pytest
 import olv_runtime
 from olv_runtime import proto as pb
 from olv_runtime.errors import InvalidArgument
-from olv_runtime.helper import make_node, make_tensor
+from olv_runtime.proto.helper import make_node, make_tensor
 from olv_runtime.structs.build import declare, field, scalar, structure, tensor
 
 

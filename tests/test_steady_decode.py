@@ -1,5 +1,5 @@
 """The steady decode path of a state (olv_runtime.state.State._run_steady) and the session's
-decode program (olv_runtime.session.DecodeProgram).
+decode program (olv_runtime.executor.session.DecodeProgram).
 
 Oracle: the same model and token sequence through the generic path (a state that never takes
 the steady path: every feed checked, every retained output checked, the executor running every
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import olv_runtime
-from olv_runtime import decoder_stack
+from olv_runtime.executor import decoder_step as decoder_stack
 from olv_runtime.counters import Counters
 from olv_runtime.errors import InvalidArgument, StateError
-from olv_runtime.session import DecodeProgram
+from olv_runtime.executor.session import DecodeProgram
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 TOKENS = [3, 8, 13, 21, 34, 55, 89, 1, 2, 4, 9, 16]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from olv_runtime import proto as pb
 from olv_runtime.io import Model
 from olv_runtime.structs import build as B
-from olv_runtime.structs import resolve
+from olv_runtime.decoding import resolve
 
 T = pb.TensorProto
 SEEDS = [0, 1]

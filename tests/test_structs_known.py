@@ -18,14 +18,10 @@ from olv_runtime.errors import (
     RecordCountError,
     UnsupportedOperatorError,
 )
-from olv_runtime.helper import make_node, make_tensor, make_tensor_value_info
+from olv_runtime.proto.helper import make_node, make_tensor, make_tensor_value_info
 from olv_runtime.io import Model
-from olv_runtime.structs import (
-    StructValue,
-    register_native_decoder,
-    resolve,
-    unregister_native_decoder,
-)
+from olv_runtime.decoding import register_native_decoder, resolve, unregister_native_decoder
+from olv_runtime.structs import StructValue
 from olv_runtime.structs import build as B
 from olv_runtime.structs import examples as X
 
@@ -371,8 +367,8 @@ def test_nested_subtype_decoder_is_not_used():
 # -- decode_value / to_decoded ---------------------------------------------------------------------
 def test_to_decoded_runs_side_by_side():
     rng = np.random.default_rng(5)
-    from olv_runtime.helper import make_affine_encoded
-    from olv_runtime.quantize import quantize_int4_blockwise
+    from olv_runtime.proto.helper import make_affine_encoded
+    from olv_runtime.structs.quantize import quantize_int4_blockwise
 
     w = rng.standard_normal((8, 64)).astype(np.float32)
     codes, scale = quantize_int4_blockwise(w)

@@ -22,11 +22,11 @@ from olv_runtime.errors import (
     UnresolvedTypeRefError,
     ValidationError,
 )
-from olv_runtime.helper import make_tensor, make_tensor_type
+from olv_runtime.proto.helper import make_tensor, make_tensor_type
 from olv_runtime.io import Model
 from olv_runtime.structs import build as B
 from olv_runtime.structs import examples as X
-from olv_runtime.structs import resolve
+from olv_runtime.decoding import resolve
 
 T = pb.TensorProto
 
@@ -369,7 +369,7 @@ def test_names_may_also_appear_in_graph_inputs():
 
 def test_validation_happens_before_any_decoder_runs():
     calls = []
-    from olv_runtime.structs import register_native_decoder, unregister_native_decoder
+    from olv_runtime.decoding import register_native_decoder, unregister_native_decoder
 
     register_native_decoder(7, lambda v: calls.append("decode"),
                             lambda root: calls.append("verify"))

@@ -159,7 +159,7 @@ def test_plain_onnx_model_loads_unchanged(tmp_path):
 
 
 def _dense_model(n: int = 4096) -> pb.ModelProto:
-    from olv_runtime.helper import make_node, make_tensor, make_tensor_value_info
+    from olv_runtime.proto.helper import make_node, make_tensor, make_tensor_value_info
 
     m = pb.ModelProto(ir_version=10)
     m.opset_import.add(domain="", version=23)

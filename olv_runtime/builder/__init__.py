@@ -19,7 +19,6 @@ from olv_runtime.builder.context import (  # noqa: F401
     SymSequence,
     SymTensor,
     SymType,
-    make_sym_encoded,
 )
 from olv_runtime.builder.errors import (  # noqa: F401
     BoundValueError,
@@ -32,13 +31,11 @@ from olv_runtime.builder.errors import (  # noqa: F401
     StandardExportError,
     UnavailableValueError,
 )
+from olv_runtime.builder.export import (  # noqa: F401
+    FEEDBACK_METADATA_KEY,
+    export_standard,
+    save_standard,
+    to_onnx,
+)
 from olv_runtime.builder.graph import GraphBuilder  # noqa: F401
-from olv_runtime.builder.inference import infer_graph, infer_node  # noqa: F401
-
-
-def __getattr__(name):  # the exporter imports onnx helpers lazily
-    if name in ("export_standard", "save_standard", "to_onnx", "FEEDBACK_METADATA_KEY"):
-        from olv_runtime.builder import export
-
-        return getattr(export, name)
-    raise AttributeError(f"module 'olv_runtime.builder' has no attribute {name!r}")
+from olv_runtime.builder.inference import infer_graph, infer_node, make_sym_encoded  # noqa: F401

@@ -23,17 +23,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
-import numpy as np
-
 from olv_runtime.builder.errors import (
     ConflictingTypeError,
     DuplicateValueError,
     UnavailableValueError,
 )
-from olv_runtime.errors import DecoderError, EncodingError, PayloadError, RecordCountError
-from olv_runtime.proto import EncodedValueProto, StructTypeProto, TensorProto, TypeProto
+from olv_runtime.decoding.decoders import native_decoders
+from olv_runtime.proto import StructTypeProto, TypeProto
 from olv_runtime.structs.catalogue import Catalogue, RootType, describe
-from olv_runtime.values import NP_DTYPE, affine_value, dtype_name, param_tensor, tensor_type_shape
+from olv_runtime.structs.initializers import dtype_name
 
 Dim = Union[int, str, None]
 
@@ -230,8 +228,6 @@ class SymEncodedValue:
             return True
         if self.layout.root.declaration.HasField("decoder"):
             return True
-        from olv_runtime.structs.decoders import native_decoders
-
         return self.layout.type_id is not None and self.layout.type_id in native_decoders()
 
     def describe(self) -> str:
@@ -258,160 +254,8 @@ def sym_from_type(tp: TypeProto) -> Sym:
 
 
 # -- encoded values: the one helper used by the builder and by model inference ---------------
-def encoded_byte_extent(ev: EncodedValueProto, what: str) -> tuple[int, bool]:
-    """(payload bytes, external?) of an encoded value, without reading the payload.
-
-    Raises
-    ------
-    PayloadError
-        raw_data together with external data; EXTERNAL without location or explicit length; a
-        bad length.
-    """
-    external = ev.data_location == TensorProto.EXTERNAL
-    if ev.external_data and not external:
-        raise PayloadError(f"{what}: external_data is set but data_location is not EXTERNAL")
-    if not external:
-        return len(ev.raw_data), False
-    if ev.HasField("raw_data"):
-        raise PayloadError(f"{what}: raw_data and external_data are mutually exclusive")
-    entries = {e.key: e.value for e in ev.external_data}
-    if not entries.get("location"):
-        raise PayloadError(f"{what}: EXTERNAL payload without 'location'")
-    if "length" not in entries:
-        raise PayloadError(f"{what}: EXTERNAL payload needs an explicit 'length' (seed 000)")
-    try:
-        length = int(entries["length"])
-    except ValueError:
-        raise PayloadError(f"{what}: bad external length {entries['length']!r}") from None
-    if length < 0:
-        raise PayloadError(f"{what}: negative external length {length}")
-    return length, True
-
-
-def make_sym_encoded(ev: EncodedValueProto, catalogue: Catalogue) -> SymEncodedValue:
-    """Validate one ``EncodedValueProto`` and describe it (seed 002 "Inference" steps 1-5).
-
-    1. resolve the built-in layout or the inline / ID-referenced struct type;
-    2. take the inline byte length or validate the explicit external extent;
-    3. check the layout's size rules (struct: whole records, counted by exact division; affine:
-       ``ceil(n * bits / 8)`` bytes and DequantizeLinear parameter shapes);
-    4. check the logical type (concrete tensor for affine; a tensor type for struct values, whose
-       FunctionProto decoder must read only leaf/constant paths and return one output);
-    5. return the :class:`SymEncodedValue`.
-
-    The payload is never read except, for an inline affine payload, its last byte (unused high
-    bits must be zero).
-
-    Raises
-    ------
-    EncodingError, AffineLayoutError, LayoutError, PayloadError, RecordCountError,
-    CatalogueError, DecoderError
-    """
-    what = f"encoded value {ev.name!r}"
-    if not ev.name:
-        raise EncodingError("an encoded value needs a name")
-    size, external = encoded_byte_extent(ev, what)
-    kind = ev.WhichOneof("layout")
-    if kind == "affine":
-        a = ev.affine
-        params = []
-        for part in (a.scale, a.zero_point):
-            if part.data_location == TensorProto.EXTERNAL:
-                # external parameters (olv compile writes them so): only their type and shape
-                # matter here, the payload is never read
-                dt = NP_DTYPE.get(part.data_type, np.dtype(np.int8))
-                params.append(np.broadcast_to(np.zeros((), dt), tuple(int(d) for d in part.dims)))
-            else:
-                params.append(None)
-        scale = params[0] if params[0] is not None else param_tensor(a.scale)
-        zp = None
-        if a.HasField("zero_point"):
-            zp = params[1] if params[1] is not None else param_tensor(a.zero_point)
-        if external:  # extent only: a zero-stride view of the right length (no allocation)
-            codes = np.broadcast_to(np.zeros(1, np.uint8), (size,))
-        else:
-            codes = np.frombuffer(ev.raw_data, np.uint8) if size else np.zeros(0, np.uint8)
-        affine_value(ev, codes, scale, zp)  # AffineLayoutError with the numbers
-        logical = TypeProto()
-        logical.CopyFrom(ev.logical_type)
-        return SymEncodedValue(ev.name, EncodedLayoutRef("affine", affine=_copy(a)), size, None,
-                               logical, external)
-    if kind == "struct_type":
-        root = catalogue.root(ev.struct_type, what)
-        rb = root.record_bytes
-        if size % rb:
-            raise RecordCountError(
-                f"{what} ({root.describe()}): payload bytes {size} are not a whole number of "
-                f"{rb}-byte records ({size // rb} records + {size % rb} bytes)"
-            )
-        logical = None
-        if ev.HasField("logical_type"):
-            tensor_type_shape(ev.logical_type, what)
-            logical = TypeProto()
-            logical.CopyFrom(ev.logical_type)
-        decl = root.declaration
-        if decl.HasField("decoder"):
-            fn = decl.decoder
-            paths = set(root.layout.paths())
-            unknown = [i for i in fn.input if i not in paths]
-            if unknown:
-                raise DecoderError(
-                    f"{what}: decoder {fn.name!r} of {root.describe()} reads {unknown}, which are "
-                    f"no leaf or constant paths of the record (paths: {sorted(paths)})"
-                )
-            if len(fn.output) != 1:
-                raise DecoderError(
-                    f"{what}: decoder {fn.name!r} must have exactly one output (the logical "
-                    f"tensor), has {len(fn.output)}"
-                )
-            if logical is not None:
-                _check_decoder_output(what, root, size // rb, logical)
-        return SymEncodedValue(ev.name, EncodedLayoutRef("struct", root=root), size, size // rb,
-                               logical, external)
-    raise EncodingError(f"{what}: no layout (affine or struct_type) set")
-
-
-def _check_decoder_output(what: str, root: RootType, records: int, logical: TypeProto) -> None:
-    """Infer the FunctionProto decoder over the field shapes olv_runtime binds
-    (``[records, *field_shape]``, constants with their own shape) and compare its output with
-    the logical type wherever inference knows it."""
-    from olv_runtime.builder.errors import BuilderError
-    from olv_runtime.builder.inference import infer_node
-    from olv_runtime.values import DTYPE_TO_ONNX
-
-    fn = root.declaration.decoder
-    opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in fn.opset_import}
-    fctx = ShapesContext(opsets=opsets or {"": 21})
-    for path in fn.input:
-        leaf = root.layout.leaf(path)
-        if leaf is not None:
-            et = DTYPE_TO_ONNX.get(np.dtype(leaf.dtype).newbyteorder("="), 0)
-            fctx.set_value(path, SymTensor(et, (records, *leaf.shape)))
-        else:
-            c = root.layout.constant(path)
-            et = DTYPE_TO_ONNX.get(c.value.dtype.newbyteorder("="), 0)
-            fctx.set_value(path, SymTensor(et, tuple(c.value.shape)))
-    try:
-        for n in fn.node:
-            for name, sym in zip(n.output, infer_node(fctx, n)):
-                if name and sym is not None:
-                    fctx.set_value(name, sym, replace=True)
-    except BuilderError as exc:
-        raise DecoderError(f"{what}: decoder {fn.name!r}: {exc}") from None
-    got = fctx.lookup(fn.output[0])
-    want = SymTensor.from_type(logical)
-    if not isinstance(got, SymTensor):
-        return
-    if got.elem_type and got.elem_type != want.elem_type or (
-            got.shape is not None and all(isinstance(d, int) for d in got.shape)
-            and tuple(got.shape) != tuple(want.shape)):
-        raise DecoderError(
-            f"{what}: decoder {fn.name!r} of {root.describe()} produces {got.describe()} for "
-            f"{records} records, but logical_type is {want.describe()}"
-        )
-
-
-def _copy(msg):
+def copy_message(msg):
+    """A new message of the same type holding a copy of ``msg``."""
     out = type(msg)()
     out.CopyFrom(msg)
     return out
@@ -441,7 +285,7 @@ class _Catalogue:
                 "a format requires a new type_id)"
             )
         decls = dict(self.decls)
-        decls[tid] = _copy(st)
+        decls[tid] = copy_message(st)
         resolved = Catalogue(decls.values())  # validates identity, references, cycles
         self.decls = decls
         self._resolved = resolved
@@ -470,7 +314,7 @@ class _Catalogue:
             seen[tid] = st
         resolved = Catalogue(list(decls.values()) + list(seen.values()))
         for tid, st in seen.items():
-            decls[tid] = _copy(st)
+            decls[tid] = copy_message(st)
         self.decls = decls
         self._resolved = resolved
         return [int(st.type_id) for st in sts]

@@ -36,8 +36,10 @@ from olv_runtime.builder.context import SymEncodedValue
 from olv_runtime.builder.errors import StandardExportError
 from olv_runtime.builder.graph import GraphBuilder
 from olv_runtime.builder.inference import node_label, subgraphs
-from olv_runtime.io import Model, as_model
+from olv_runtime.io import Model, as_model, save
 from olv_runtime.proto import AttributeProto, ModelProto, NodeProto, TensorProto
+from olv_runtime.proto.helper import make_node, make_tensor
+from olv_runtime.structs.value import encoded_value
 
 __all__ = ["export_standard", "save_standard", "to_onnx", "FEEDBACK_METADATA_KEY",
            "lower_to_standard"]
@@ -107,8 +109,6 @@ def export_standard(model, *, feedback: bool = False) -> Model:
 
 def save_standard(model, path, *, feedback: bool = False, external_data: bool | None = None):
     """:func:`export_standard`, then :func:`olv_runtime.save` to ``path``."""
-    from olv_runtime.io import save
-
     return save(export_standard(model, feedback=feedback), path, external_data=external_data)
 
 
@@ -216,9 +216,6 @@ def _param(b: GraphBuilder, name: str, t: TensorProto) -> str:
 
 
 def _lower_struct(b: GraphBuilder, ev, sym: SymEncodedValue):
-    from olv_runtime.helper import make_tensor
-    from olv_runtime.structs.value import encoded_value
-
     root = sym.layout.root
     decl = root.declaration
     if not decl.HasField("decoder"):
@@ -298,8 +295,6 @@ def _lower_graph(g, lowered, b) -> None:
 def _decode_nodes(n: NodeProto, how) -> list:
     if how[0] == "affine":
         _, inputs, attrs = how
-        from olv_runtime.helper import make_node
-
         return [make_node("DequantizeLinear", inputs, [n.output[0]], name=n.name or None, **attrs)]
     _, fn, fields = how
     out_name = n.output[0]

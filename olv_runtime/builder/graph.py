@@ -26,11 +26,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from olv_runtime.builder import passes
 from olv_runtime.builder.context import (
     ShapesContext,
     SymEncodedValue,
     SymTensor,
-    make_sym_encoded,
     sym_from_type,
 )
 from olv_runtime.builder.errors import (
@@ -38,9 +38,15 @@ from olv_runtime.builder.errors import (
     DuplicateValueError,
     StandaloneGraphError,
 )
-from olv_runtime.builder.inference import infer_node, node_label, subgraphs
+from olv_runtime.builder.inference import (
+    infer_node,
+    make_sym_encoded,
+    node_label,
+    node_reads,
+    subgraphs,
+)
 from olv_runtime.errors import BindingError
-from olv_runtime.helper import make_node, make_tensor, make_tensor_type
+from olv_runtime.io import Model, as_model, save
 from olv_runtime.proto import (
     AttributeProto,
     EncodedValueProto,
@@ -53,6 +59,8 @@ from olv_runtime.proto import (
     TypeProto,
     ValueInfoProto,
 )
+from olv_runtime.proto.helper import make_node, make_tensor, make_tensor_type
+from olv_runtime.state.bindings import resolve_bindings
 
 __all__ = ["GraphBuilder", "struct_refs", "inline_struct"]
 
@@ -352,7 +360,7 @@ class GraphBuilder:
             Node name (unique; generated when omitted).
         domain : str
         **attrs
-            Attributes (see :func:`olv_runtime.helper.make_attribute`); a ``GraphBuilder`` or
+            Attributes (see :func:`olv_runtime.proto.helper.make_attribute`); a ``GraphBuilder`` or
             ``GraphProto`` value becomes a GRAPH attribute.
 
         Returns
@@ -507,38 +515,24 @@ class GraphBuilder:
 
     # ------------------------------------------------------------------ passes (see passes.py)
     def remove_dead_nodes(self, *, initializers: bool = True) -> int:
-        from olv_runtime.builder import passes
-
         return passes.remove_dead_nodes(self, initializers=initializers)
 
     def dedup_initializers(self) -> dict[str, str]:
-        from olv_runtime.builder import passes
-
         return passes.dedup_initializers(self)
 
     def rename_value(self, old: str, new: str) -> None:
-        from olv_runtime.builder import passes
-
         passes.rename_value(self, old, new)
 
     def remove_node(self, name: str) -> NodeProto:
-        from olv_runtime.builder import passes
-
         return passes.remove_node(self, name)
 
     def remove_output(self, name: str, *, drop_binding: bool = False) -> None:
-        from olv_runtime.builder import passes
-
         passes.remove_output(self, name, drop_binding=drop_binding)
 
     def remove_input(self, name: str, *, drop_binding: bool = False) -> None:
-        from olv_runtime.builder import passes
-
         passes.remove_input(self, name, drop_binding=drop_binding)
 
     def replace_uses(self, old: str, new: str) -> int:
-        from olv_runtime.builder import passes
-
         return passes.replace_uses(self, old, new)
 
     # ------------------------------------------------------------------ import
@@ -553,8 +547,6 @@ class GraphBuilder:
         OlvError
             Anything the builder rejects (the message names the value or node).
         """
-        from olv_runtime.io import as_model
-
         m = as_model(model)
         src = m.proto
         b = cls(src.graph.name, opsets=[(o.domain, o.version) for o in src.opset_import],
@@ -628,9 +620,6 @@ class GraphBuilder:
         """
         if not self._bindings:
             return
-        from olv_runtime.io import Model
-        from olv_runtime.state.state import resolve_bindings
-
         probe = ModelProto()
         for st in self.ctx.struct_types:
             probe.struct_types.append(st)
@@ -722,8 +711,6 @@ class GraphBuilder:
     def save(self, path, **kwargs) -> pathlib.Path:
         """Write :meth:`to_model` with :func:`olv_runtime.save`; external payloads of an
         imported model resolve against its original directory."""
-        from olv_runtime.io import Model, save
-
         return save(Model(self.to_model(), self.source_path), path, **kwargs)
 
     def used_type_ids(self) -> set[int]:
@@ -765,26 +752,6 @@ def _copy_field(dst, fd, val) -> None:
         getattr(dst, fd.name).CopyFrom(val)
     else:
         setattr(dst, fd.name, val)
-
-
-def node_reads(node: NodeProto) -> set[str]:
-    """Names a node reads: its inputs plus outer-scope names read inside its subgraphs."""
-    names = {n for n in node.input if n}
-    for _, g in subgraphs(node):
-        names |= graph_outer_reads(g)
-    return names
-
-
-def graph_outer_reads(g: GraphProto) -> set[str]:
-    """Names read by a subgraph that it does not define itself."""
-    defined = {vi.name for vi in g.input} | {t.name for t in g.initializer} | \
-        {e.name for e in g.encoded_initializer}
-    reads: set[str] = set()
-    for n in g.node:
-        reads |= {x for x in node_reads(n) if x not in defined}
-        defined |= set(n.output)
-    reads |= {vi.name for vi in g.output if vi.name not in defined}
-    return reads
 
 
 def _node_type_refs(node: NodeProto) -> set[int]:

@@ -20,21 +20,45 @@ the context (seed 002 "Inference"); the GraphBuilder calls it as each node is ad
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import defs as onnx_defs
 
 from olv_runtime.builder.context import (
+    EncodedLayoutRef,
     ShapesContext,
     Sym,
     SymEncodedValue,
     SymSequence,
     SymTensor,
     SymType,
+    copy_message,
     sym_from_type,
 )
-from olv_runtime.builder.errors import EncodedInputError, InferenceError
-from olv_runtime.errors import MissingDecoderError
-from olv_runtime.proto import AttributeProto, GraphProto, NodeProto
+from olv_runtime.builder.errors import BuilderError, EncodedInputError, InferenceError
+from olv_runtime.errors import (
+    DecoderError,
+    EncodingError,
+    MissingDecoderError,
+    PayloadError,
+    RecordCountError,
+)
+from olv_runtime.proto import (
+    AttributeProto,
+    EncodedValueProto,
+    GraphProto,
+    NodeProto,
+    TensorProto,
+    TypeProto,
+)
+from olv_runtime.structs.catalogue import Catalogue, RootType
+from olv_runtime.structs.initializers import (
+    DTYPE_TO_ONNX,
+    NP_DTYPE,
+    affine_value,
+    param_tensor,
+    tensor_type_shape,
+)
 
 #: (domain, op_type) of operators whose schema accepts an encoded input.
 ENCODED_CONSUMERS = {("olv", "Decode")}
@@ -150,9 +174,7 @@ def _infer_call(ctx: ShapesContext, node, fn, ins, label) -> list:
 
 def infer_graph(ctx: ShapesContext, graph: GraphProto) -> None:
     """Seed and infer a whole graph into ``ctx`` (inputs, initializers, encoded initializers via
-    :func:`~olv_runtime.builder.context.make_sym_encoded`, then nodes in order)."""
-    from olv_runtime.builder.context import make_sym_encoded
-
+    :func:`make_sym_encoded`, then nodes in order)."""
     for vi in graph.input:
         ctx.set_value(vi.name, sym_from_type(vi.type), replace=True)
     for t in graph.initializer:
@@ -313,3 +335,174 @@ def _record_constant(ctx, node) -> None:
         elif a.name == "value_ints":
             ctx.constants[node.output[0]] = onnx.helper.make_tensor(
                 node.output[0], onnx.TensorProto.INT64, [len(a.ints)], list(a.ints))
+
+
+# -- encoded values: layout, byte extent, size rules, decoder output ----------------------------
+def encoded_byte_extent(ev: EncodedValueProto, what: str) -> tuple[int, bool]:
+    """(payload bytes, external?) of an encoded value, without reading the payload.
+
+    Raises
+    ------
+    PayloadError
+        raw_data together with external data; EXTERNAL without location or explicit length; a
+        bad length.
+    """
+    external = ev.data_location == TensorProto.EXTERNAL
+    if ev.external_data and not external:
+        raise PayloadError(f"{what}: external_data is set but data_location is not EXTERNAL")
+    if not external:
+        return len(ev.raw_data), False
+    if ev.HasField("raw_data"):
+        raise PayloadError(f"{what}: raw_data and external_data are mutually exclusive")
+    entries = {e.key: e.value for e in ev.external_data}
+    if not entries.get("location"):
+        raise PayloadError(f"{what}: EXTERNAL payload without 'location'")
+    if "length" not in entries:
+        raise PayloadError(f"{what}: EXTERNAL payload needs an explicit 'length' (seed 000)")
+    try:
+        length = int(entries["length"])
+    except ValueError:
+        raise PayloadError(f"{what}: bad external length {entries['length']!r}") from None
+    if length < 0:
+        raise PayloadError(f"{what}: negative external length {length}")
+    return length, True
+
+
+def make_sym_encoded(ev: EncodedValueProto, catalogue: Catalogue) -> SymEncodedValue:
+    """Validate one ``EncodedValueProto`` and describe it (seed 002 "Inference" steps 1-5).
+
+    1. resolve the built-in layout or the inline / ID-referenced struct type;
+    2. take the inline byte length or validate the explicit external extent;
+    3. check the layout's size rules (struct: whole records, counted by exact division; affine:
+       ``ceil(n * bits / 8)`` bytes and DequantizeLinear parameter shapes);
+    4. check the logical type (concrete tensor for affine; a tensor type for struct values, whose
+       FunctionProto decoder must read only leaf/constant paths and return one output);
+    5. return the :class:`SymEncodedValue`.
+
+    The payload is never read except, for an inline affine payload, its last byte (unused high
+    bits must be zero).
+
+    Raises
+    ------
+    EncodingError, AffineLayoutError, LayoutError, PayloadError, RecordCountError,
+    CatalogueError, DecoderError
+    """
+    what = f"encoded value {ev.name!r}"
+    if not ev.name:
+        raise EncodingError("an encoded value needs a name")
+    size, external = encoded_byte_extent(ev, what)
+    kind = ev.WhichOneof("layout")
+    if kind == "affine":
+        a = ev.affine
+        params = []
+        for part in (a.scale, a.zero_point):
+            if part.data_location == TensorProto.EXTERNAL:
+                # external parameters (olv compile writes them so): only their type and shape
+                # matter here, the payload is never read
+                dt = NP_DTYPE.get(part.data_type, np.dtype(np.int8))
+                params.append(np.broadcast_to(np.zeros((), dt), tuple(int(d) for d in part.dims)))
+            else:
+                params.append(None)
+        scale = params[0] if params[0] is not None else param_tensor(a.scale)
+        zp = None
+        if a.HasField("zero_point"):
+            zp = params[1] if params[1] is not None else param_tensor(a.zero_point)
+        if external:  # extent only: a zero-stride view of the right length (no allocation)
+            codes = np.broadcast_to(np.zeros(1, np.uint8), (size,))
+        else:
+            codes = np.frombuffer(ev.raw_data, np.uint8) if size else np.zeros(0, np.uint8)
+        affine_value(ev, codes, scale, zp)  # AffineLayoutError with the numbers
+        logical = TypeProto()
+        logical.CopyFrom(ev.logical_type)
+        return SymEncodedValue(ev.name, EncodedLayoutRef("affine", affine=copy_message(a)), size, None,
+                               logical, external)
+    if kind == "struct_type":
+        root = catalogue.root(ev.struct_type, what)
+        rb = root.record_bytes
+        if size % rb:
+            raise RecordCountError(
+                f"{what} ({root.describe()}): payload bytes {size} are not a whole number of "
+                f"{rb}-byte records ({size // rb} records + {size % rb} bytes)"
+            )
+        logical = None
+        if ev.HasField("logical_type"):
+            tensor_type_shape(ev.logical_type, what)
+            logical = TypeProto()
+            logical.CopyFrom(ev.logical_type)
+        decl = root.declaration
+        if decl.HasField("decoder"):
+            fn = decl.decoder
+            paths = set(root.layout.paths())
+            unknown = [i for i in fn.input if i not in paths]
+            if unknown:
+                raise DecoderError(
+                    f"{what}: decoder {fn.name!r} of {root.describe()} reads {unknown}, which are "
+                    f"no leaf or constant paths of the record (paths: {sorted(paths)})"
+                )
+            if len(fn.output) != 1:
+                raise DecoderError(
+                    f"{what}: decoder {fn.name!r} must have exactly one output (the logical "
+                    f"tensor), has {len(fn.output)}"
+                )
+            if logical is not None:
+                _check_decoder_output(what, root, size // rb, logical)
+        return SymEncodedValue(ev.name, EncodedLayoutRef("struct", root=root), size, size // rb,
+                               logical, external)
+    raise EncodingError(f"{what}: no layout (affine or struct_type) set")
+
+
+def _check_decoder_output(what: str, root: RootType, records: int, logical: TypeProto) -> None:
+    """Infer the FunctionProto decoder over the field shapes olv_runtime binds
+    (``[records, *field_shape]``, constants with their own shape) and compare its output with
+    the logical type wherever inference knows it."""
+    fn = root.declaration.decoder
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in fn.opset_import}
+    fctx = ShapesContext(opsets=opsets or {"": 21})
+    for path in fn.input:
+        leaf = root.layout.leaf(path)
+        if leaf is not None:
+            et = DTYPE_TO_ONNX.get(np.dtype(leaf.dtype).newbyteorder("="), 0)
+            fctx.set_value(path, SymTensor(et, (records, *leaf.shape)))
+        else:
+            c = root.layout.constant(path)
+            et = DTYPE_TO_ONNX.get(c.value.dtype.newbyteorder("="), 0)
+            fctx.set_value(path, SymTensor(et, tuple(c.value.shape)))
+    try:
+        for n in fn.node:
+            for name, sym in zip(n.output, infer_node(fctx, n)):
+                if name and sym is not None:
+                    fctx.set_value(name, sym, replace=True)
+    except BuilderError as exc:
+        raise DecoderError(f"{what}: decoder {fn.name!r}: {exc}") from None
+    got = fctx.lookup(fn.output[0])
+    want = SymTensor.from_type(logical)
+    if not isinstance(got, SymTensor):
+        return
+    if got.elem_type and got.elem_type != want.elem_type or (
+            got.shape is not None and all(isinstance(d, int) for d in got.shape)
+            and tuple(got.shape) != tuple(want.shape)):
+        raise DecoderError(
+            f"{what}: decoder {fn.name!r} of {root.describe()} produces {got.describe()} for "
+            f"{records} records, but logical_type is {want.describe()}"
+        )
+
+
+# -- what a node or a graph reads -------------------------------------------------------------
+def node_reads(node: NodeProto) -> set[str]:
+    """Names a node reads: its inputs plus outer-scope names read inside its subgraphs."""
+    names = {n for n in node.input if n}
+    for _, g in subgraphs(node):
+        names |= graph_outer_reads(g)
+    return names
+
+
+def graph_outer_reads(g: GraphProto) -> set[str]:
+    """Names read by a subgraph that it does not define itself."""
+    defined = {vi.name for vi in g.input} | {t.name for t in g.initializer} | \
+        {e.name for e in g.encoded_initializer}
+    reads: set[str] = set()
+    for n in g.node:
+        reads |= {x for x in node_reads(n) if x not in defined}
+        defined |= set(n.output)
+    reads |= {vi.name for vi in g.output if vi.name not in defined}
+    return reads

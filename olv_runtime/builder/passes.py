@@ -16,12 +16,25 @@ and passes").
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 from olv_runtime.builder.context import SymEncodedValue
-from olv_runtime.builder.errors import BoundValueError, BuilderError, DuplicateValueError
-from olv_runtime.builder.graph import GraphBuilder, graph_outer_reads, node_reads
-from olv_runtime.builder.inference import node_label, subgraphs
-from olv_runtime.proto import GraphProto, TensorProto
+from olv_runtime.builder.errors import (
+    BoundValueError,
+    BuilderError,
+    DuplicateValueError,
+)
+from olv_runtime.builder.inference import (
+    graph_outer_reads,
+    node_label,
+    node_reads,
+    subgraphs,
+)
+from olv_runtime.io import Model
+from olv_runtime.proto import GraphProto, ModelProto, TensorProto
+
+if TYPE_CHECKING:  # annotations only: graph.py calls these passes
+    from olv_runtime.builder.graph import GraphBuilder
 
 __all__ = ["remove_dead_nodes", "dedup_initializers", "rename_value", "replace_uses",
            "remove_node", "remove_output", "remove_input"]
@@ -72,12 +85,8 @@ def _payload(b: GraphBuilder, msg) -> bytes | tuple:
     if msg.data_location == TensorProto.EXTERNAL:
         if b.source_path is None:
             return tuple((e.key, e.value) for e in msg.external_data)
-        from olv_runtime.io import Model
-
         model = getattr(b, "_payload_model", None)
         if model is None:
-            from olv_runtime.proto import ModelProto
-
             model = b._payload_model = Model(ModelProto(), b.source_path)
         return bytes(model.payload(msg))
     return msg.raw_data

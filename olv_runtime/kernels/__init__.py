@@ -5,14 +5,20 @@ the public wrappers re-exported here, which validate their arguments (raising
 :class:`olv_runtime.errors.InvalidArgument`), allocate the output when ``out`` is None, and call
 the jitted code. Compilation flags and the threading layer live in :mod:`.config`.
 """
-from .config import JIT, PJIT, get_num_threads, set_num_threads, threading_layer
-from .affine import dequantize_affine, gather_rows_int4, unpack_codes
-from .linear import linear_f32, linear_int4
-from .packed import PackedInt4, PackedWorkspace, linear_packed, make_workspace, prepack_int4
-from .norm import rms_norm
-from .rope import rotary_embedding
-from .attention import append_kv, attention, kv_write, rope_attention
 from .activations import silu_mul
+from .affine import dequantize_affine, gather_rows_int4, unpack_codes
+from .attention import append_kv, attention, kv_write, rope_attention
+from .config import JIT, PJIT, get_num_threads, set_num_threads, threading_layer
+from .linear import linear_f32, linear_int4
+from .norm import rms_norm
+from .packed import (
+    PackedInt4,
+    PackedWorkspace,
+    linear_packed,
+    make_workspace,
+    prepack_int4,
+)
+from .rope import rotary_embedding
 
 __all__ = [
     "JIT", "PJIT", "set_num_threads", "get_num_threads", "threading_layer",

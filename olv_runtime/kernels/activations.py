@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, vectorize
 
 from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_out
 
@@ -72,8 +72,6 @@ def _erf_ufunc():
     an eager ``@vectorize`` compiles (or loads) at ``import olv_runtime``, which every model
     paid for, Erf or not (cold start, issue 14)."""
     if not _ERF:
-        from numba import vectorize
-
         def _erf(x):
             return math.erf(x)
         _ERF.append(vectorize(["float32(float32)", "float64(float64)"], cache=True)(_erf))

@@ -27,8 +27,8 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
-from .half import scale_bits, widen
 from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_int, check_out
+from .half import scale_bits, widen
 
 __all__ = ["unpack_codes", "dequantize_affine", "gather_rows_int4"]
 

@@ -22,11 +22,13 @@ live. ``OLV_WEIGHT_ARENA=0`` turns the arena off (for A/B measurements).
 """
 from __future__ import annotations
 
-import os
+import ctypes
 import sys
 import threading
 
 import numpy as np
+
+from olv_runtime.config import weight_arena_enabled
 
 __all__ = ["weight_empty", "advise_huge_pages", "CHUNK_BYTES", "MIN_BYTES", "HUGE_PAGE"]
 
@@ -40,14 +42,7 @@ _state = {"chunk": None, "used": 0, "madvise": None}
 
 
 def _enabled() -> bool:
-    v = os.environ.get("OLV_WEIGHT_ARENA", "1").strip()
-    if v == "1" or v == "":
-        return True
-    if v == "0":
-        return False
-    from olv_runtime.errors import env_error
-
-    raise env_error("OLV_WEIGHT_ARENA", v, "'1' (the default: on), '0' (off)")
+    return weight_arena_enabled()
 
 
 def _madvise_hugepage(addr: int, nbytes: int) -> bool:
@@ -57,8 +52,6 @@ def _madvise_hugepage(addr: int, nbytes: int) -> bool:
     fn = _state["madvise"]
     if fn is None:
         try:
-            import ctypes
-
             libc = ctypes.CDLL(None, use_errno=True)
             fn = libc.madvise
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -27,8 +27,8 @@ from numba.core.extending import intrinsic
 
 from olv_runtime.errors import InvalidArgument
 
+from .config import JIT, PJIT, check_array, check_int, check_out
 from .rope import _rope_token
-from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_int, check_out
 
 __all__ = ["attention", "append_kv", "kv_write", "rope_attention"]
 

@@ -22,9 +22,13 @@ layer in use (or the one selected, if no parallel function has run yet).
 """
 from __future__ import annotations
 
-import os
+import importlib
+import threading
 
 import numba
+from numba.np.ufunc import parallel as _par
+
+from olv_runtime.config import JIT, PJIT, numba_threading_layer
 
 from .numba_startup import defer_blas_probe
 
@@ -32,8 +36,7 @@ defer_blas_probe()  # numba's first cache load would import scipy.linalg (see nu
 
 __all__ = ["JIT", "PJIT", "set_num_threads", "get_num_threads", "threading_layer", "lazy_njit"]
 
-JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
-PJIT = dict(JIT, parallel=True)
+# JIT / PJIT (the flags) are defined in olv_runtime.config: every numba flag in one place
 
 
 class LazyDispatcher:
@@ -48,8 +51,6 @@ class LazyDispatcher:
     """
 
     def __init__(self, pyfunc, signature, flags):
-        import threading
-
         self.py_func = pyfunc
         self.signature = signature
         self.flags = dict(flags)
@@ -89,14 +90,15 @@ def lazy_njit(signature, **flags):
 
 def _omp_available() -> bool:
     try:
-        from numba.np.ufunc import omppool  # noqa: F401
+        # a capability probe: the OpenMP pool needs the libgomp numba was built against
+        importlib.import_module("numba.np.ufunc.omppool")
     except ImportError:
         return False
     return True
 
 
 def _select_threading_layer() -> str:
-    user = os.environ.get("NUMBA_THREADING_LAYER", "").strip().lower()
+    user = numba_threading_layer()
     if user and user != "default":
         return numba.config.THREADING_LAYER
     layer = "omp" if _omp_available() else "workqueue"
@@ -135,8 +137,6 @@ def thread_count_fns():
     if fns is None:
         numba.get_num_threads()  # launches the threading layer
         try:
-            from numba.np.ufunc import parallel as _par
-
             fns = (_par._set_num_threads, _par._get_num_threads)
             if not (callable(fns[0]) and callable(fns[1])):
                 raise AttributeError("threading layer functions")

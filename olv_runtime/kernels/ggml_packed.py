@@ -66,8 +66,18 @@ from olv_runtime.errors import InvalidArgument
 from .config import JIT, PJIT, check_array, check_int
 from .packed import prepare_call, workspace_args
 from .packed_i8 import (
-    GROUP_ROWS, HOST_VNNI, V8F32, _aligned_empty, _check_array_arg, _elem_ptr, _fzero,
-    _prefetch, _quantize_rows_i8, _splat, _store_group, use_vnni,
+    GROUP_ROWS,
+    HOST_VNNI,
+    V8F32,
+    _aligned_empty,
+    _check_array_arg,
+    _elem_ptr,
+    _fzero,
+    _prefetch,
+    _quantize_rows_i8,
+    _splat,
+    _store_group,
+    use_vnni,
 )
 
 __all__ = ["GGMLPacked", "GGMLWorkspace", "KINDS", "RECORD_BYTES", "prepack_ggml",

@@ -22,6 +22,14 @@ import platform
 
 import numpy as np
 
+from olv_runtime.kernels.packed_i8 import GROUP_BLOCK_BYTES, GROUP_ROWS, PackedInt4I8
+from olv_runtime.lazy import lazy_module
+
+packed_zp = lazy_module("olv_runtime.kernels.packed_zp")  # zero-point weights only (warm start)
+import llvmlite.binding as llvm
+
+from olv_runtime.kernels.packed import TILE_ROWS, PackedInt4
+
 __all__ = ["PACKED_LAYOUT_VERSION", "PackedLayout", "LAYOUTS", "layout_of", "layout_named",
            "cpu_architecture", "cpu_features"]
 
@@ -83,12 +91,7 @@ class PackedLayout:
 
 
 def _i8_layout(name: str, zp: bool) -> PackedLayout:
-    from .packed_i8 import GROUP_BLOCK_BYTES, GROUP_ROWS
-
-    if zp:
-        from .packed_zp import PackedInt4I8Zp as cls
-    else:
-        from .packed_i8 import PackedInt4I8 as cls
+    cls = packed_zp.PackedInt4I8Zp if zp else PackedInt4I8
 
     def shapes(n, k, has_zp, scale_dtype=np.float32):
         ng, kb = -(-n // GROUP_ROWS), -(-k // 32)
@@ -103,8 +106,6 @@ def _i8_layout(name: str, zp: bool) -> PackedLayout:
 
 
 def _tile_layout(name: str) -> PackedLayout:
-    from .packed import TILE_ROWS, PackedInt4
-
     def shapes(n, k, has_zp, scale_dtype=np.float32):  # scales widened to float32
         t, kb = -(-n // TILE_ROWS), -(-k // 32)
         return {"codes": (np.uint16, (t, kb, 8, TILE_ROWS)),
@@ -191,8 +192,6 @@ def cpu_features() -> frozenset:
     """This CPU's features as LLVM reports them (``avx2``, ``avx512vnni``, ...)."""
     global _FEATURES
     if _FEATURES is None:
-        import llvmlite.binding as llvm
-
         feats = llvm.get_host_cpu_features()
         _FEATURES = frozenset(k for k, on in feats.items() if on)
     return _FEATURES

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 from numba import njit, prange
+from numpy.lib.stride_tricks import as_strided
 
 from .affine import _check_int4_matrix
-from .half import scale_bits, widen
 from .config import JIT, PJIT, check_array, check_out
+from .half import scale_bits, widen
 
 __all__ = ["linear_int4", "linear_f32"]
 

@@ -26,8 +26,10 @@ Source: numba 0.68 ``numba/np/arraymath.py`` (``_check_blas``, ``_HAVE_BLAS``),
 """
 from __future__ import annotations
 
-import os
+import importlib
 import sys
+
+from olv_runtime.config import blas_probe_eager
 
 __all__ = ["defer_blas_probe", "LazyProbe"]
 
@@ -65,12 +67,14 @@ def defer_blas_probe() -> bool:
         numba does not have the expected attributes.
     """
     global _APPLIED
-    if _APPLIED or os.environ.get("OLV_NUMBA_BLAS_PROBE", "").strip().lower() == "eager":
+    if _APPLIED or blas_probe_eager():
         return False
     if "numba.np.arraymath" in sys.modules:
         return False
     _APPLIED = True
-    import numba.np.linalg as linalg
+    # imported here, at this moment, on purpose: the hook must be in place before numba's
+    # arraymath is first imported (the whole point of this function)
+    linalg = importlib.import_module("numba.np.linalg")
 
     probe = getattr(linalg, "ensure_blas", None)
     if probe is None:
@@ -81,7 +85,7 @@ def defer_blas_probe() -> bool:
 
     linalg.ensure_blas = deferred
     try:
-        import numba.np.arraymath as arraymath
+        arraymath = importlib.import_module("numba.np.arraymath")
     finally:
         linalg.ensure_blas = probe
     if (getattr(arraymath, "ensure_blas", None) is not deferred

@@ -56,8 +56,8 @@ from numba import njit, prange
 
 from olv_runtime.errors import InvalidArgument
 
-from .half import scale_bits, widen
 from .config import JIT, PJIT, check_array, check_int, check_out
+from .half import scale_bits, widen
 
 __all__ = ["PackedInt4", "PackedWorkspace", "prepack_int4", "make_workspace", "linear_packed",
            "TILE_ROWS", "BLOCK"]

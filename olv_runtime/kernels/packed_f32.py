@@ -1,7 +1,7 @@
 """Exact-mode (float32 activations) INT4 linear on the :mod:`.packed_i8` layout.
 
 One prepacked copy (:class:`~.packed_i8.PackedInt4I8`, from :func:`~.packed_i8.prepack_int4_i8`)
-serves both modes: :func:`~.packed_i8.linear_packed_i8` (int8-quantized activations) and
+serves both modes: :func:`~.packed_i8_gemm.linear_packed_i8` (int8-quantized activations) and
 :func:`linear_packed_i8_exact` here (float32 activations, no activation quantization), which
 computes ``y = x @ W.T`` with ``W[n, k] = float32(q[n, k]) * scale[n, k // 32]`` (symmetric codes,
 no zero points) -- the math of ``linear_packed(x, prepack_int4(...), quantize_activations=False)``.
@@ -45,21 +45,30 @@ and ``workspace`` given a call allocates no array data.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from olv_runtime.errors import InvalidArgument
-
-from .config import JIT, PJIT, check_array, check_int, check_out
-from .packed import _pad_rows, prepare_call, workspace_args
 from . import packed_f32_vnni
+from .config import JIT, PJIT
+from .packed import _pad_rows, prepare_call, workspace_args
 from .packed_i8 import (
-    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, HOST_VNNI, PackedInt4I8, _check_array_arg, _elem_ptr,
-    _is_scale_array, _load_scales8, _prefetch, _splat, fast_call_rows, num_threads, use_vnni,
+    BLOCK,
+    GROUP_BLOCK_BYTES,
+    GROUP_ROWS,
+    HOST_VNNI,
+    PackedInt4I8,
+    _check_array_arg,
+    _elem_ptr,
+    _is_scale_array,
+    _load_scales8,
+    _prefetch,
+    _splat,
+    fast_call_rows,
+    num_threads,
+    use_vnni,
 )
 
 __all__ = ["PackedF32Workspace", "make_workspace_f32", "linear_packed_i8_exact"]

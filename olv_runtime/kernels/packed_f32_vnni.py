@@ -82,8 +82,19 @@ from numba.core.extending import intrinsic
 
 from .config import JIT, PJIT
 from .packed_i8 import (
-    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, V8F32, _check_array_arg, _elem_ptr, _fstore,
-    _is_scale_array, _load_scales8, _prefetch, _splat, emit_prefetch, prefetch_task_head,
+    BLOCK,
+    GROUP_BLOCK_BYTES,
+    GROUP_ROWS,
+    V8F32,
+    _check_array_arg,
+    _elem_ptr,
+    _fstore,
+    _is_scale_array,
+    _load_scales8,
+    _prefetch,
+    _splat,
+    emit_prefetch,
+    prefetch_task_head,
 )
 
 __all__ = ["PIECES", "DG_BYTES", "digit_buffers"]

@@ -86,26 +86,27 @@ Zero points are not supported (:func:`prepack_int4_i8` raises
 """
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic, models, register_model
+from numba.np.ufunc import parallel
 
-from olv_runtime.errors import InvalidArgument
+from olv_runtime.config import isa_override
+from olv_runtime.errors import InvalidArgument, env_error
 
 from .arena import weight_empty
-from .config import JIT, PJIT, check_array, check_int, check_out
+from .config import JIT, PJIT, check_array, check_int
 from .half import scale_bits
-from .packed import _quantize_block, prepare_call, workspace_args  # shared
+from .packed import _quantize_block, workspace_args  # shared
 
 __all__ = ["isa", "set_isa", "use_vnni", "fast_call_rows", "num_threads", "HOST_VNNI", "PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
-           "linear_packed_i8", "GROUP_ROWS", "BLOCK"]
+           "GROUP_ROWS", "BLOCK"]
 
 def _host_vnni() -> bool:
-    import llvmlite.binding as llvm
-
     f = llvm.get_host_cpu_features()
     return bool(f.get("avx512vnni") and f.get("avx512vl"))
 
@@ -116,9 +117,7 @@ HOST_VNNI = _host_vnni()
 
 
 def _env_isa():
-    import os
-
-    return os.environ.get("OLV_ISA", "").strip().lower() or None
+    return isa_override()
 
 
 #: ``forced``: set by :func:`set_isa`; ``env``: the ``OLV_ISA`` environment variable, read once
@@ -148,8 +147,6 @@ def _check_env_isa(value: str) -> None:
     argument: unset/empty, ``avx2`` or (where the CPU has it) ``avx512vnni``."""
     if value == "avx512vnni" and HOST_VNNI:
         return
-    from olv_runtime.errors import env_error
-
     if value == "avx512vnni":
         raise env_error("OLV_ISA", value, "unset or empty (choose from the CPU), 'avx2'; "
                         "'avx512vnni' only where the CPU has AVX-512 VNNI (+VL), this one has not")
@@ -183,8 +180,6 @@ def num_threads() -> int:
     get = _NT["get"]
     if get is None:
         n = numba.get_num_threads()  # launches the threading layer
-        from numba.np.ufunc import parallel
-
         get = getattr(parallel, "_get_num_threads", None)
         _NT["get"] = get if callable(get) else numba.get_num_threads
         return n
@@ -999,45 +994,3 @@ def _linear_ser(x, m, k, codes, scale, n, out, xq, xd, xs8, facc, vnni):
     _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
     _groups(codes, scale, np.int64(0), codes.shape[0], xq, xd, xs8, m, n, out, facc,
             vnni)  # not literal
-
-
-def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,
-                     workspace: PackedI8Workspace | None = None) -> np.ndarray:
-    """``y = x @ W.T`` with int8-quantized activations for a weight from :func:`prepack_int4_i8`.
-
-    Results equal ``linear_packed(x, prepack_int4(...), quantize_activations=True)`` (same
-    quantization, exact integer block sums, same float operations per block).
-
-    Parameters
-    ----------
-    x : ndarray of float32, shape [M, K], C-contiguous (any M). From M = 8 on the VNNI path
-        (prefill) runs the register-blocked tile GEMM of :mod:`.packed_i8_gemm` (same bits).
-    packed : PackedInt4I8
-    out : ndarray of float32, shape [M, N], C-contiguous, optional
-    workspace : PackedI8Workspace, optional
-        From :func:`make_workspace_i8` with ``m_max >= M`` and ``k_max >= K``. With ``out`` and
-        ``workspace`` given the call allocates no array data. One workspace per concurrent call.
-    """
-    ws = workspace
-    m = fast_call_rows(x, packed, out, ws, PackedInt4I8, PackedI8Workspace)
-    if m < 0:
-        m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedI8Workspace,
-                                  make_workspace_i8)
-        if m == 0:
-            return out
-    k, n, kp = packed.k, packed.n, packed.k_padded
-    vnni = use_vnni()
-    if m >= 8 and m * n * kp >= SERIAL_MAX_WORK and vnni:
-        # prefill: the register-blocked VNNI tile GEMM (same bits; compiled at its first use)
-        from .packed_i8_gemm import gemm_i8_vnni
-
-        ntasks = min(ws.n_tasks, num_threads(), packed.n_groups)
-        return gemm_i8_vnni(x, m, k, packed, out, ws, max(1, ntasks))
-    ntasks = min(ws.n_tasks, num_threads())
-    if m * n * kp < SERIAL_MAX_WORK or ntasks == 1 or packed.n_groups == 1:
-        _linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
-                    ws.facc[0], vnni)
-    else:  # the driver takes min(ntasks, groups) tasks
-        _linear_par(x, m, k, packed.codes, packed.scale, n, out, ntasks, ws.xq, ws.xd,
-                    ws.xs8, ws.facc, vnni)
-    return out

@@ -1,9 +1,9 @@
 """Register-blocked INT4 x int8 GEMM for prefill (M >= :data:`MIN_ROWS`) with AVX-512 VNNI.
 
-The math is that of :func:`~.packed_i8.linear_packed_i8` (module docstring there): activation rows
+The math is that of :func:`~.packed_i8_gemm.linear_packed_i8` (module docstring there): activation rows
 quantized per 32-block to int8 once per call, exact int32 block sums ``S = sum q * xq``, and per
 (row, block) the same float32 operations ``acc + float32(S - 8 sum xq) * (scale * d)`` (blocks in
-order, no FMA), so results are bitwise equal to :func:`~.packed_i8.linear_packed_i8` on either
+order, no FMA), so results are bitwise equal to :func:`~.packed_i8_gemm.linear_packed_i8` on either
 instruction path and to ``linear_packed(quantize_activations=True)``.
 
 Tile (the technique of register-blocked Q4 x Q8 GEMMs such as ik_llama.cpp's ``iqk`` kernels:
@@ -35,9 +35,30 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from .config import JIT, PJIT
+from .packed import prepare_call
 from .packed_i8 import (
-    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, HOST_VNNI, _Vec, _check_array_arg, _elem_ptr,
-    _group_r1, _group_r2, _group_r4, _is_scale_array, _quantize_rows_i8, _splat,
+    BLOCK,
+    GROUP_BLOCK_BYTES,
+    GROUP_ROWS,
+    HOST_VNNI,
+    SERIAL_MAX_WORK,
+    PackedI8Workspace,
+    PackedInt4I8,
+    _check_array_arg,
+    _elem_ptr,
+    _group_r1,
+    _group_r2,
+    _group_r4,
+    _is_scale_array,
+    _linear_par,
+    _linear_ser,
+    _quantize_rows_i8,
+    _splat,
+    _Vec,
+    fast_call_rows,
+    make_workspace_i8,
+    num_threads,
+    use_vnni,
 )
 
 __all__ = ["TILE_ROWS", "MIN_ROWS", "gemm_i8_vnni"]
@@ -250,9 +271,49 @@ def _gemm_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc, vnni):
 
 
 def gemm_i8_vnni(x, m, k, packed, out, ws, ntasks):
-    """Run the VNNI tile GEMM (arguments already checked by :func:`~.packed_i8.linear_packed_i8`,
+    """Run the VNNI tile GEMM (arguments already checked by :func:`~.packed_i8_gemm.linear_packed_i8`,
     which calls this for ``M >= MIN_ROWS`` on the VNNI path)."""
     assert HOST_VNNI
     _gemm_par(x, m, k, packed.codes, packed.scale, packed.n, out, ntasks, ws.xq, ws.xd,
               ws.xs8, ws.facc, True)
+    return out
+
+
+def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,
+                     workspace: PackedI8Workspace | None = None) -> np.ndarray:
+    """``y = x @ W.T`` with int8-quantized activations for a weight from :func:`prepack_int4_i8`.
+
+    Results equal ``linear_packed(x, prepack_int4(...), quantize_activations=True)`` (same
+    quantization, exact integer block sums, same float operations per block).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape [M, K], C-contiguous (any M). From M = 8 on the VNNI path
+        (prefill) runs the register-blocked tile GEMM of :mod:`.packed_i8_gemm` (same bits).
+    packed : PackedInt4I8
+    out : ndarray of float32, shape [M, N], C-contiguous, optional
+    workspace : PackedI8Workspace, optional
+        From :func:`make_workspace_i8` with ``m_max >= M`` and ``k_max >= K``. With ``out`` and
+        ``workspace`` given the call allocates no array data. One workspace per concurrent call.
+    """
+    ws = workspace
+    m = fast_call_rows(x, packed, out, ws, PackedInt4I8, PackedI8Workspace)
+    if m < 0:
+        m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedI8Workspace,
+                                  make_workspace_i8)
+        if m == 0:
+            return out
+    k, n, kp = packed.k, packed.n, packed.k_padded
+    vnni = use_vnni()
+    if m >= 8 and m * n * kp >= SERIAL_MAX_WORK and vnni:
+        # prefill: the register-blocked VNNI tile GEMM (same bits; compiled at its first use)
+        ntasks = min(ws.n_tasks, num_threads(), packed.n_groups)
+        return gemm_i8_vnni(x, m, k, packed, out, ws, max(1, ntasks))
+    ntasks = min(ws.n_tasks, num_threads())
+    if m * n * kp < SERIAL_MAX_WORK or ntasks == 1 or packed.n_groups == 1:
+        _linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
+                    ws.facc[0], vnni)
+    else:  # the driver takes min(ntasks, groups) tasks
+        _linear_par(x, m, k, packed.codes, packed.scale, n, out, ntasks, ws.xq, ws.xd,
+                    ws.xs8, ws.facc, vnni)
     return out

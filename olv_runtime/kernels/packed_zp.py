@@ -3,7 +3,7 @@
 onnxruntime's quantizers write blocked UINT4 weights with one zero point per (row, block):
 ``W[n, k] = (u[n, k] - z[n, k // 32]) * scale[n, k // 32]``, ``u, z`` in ``0..15``
 (``MatMulNBits`` ``zero_points``; ``DequantizeLinear(UINT4, scale, zero_point)`` in QDQ models).
-:mod:`olv_runtime.recognize` gives them as signed INT4 codes ``q = u - 8`` with int8 zero points
+:mod:`olv_runtime.structs.recognize` gives them as signed INT4 codes ``q = u - 8`` with int8 zero points
 ``zp = z - 8`` (the same logical tensor). This module keeps the fast layout for them: the codes
 and scales are exactly :class:`~.packed_i8.PackedInt4I8`'s (``u = q + 8`` nibbles, 8-row
 groups), plus one byte per (row, block) holding ``z = zp + 8`` in the group order of the scales
@@ -41,16 +41,38 @@ from olv_runtime.errors import InvalidArgument
 
 from .arena import weight_empty
 from .config import JIT, PJIT, check_array, check_int
-from .packed import _pad_rows, prepare_call
-from .packed_f32 import (NB_R1, NB_R2, NB_R4, PF_BYTES as PF_BYTES_F32, PackedF32Workspace,
-                         make_workspace_f32, SERIAL_MAX_WORK as SERIAL_MAX_WORK_F32)
-from .packed_i8 import (
-    BLOCK, GROUP_BLOCK_BYTES, GROUP_ROWS, SERIAL_MAX_WORK, V8F32, V8I32, PackedI8Workspace,
-    PackedInt4I8, _aligned_empty, _check_array_arg, _dot_r1, _dot_r2, _dot_r4, _elem_ptr,
-    _fzero, _is_scale_array, _load_scales8, _prefetch, _prefetch_block, _prepack,
-    _quantize_rows_i8, _splat, _store_group, make_workspace_i8, use_vnni,
-)
 from .half import scale_bits
+from .packed import _pad_rows, prepare_call
+from .packed_f32 import NB_R1, NB_R2, NB_R4, PackedF32Workspace, make_workspace_f32
+from .packed_f32 import PF_BYTES as PF_BYTES_F32
+from .packed_f32 import SERIAL_MAX_WORK as SERIAL_MAX_WORK_F32
+from .packed_i8 import (
+    BLOCK,
+    GROUP_BLOCK_BYTES,
+    GROUP_ROWS,
+    SERIAL_MAX_WORK,
+    V8F32,
+    V8I32,
+    PackedI8Workspace,
+    PackedInt4I8,
+    _aligned_empty,
+    _check_array_arg,
+    _dot_r1,
+    _dot_r2,
+    _dot_r4,
+    _elem_ptr,
+    _fzero,
+    _is_scale_array,
+    _load_scales8,
+    _prefetch,
+    _prefetch_block,
+    _prepack,
+    _quantize_rows_i8,
+    _splat,
+    _store_group,
+    make_workspace_i8,
+    use_vnni,
+)
 
 __all__ = ["PackedInt4I8Zp", "prepack_int4_i8_zp", "linear_packed_i8_zp",
            "linear_packed_i8_exact_zp"]
@@ -106,7 +128,7 @@ def prepack_int4_i8_zp(payload: np.ndarray, scale: np.ndarray, zero_point: np.nd
     ----------
     payload : ndarray of uint8, shape [>= ceil(N*K/2)]
         Signed INT4 codes ``q`` in ``[-8, 7]`` of ``W`` row-major, two per byte, low nibble first
-        (:func:`olv_runtime.recognize.linear_weight`'s form).
+        (:func:`olv_runtime.structs.recognize.linear_weight`'s form).
     scale : ndarray of float32 or float16, shape [N, ceil(K/32)]
     zero_point : ndarray of int8, shape [N, ceil(K/32)]
         ``zp`` in ``[-8, 7]`` with ``W = (q - zp) * scale`` (a UINT4 zero point ``z`` is

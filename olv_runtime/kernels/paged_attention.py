@@ -6,7 +6,7 @@ keys at positions ``<= p``; softmax in float32), seed 000 "Quantized and paged c
 feedback" (no full-cache copy or dequantization), online softmax (Milakov & Gimelshein 2018;
 FlashAttention's streaming form).
 
-Block storage (see :mod:`olv_runtime.state.paged`): block slots live in *chunks*; one chunk holds
+Block storage (see :mod:`olv_runtime.kv.paged`): block slots live in *chunks*; one chunk holds
 ``capacity`` slots of one (key format, value format) pair. The kernel sees one chunk side (K or V)
 as five arrays, only those of its format being real (the others are 1-element dummies):
 
@@ -30,7 +30,7 @@ The attention kernel reads blocks through a *block table*: an int64 array with o
 (:data:`TABLE_COLS`: per side the format code, the slot's raw address, the scale address and a
 per-token-scale flag; then the block's first position and its valid tokens; :func:`table_row`).
 The table is plain data, so a compiled decode step takes it as an argument
-(:mod:`olv_runtime.kernels.decode_stack`). Each (kv head, query) task makes one pass over the
+(:mod:`olv_runtime.kernels.decoder_layers`). Each (kv head, query) task makes one pass over the
 blocks for every query head of its group (GQA): consecutive blocks fill one softmax tile of up to
 :func:`tile_width` keys. Scores of float32 rows are read straight from the block; a side of
 another format is decoded one block and kv head at a time (``BS x D`` floats, 4 KiB for 16 x 64)
@@ -68,8 +68,17 @@ from numba.core.extending import intrinsic
 
 from olv_runtime.errors import InvalidArgument
 
-from .attention import SLACK, _FM, _accum_rows, _dot, _scores_rows, _softmax_tile, _state_finish, \
-    _state_init, _tile_max_init
+from .attention import (
+    _FM,
+    SLACK,
+    _accum_rows,
+    _dot,
+    _scores_rows,
+    _softmax_tile,
+    _state_finish,
+    _state_init,
+    _tile_max_init,
+)
 from .config import JIT, PJIT, lazy_njit
 from .packed_i8 import HOST_VNNI, use_vnni
 
@@ -556,6 +565,13 @@ def _make_qkblk(fmt4):
         sig = types.void(q, ng, kaddr, row0, nrows, rowbytes, qsum, qmul, rmul, sc, off, mx)
 
         def codegen(context, builder, sig, args):
+            if not HOST_VNNI:
+                # callers take this path only where use_vnni() (never on this CPU): the
+                # 512-bit VNNI instruction cannot even be compiled here, so the body is a trap
+                trap = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                    ir.VoidType(), []), "llvm.trap")
+                builder.call(trap, [])
+                return context.get_dummy_value()
             i64 = ir.IntType(64)
             f32 = ir.FloatType()
             v16f = ir.VectorType(f32, 16)

@@ -58,7 +58,9 @@ being writable only skips the save. Workers still running at exit are ended.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import importlib
+import logging
 import os
 import pickle
 import shutil
@@ -67,7 +69,13 @@ import sys
 import tempfile
 import threading
 import time
-import logging
+
+import numba
+from numba.core import caching, config, event
+from numba.core.caching import IndexDataCacheFile
+from numba.core.compiler_lock import global_compiler_lock
+
+from olv_runtime.config import compile_workers, precompile_shared, worker_environment
 
 log = logging.getLogger("olv_runtime.precompile")
 __all__ = ["Job", "start", "prestart", "release_idle", "asked", "enabled", "cache_index_exists",
@@ -119,8 +127,6 @@ def _install_clock() -> None:
     with _CLOCK_LOCK:
         if _CLOCK:
             return
-        from numba.core import event
-
         class _Clock(event.Listener):
             def on_start(self, ev):
                 _clock_start()
@@ -164,14 +170,9 @@ def enabled() -> bool:
     """Whether workers are used: ``OLV_COMPILE_WORKERS=0`` never, ``=1`` always, unset, empty or
     ``auto`` when the process may use at least two CPUs; any other value raises
     :class:`~olv_runtime.errors.EnvironmentVariableError`."""
-    env = os.environ.get("OLV_COMPILE_WORKERS", "").strip()
+    env = compile_workers()
     if env in ("0", "1"):
         return env == "1"
-    if env not in ("", "auto"):
-        from olv_runtime.errors import env_error
-
-        raise env_error("OLV_COMPILE_WORKERS", env,
-                        "'0' (never), '1' (always), unset, empty or 'auto' (when >= 2 CPUs)")
     try:
         ncpu = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -198,12 +199,10 @@ def _cached(disp, sig) -> bool:
 
 def cache_index_exists(filename: str, qualnames) -> bool:
     """Whether numba's disk cache holds an index for any of the functions ``qualnames`` of the
-    module file ``filename`` of this package (e.g. ``"decode_stack.py"``), found without
+    module file ``filename`` of this package (e.g. ``"decoder_layers.py"``), found without
     importing the module (numba's own locators on its path). True too when the location cannot
     be determined: callers only start a worker on a certainly cold cache."""
     try:
-        from numba.core import caching, config
-
         if config.CACHE_LOCATOR_CLASSES:
             return True
         py_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), filename)
@@ -277,8 +276,6 @@ class Job:
             return self.loaded
 
     def _load(self) -> int:
-        from numba.core.compiler_lock import global_compiler_lock
-
         with global_compiler_lock:  # as numba's own cache loads (and on the kernel clock)
             return self._load_locked()
 
@@ -288,9 +285,6 @@ class Job:
                 paths = pickle.load(f)
         except (OSError, pickle.PickleError, EOFError):
             return 0
-        from numba.core.caching import IndexDataCacheFile
-        from numba.core.compiler_lock import global_compiler_lock
-
         n = 0
         for (disp, sig), path in zip(self.entries, paths):
             if path is None:
@@ -489,9 +483,6 @@ def _share_cache() -> bool:
     if _SHARED:
         return True
     try:
-        import fcntl  # noqa: F401
-        from numba.core import caching
-
         cls = caching.IndexDataCacheFile
         for name in ("save", "_load_index", "_save_index", "_save_data", "_data_name"):
             if not callable(getattr(cls, name, None)):
@@ -514,8 +505,6 @@ def _locked_save(self, key, data, orig):
     lock file, reading the index under the lock and writing the data file before the index
     entry naming it (so a reader that finds the entry finds its data). Without the lock file
     (read-only directory): numba's own save (which fails there too)."""
-    import fcntl
-
     try:
         fd = os.open(os.path.join(self._cache_path, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
@@ -540,12 +529,8 @@ def _locked_save(self, key, data, orig):
 
 
 def _popen(tmp, args, stdin):
-    env = dict(os.environ)
-    if _share_cache():  # the worker saves into this process's cache, under the same lock
-        env["OLV_PRECOMPILE_SHARED"] = "1"
-    else:
-        env["NUMBA_CACHE_DIR"] = os.path.join(tmp, "cache")
-        env.pop("OLV_PRECOMPILE_SHARED", None)
+    # the worker saves into this process's cache (under the same lock), or into its own
+    env = worker_environment(_share_cache(), os.path.join(tmp, "cache"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in
                                                  env.get("PYTHONPATH", "").split(os.pathsep)
@@ -657,7 +642,7 @@ def _end_workers():
 
 def _compile_job(path, todo, result_path: str) -> int:
     sys.path.extend(p for p in path if p not in sys.path)
-    if os.environ.get("OLV_PRECOMPILE_SHARED") == "1" and not _share_cache():
+    if precompile_shared() and not _share_cache():
         # cannot save safely into the shared cache (cannot happen: the main process checked
         # the same numba): compile without saving, the main process compiles in-process
         return 1
@@ -704,8 +689,6 @@ def _serve(result_path: str, modules) -> int:
         except Exception:
             pass
     try:
-        import numba
-
         numba.njit(_warm_probe)(1)
     except Exception:
         pass

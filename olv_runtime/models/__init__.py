@@ -1,36 +1,18 @@
 """Model converters: Hugging Face checkpoints → olv_runtime ONNX graphs.
 
 :mod:`olv_runtime.models.checkpoint` reads a checkpoint directory (config.json + safetensors)
-without torch; :mod:`olv_runtime.models.qwen` builds the graph of ``docs/qwen_graph.md``.
+without torch; :mod:`olv_runtime.models.hf` builds the graph of ``docs/qwen_graph.md``.
 
-The names below are imported on first use (PEP 562): loading a model imports
-:mod:`olv_runtime.models.genai` (the onnxruntime-genai folder check), which must not pull in the
-converters, the graph builder and ``onnx`` (warm start, issue 14).
+One importer per source: :mod:`~olv_runtime.models.hf` (Hugging Face checkpoint directories;
+``convert`` also dispatches ``.gguf`` files), :mod:`~olv_runtime.models.gguf` (GGUF files, tensors
+referenced in place), the shared graph of :mod:`~olv_runtime.models.qwen_graph`, the paged-KV
+rewrite :mod:`~olv_runtime.models.paged_kv` and ``olv compile`` (:mod:`~olv_runtime.models.compile`).
+onnxruntime-genai folders need no conversion: :mod:`olv_runtime.io.genai` adapts them at load.
+Nothing on the decode path imports this package (warm start, issue 14).
 """
-import importlib
-import importlib.util
-
-_LAZY = {
-    "Checkpoint": "olv_runtime.models.checkpoint",
-    "load_checkpoint": "olv_runtime.models.checkpoint",
-    "SUPPORTED_ARCHITECTURES": "olv_runtime.models.qwen",
-    "build_model": "olv_runtime.models.qwen",
-    "convert": "olv_runtime.models.qwen",
-}
+from olv_runtime.models import hf  # noqa: F401
+from olv_runtime.models.checkpoint import Checkpoint, load_checkpoint  # noqa: F401
+from olv_runtime.models.hf import SUPPORTED_ARCHITECTURES, convert  # noqa: F401
+from olv_runtime.models.qwen_graph import build_model  # noqa: F401
 
 __all__ = ["Checkpoint", "load_checkpoint", "convert", "build_model", "SUPPORTED_ARCHITECTURES"]
-
-
-def __getattr__(name):
-    mod = _LAZY.get(name)
-    if mod is None:
-        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        return importlib.import_module(f"{__name__}.{name}")  # a submodule (models.qwen, ...)
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))

@@ -2,7 +2,7 @@
 
 ``olv convert model.gguf out.onnx`` (:func:`convert_gguf`) builds the graph of
 ``docs/qwen_graph.md`` with the same builder as the Hugging Face converter
-(:func:`olv_runtime.models.qwen.build_model`), reading a :class:`GGUFCheckpoint` instead of a
+(:func:`olv_runtime.models.qwen_graph.build_model`), reading a :class:`GGUFCheckpoint` instead of a
 safetensors directory:
 
 * the GGUF metadata (``general.architecture`` ``qwen2`` / ``qwen3`` / ``llama``, block count,
@@ -29,10 +29,15 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import warnings
 from collections.abc import Callable
 
 from olv_runtime.errors import ConversionError
+from olv_runtime.io import save
+from olv_runtime.io.sidecars import check_replacements, record
 from olv_runtime.models.gguf_reader import GGUFFile, GGUFTensorInfo
+from olv_runtime.models.gguf_tokenizer import tokenizer_files
+from olv_runtime.models.qwen_graph import build_model
 from olv_runtime.proto import ModelProto, TensorProto
 from olv_runtime.structs import ggml
 
@@ -90,7 +95,7 @@ class GGUFCheckpoint:
     ----------
     gguf : GGUFFile
     config : dict
-        ``config.json``-style keys for :class:`~olv_runtime.models.qwen.QwenConfig`, plus
+        ``config.json``-style keys for :class:`~olv_runtime.models.qwen_graph.QwenConfig`, plus
         ``rope_interleaved`` (True for ``llama``).
 
     Raises
@@ -280,10 +285,8 @@ def build_gguf_model(path, *, location: str | None = None,
     Raises
     ------
     GGUFFormatError, ConversionError
-        See :class:`GGUFCheckpoint` and :func:`olv_runtime.models.qwen.build_model`.
+        See :class:`GGUFCheckpoint` and :func:`olv_runtime.models.qwen_graph.build_model`.
     """
-    from olv_runtime.models.qwen import build_model
-
     with GGUFCheckpoint(path, location) as ckpt:
         return build_model(ckpt, "gguf", progress=progress)
 
@@ -338,17 +341,12 @@ def convert_gguf(gguf_path, out_path, *, progress: Callable[[str], None] | None 
     ------
     GGUFFormatError, ConversionError
     """
-    from olv_runtime.io import save
-
     gguf_path = pathlib.Path(gguf_path)
     out = pathlib.Path(out_path)
     out_dir = out.parent.resolve()
     # parse and build before touching the output directory (a failure leaves it as it was)
     location = (gguf_path.resolve().relative_to(out_dir).as_posix()
                 if out_dir in gguf_path.resolve().parents else gguf_path.name)
-    from olv_runtime.models.gguf_tokenizer import tokenizer_files
-    from olv_runtime.models.qwen import build_model
-
     with GGUFCheckpoint(gguf_path, location) as ckpt:
         model = build_model(ckpt, "gguf", progress=progress)
         files = {}
@@ -356,21 +354,15 @@ def convert_gguf(gguf_path, out_path, *, progress: Callable[[str], None] | None 
             try:
                 files = tokenizer_files(ckpt.gguf)
             except ConversionError as exc:  # the model converts; text prompts will not work
-                import warnings
-
                 warnings.warn(f"no tokenizer written: {exc}", stacklevel=2)
                 if progress:
                     progress(f"no tokenizer written: {exc}")
-    from olv_runtime.sidecars import check_replacements
-
     check_replacements(out, {fname: text.encode("utf-8") for fname, text in files.items()})
     out_dir.mkdir(parents=True, exist_ok=True)
     if _location_for(gguf_path, out_dir) != location:  # pragma: no cover - defensive
         raise ConversionError(f"location of {gguf_path} changed during conversion")
     if progress:
         progress(f"writing {out} (payloads stay in {location})")
-    from olv_runtime.sidecars import record
-
     record(model, {fname: text.encode("utf-8") for fname, text in files.items()})
     save(model, out, external_data=False, keep_external=True)
     for fname, text in files.items():

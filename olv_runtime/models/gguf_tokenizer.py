@@ -87,8 +87,15 @@ def build_tokenizer(g):
     ConversionError
         No vocabulary, an unsupported ``tokenizer.ggml.model``, malformed merges or ids.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     tokens = g.get(_T + "tokens")
     if not isinstance(tokens, list) or not tokens:

@@ -17,7 +17,7 @@ LAZY_MODULES = {
         ("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "MatMulNBits"),
         ("com.microsoft", "RotaryEmbedding"), ("com.microsoft", "SimplifiedLayerNormalization"),
         ("com.microsoft", "SkipSimplifiedLayerNormalization")),
-    "olv_runtime.ops.paged": (("olv", "PagedAttention"),),
+    "olv_runtime.ops.paged_attention": (("olv", "PagedAttention"),),
     "olv_runtime.ops.quant": (("", "DequantizeLinear"), ("", "QuantizeLinear")),
     "olv_runtime.ops.reduce": (("", "ArgMax"), ("", "ArgMin"), ("", "CumSum"), ("", "ReduceL1"),
                                ("", "ReduceL2"),

@@ -2,7 +2,7 @@
 write (version 1; semantics from onnxruntime's docs/ContribOperators.md):
 
 * ``MatMulNBits`` — ``Y = A @ dequant(B).T (+ bias)`` with 4- or 8-bit blocked weights. The
-  weight is recognised at session creation as an affine value (:mod:`olv_runtime.recognize`,
+  weight is recognised at session creation as an affine value (:mod:`olv_runtime.structs.recognize`,
   zero-copy) and the session fuses the node into a linear step on the packed INT4 kernels (zero
   points supported). ``accuracy_level`` (0-4) is read and recorded: olv computes with float32
   activations unless ``SessionOptions(quantize_activations=True)``, which is what accuracy level 4
@@ -28,10 +28,18 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.errors import ValidationError
-from olv_runtime.ops.nn import _normalize
+from olv_runtime.kv import contiguous as kv
+from olv_runtime.ops.nn import RMSNormalization, RotaryEmbedding, _normalize
+from olv_runtime.ops.olv import EncodedGather
 from olv_runtime.ops.registry import Op, register
 from olv_runtime.pool import empty
-from olv_runtime.state import kv
+from olv_runtime.proto import TensorProto
+from olv_runtime.structs.recognize import (
+    from_gather_block_quantized,
+    from_matmul_nbits,
+    gather_table,
+    mark_source,
+)
 
 MS = "com.microsoft"
 
@@ -59,8 +67,6 @@ class MatMulNBits(Op):
                   "accuracy_level": 0}
 
     def setup(self, info):
-        from olv_runtime.recognize import from_matmul_nbits, mark_source
-
         if len(self.node.input) > 4 and self.node.input[4]:
             raise ValidationError(
                 f"node {self.name!r} (MatMulNBits): g_idx (act-order) is not supported")
@@ -113,8 +119,6 @@ class GatherBlockQuantized(Op):
     attributes = {"gather_axis": 0, "quantize_axis": 1, "block_size": 128, "bits": 4}
 
     def setup(self, info):
-        from olv_runtime.recognize import from_gather_block_quantized, gather_table
-
         if self.attrs["gather_axis"] != 0:
             raise ValidationError(
                 f"node {self.name!r} (GatherBlockQuantized): only gather_axis 0 is supported, got "
@@ -137,8 +141,6 @@ class GatherBlockQuantized(Op):
         self.out_dtype = scales.dtype
 
     def run(self, data, indices, *_):
-        from olv_runtime.fusion import EncodedGather
-
         if indices.dtype not in (np.int32, np.int64):
             raise self.fail(f"indices must be int32 or int64, got {indices.dtype}")
         v = self.table.shape[0]
@@ -155,8 +157,6 @@ def _initializer_through_reshape(info, name: str):
     Reshape nodes views (the tied-embedding form: GatherBlockQuantized reads
     ``Reshape(lm_head B [V, blocks, blob] -> [V, blocks * blob])``); the returned proto has the
     reshaped 2-D dims [V, rest] (same bytes, zero-copy)."""
-    from olv_runtime.proto import TensorProto
-
     protos = getattr(info, "_initializer_protos", {})
     payloads = getattr(info, "_initializer_payloads", {})
     if name in protos:
@@ -187,8 +187,6 @@ class SimplifiedLayerNormalization(Op):
     attributes = {"axis": -1, "epsilon": 1e-5, "stash_type": 1}
 
     def run(self, x, scale):
-        from olv_runtime.ops.nn import RMSNormalization
-
         axis = self.attrs["axis"]
         if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
             raise self.fail(f"axis {axis} out of range for rank {x.ndim}")
@@ -213,8 +211,6 @@ class SkipSimplifiedLayerNormalization(Op):
     attributes = {"epsilon": 1e-5}
 
     def run(self, x, skip, gamma, bias=None):
-        from olv_runtime.ops.nn import RMSNormalization
-
         if x.dtype != skip.dtype or x.shape[-1:] != skip.shape[-1:]:
             raise self.fail(f"input {x.dtype}{list(x.shape)} and skip {skip.dtype}"
                             f"{list(skip.shape)} must share dtype and hidden size")
@@ -266,8 +262,6 @@ class RotaryEmbeddingMS(Op):
         pos = np.asarray(position_ids).astype(np.int64)
         if pos.size == 1 and pos.ndim <= 1:
             pos = np.broadcast_to(pos.reshape(()) + np.arange(s), (b, s))
-        from olv_runtime.ops.nn import RotaryEmbedding
-
         return RotaryEmbedding.run(self, x, cos_cache, sin_cache, np.ascontiguousarray(pos))
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from olv_runtime.errors import BindingError, UnsupportedOperatorError, ValidationError
 from olv_runtime.ops.registry import Op, canonical_domain, lookup, register
 from olv_runtime.proto import NodeProto, TensorProto
+from olv_runtime.structs.initializers import tensor_from_proto
 
 #: > 0 while the ops of a body (branch, function) are being built.
 _in_body: contextvars.ContextVar[int] = contextvars.ContextVar("olv_in_body", default=0)
@@ -114,8 +115,6 @@ class Body:
     def __init__(self, name: str, nodes: Sequence[NodeProto], inputs: Sequence[str],
                  outputs: Sequence[str], session, opsets: dict, initializers=(),
                  outer_scope: bool = False):
-        from olv_runtime.values import tensor_from_proto
-
         self.name = name
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)

@@ -11,10 +11,11 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.errors import ValidationError
+from olv_runtime.kernels.activations import erf
 from olv_runtime.kernels.norm import _rms_norm_ser
+from olv_runtime.kv import contiguous as kv
 from olv_runtime.ops.registry import Op, register
 from olv_runtime.pool import empty
-from olv_runtime.state import kv
 
 
 @register("MatMul", 1)
@@ -184,8 +185,6 @@ class Gelu(Op):
 
 def gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
     """GELU of a float array (ONNX Gelu-20 / com.microsoft Gelu), result in ``x``'s dtype."""
-    from olv_runtime.kernels.activations import erf
-
     ct = np.float64 if x.dtype == np.float64 else np.float32
     xf = x.astype(ct, copy=False)
     if approximate == "tanh":
@@ -430,7 +429,7 @@ class Attention(Op):
             if not self.has_past:
                 past_key = past_value = np.empty((b, kvh, 0, d), np.float32)
             # In-place append into capacity buffers when the past is an exclusive prefix view
-            # (olv_runtime.state.kv); otherwise a new buffer and one prefix copy.
+            # (olv_runtime.kv.contiguous); otherwise a new buffer and one prefix copy.
             present_k, buf_k = kv.append(past_key, k_new.reshape(b, s_kv, kvh * d), **self.kv_opts)
             present_v, buf_v = kv.append(past_value, v_new.reshape(b, s_kv, kvh * d),
                                          **self.kv_opts)

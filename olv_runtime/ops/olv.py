@@ -4,7 +4,7 @@
 values in graphs". Its input is an encoded value (an ``EncodedValueProto`` initializer): the
 built-in affine layout decodes as ONNX DequantizeLinear; a struct layout decodes through its
 native decoder (registered by type_id) or its declaration's FunctionProto decoder
-(:mod:`olv_runtime.structs.decoders`). The output is the logical tensor, exactly
+(:mod:`olv_runtime.decoding.decoders`). The output is the logical tensor, exactly
 ``logical_type``. Tensor-only operators never receive encoded values implicitly, and a struct
 value with no decoder fails at session creation (``MissingDecoderError``). The session fuses
 ``Decode`` into the consumers that can read the encoded form directly (linear layers, embedding
@@ -13,9 +13,16 @@ the ``bytes_dequantized`` counter.
 """
 from __future__ import annotations
 
+import threading
+
+import numpy as np
+
+from olv_runtime import kernels
+from olv_runtime.errors import InvalidArgument
 from olv_runtime.ops.registry import Op, register
+from olv_runtime.pool import empty
+from olv_runtime.structs.initializers import AffineValue
 from olv_runtime.structs.value import StructValue
-from olv_runtime.values import AffineValue
 
 
 @register("Decode", 1, domain="olv")
@@ -30,3 +37,50 @@ class Decode(Op):
         if self.counters is not None:
             self.counters.add("bytes_dequantized", out.nbytes)
         return (out,)
+
+
+class EncodedGather:
+    """Fused ``Gather(Decode(W), ids, axis=0)``: decodes only the selected rows."""
+
+    def __init__(self, name: str, weight: AffineValue):
+        self.name = name
+        self.w = weight
+        self._one = threading.local()  # one_token's validated arguments and scratch row
+
+    def one_token(self, ids):
+        """``__call__`` for int64 ids of shape [1, 1] (a decode token): the matrix arguments
+        validated once, the index range checked here, the serial kernel called directly.
+        Returns float32 [1, 1, K] in this thread's scratch row (overwritten by its next
+        ``one_token``: the decode program hands it straight to the compiled step). Same values
+        and errors as ``__call__``."""
+        one = getattr(self._one, "v", None)
+        if one is None:
+            w = self.w
+            n, k = w.shape
+            n, k, bs, zp = kernels.affine._check_int4_matrix(w.codes, w.scale, w.zero_point, n,
+                                                             k, w.block_size)
+            out = np.empty((1, 1, k), np.float32)
+            one = self._one.v = (w.codes, kernels.half.scale_bits(w.scale), zp,
+                                 w.zero_point is not None, n, k, bs, out, out.reshape(1, k))
+        payload, sbits, zp, has_zp, n, k, bs, out, out2 = one
+        i = int(ids[0, 0])
+        if i < -n or i >= n:
+            raise InvalidArgument(f"ids: expected indices in [{-n}, {n}), got {i}")
+        kernels.affine._gather_int4_ser(payload, sbits, zp, has_zp, n, k, bs, ids.reshape(1),
+                                        out2)
+        return out
+
+    def __call__(self, ids):
+        if ids.dtype not in (np.int64, np.int32):
+            raise InvalidArgument(
+                f"node {self.name!r} (Gather): indices must be int64 or int32, got {ids.dtype}"
+            )
+        w = self.w
+        n, k = w.shape
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        return (
+            kernels.gather_rows_int4(
+                w.codes, w.scale, w.zero_point, n, k, w.block_size, ids,
+                out=empty(ids.shape + (k,), np.float32),
+            ),
+        )

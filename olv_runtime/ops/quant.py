@@ -8,7 +8,7 @@ UINT16, and the sub-byte INT4/UINT4 (opset 21) and INT2/UINT2 (opset 25), which 
 unpacked as int8/uint8 arrays (one value per byte). Float8 types are rejected (named).
 
 A DequantizeLinear over initializers is recognised at session creation as an affine encoded
-value (:mod:`olv_runtime.recognize`): its input is then that zero-copy value, fused consumers
+value (:mod:`olv_runtime.structs.recognize`): its input is then that zero-copy value, fused consumers
 (MatMul, Gather) read it with the packed kernels, and only an unfused DequantizeLinear decodes it
 (``bytes_dequantized``).
 """
@@ -19,7 +19,7 @@ import numpy as np
 from olv_runtime.errors import ValidationError
 from olv_runtime.ops.registry import Op, register
 from olv_runtime.proto import TensorProto
-from olv_runtime.values import NP_DTYPE, AffineValue, dtype_name
+from olv_runtime.structs.initializers import NP_DTYPE, AffineValue, dtype_name
 
 #: Integer quantized types: ONNX type -> (numpy holder dtype, min, max).
 QTYPES = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from olv_runtime.errors import ValidationError
 from olv_runtime.ops.registry import Op, register
 
 

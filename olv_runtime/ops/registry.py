@@ -16,12 +16,20 @@ version numbers, with no upper bound unless one is given.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any, Callable
 
 import numpy as np
 
-from olv_runtime.errors import InvalidArgument, UnsupportedOperatorError, ValidationError
+from olv_runtime.errors import (
+    InvalidArgument,
+    UnsupportedOperatorError,
+    ValidationError,
+)
 from olv_runtime.proto import AttributeProto, NodeProto
+from olv_runtime.proto.helper import canonical_domain  # noqa: F401  (re-exported)
+from olv_runtime.structs.initializers import tensor_from_proto
 
 _REGISTRY: dict[tuple[str, str], list[tuple[int, int | None, type]]] = {}
 
@@ -29,12 +37,6 @@ _REGISTRY: dict[tuple[str, str], list[tuple[int, int | None, type]]] = {}
 MAX_OPSET = 28
 
 #: domain aliases: "" and "ai.onnx" are the same standard domain.
-_DOMAIN_ALIASES = {"ai.onnx": ""}
-
-
-def canonical_domain(domain: str) -> str:
-    """"" for the standard ONNX domain (also spelled "ai.onnx"), else the domain unchanged."""
-    return _DOMAIN_ALIASES.get(domain, domain)
 
 
 def register(op_type: str, since_version: int, until_version: int | None = None,
@@ -102,8 +104,6 @@ def register_lazy(module: str, ops) -> None:
 
 
 def _import_lazy(key=None) -> None:
-    import importlib
-
     modules = {_LAZY[key]} if key is not None else set(_LAZY.values())
     for module in modules:
         for k in [k for k, m in _LAZY.items() if m == module]:
@@ -170,8 +170,6 @@ def attribute_value(attr: AttributeProto) -> Any:
     if t == AttributeProto.STRINGS:
         return [s.decode("utf-8") for s in attr.strings]
     if t == AttributeProto.TENSOR:
-        from olv_runtime.values import tensor_from_proto
-
         return tensor_from_proto(attr.t)
     if t == AttributeProto.GRAPH:
         return attr.g
@@ -240,8 +238,6 @@ class Op:
         """
         got = cls.__dict__.get("_arity")
         if got is None:
-            import inspect
-
             lo, hi = 0, 0
             for prm in list(inspect.signature(cls.run).parameters.values())[1:]:
                 if prm.kind == prm.VAR_POSITIONAL:

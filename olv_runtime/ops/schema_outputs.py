@@ -2,7 +2,7 @@
 
 A standard node may declare no more and no fewer outputs than its operator schema allows
 (``OpSchema.min_output`` / ``max_output``); the session checks this for every node
-(:func:`olv_runtime.session._check_output_count`). Importing ``onnx.defs`` and initialising its
+(:func:`olv_runtime.executor.session._check_output_count`). Importing ``onnx.defs`` and initialising its
 schema registry costs 30-90 ms, a third of a warm session creation: this table holds the same
 figures for every operator of the standard domain, generated from onnx 1.23.2 (opset
 28) by :func:`table_from_onnx` (``python -m olv_runtime.ops.schema_outputs``

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, ValidationError
-from olv_runtime.pool import empty
+from olv_runtime.kernels.activations import erf
 from olv_runtime.ops.registry import Op, register
-from olv_runtime.values import NP_DTYPE, dtype_name
+from olv_runtime.pool import empty
+from olv_runtime.structs.initializers import NP_DTYPE, dtype_name
 
 
 def _same_dtype(op: Op, a: np.ndarray, b: np.ndarray) -> None:
@@ -302,8 +303,6 @@ class Erf(Op):
     def run(self, x):
         if x.dtype.kind != "f":
             raise self.fail(f"expected a floating-point input, got {x.dtype}")
-        from olv_runtime.kernels.activations import erf
-
         return (erf(x),)
 
 

@@ -5,5 +5,5 @@ The messages are re-exported here: ``ModelProto``, ``GraphProto``, ``NodeProto``
 ``EncodedValueProto``, ``AffineLayoutProto``, ``StructTypeProto``,
 ``PersistentBindingProto`` and the rest of onnx-ml.proto.
 """
-from olv_runtime.proto.onnx_light_pb2 import *  # noqa: F401,F403
 from olv_runtime.proto import onnx_light_pb2 as pb  # noqa: F401
+from olv_runtime.proto.onnx_light_pb2 import *  # noqa: F401,F403

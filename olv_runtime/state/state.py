@@ -21,7 +21,7 @@ but
   once (never blocks);
 * retained values and the bound outputs returned by ``run`` are read-only views: a returned view
   stays valid after ``reset``, ``close`` and later calls (KV appends only write slots no view
-  covers, :mod:`olv_runtime.state.kv`);
+  covers, :mod:`olv_runtime.kv.contiguous`);
 * the model is never serialized, cloned or compared (``model_serializations`` stays 0; see
   :func:`olv_runtime.counters.install_model_guard`).
 
@@ -42,18 +42,22 @@ import numpy as np
 
 from olv_runtime.counters import Counters, _scopes, recording
 from olv_runtime.counters import _owner as _buffer_owner
+from olv_runtime.decoding import resolve as _resolve
 from olv_runtime.errors import BindingError, InvalidArgument, StateError
-from olv_runtime.io import Model, as_model
-from olv_runtime.proto import TensorProto, TypeProto
-from olv_runtime.structs.runtime import RuntimeStruct, field_arrays
-from olv_runtime.values import dtype_name
-from olv_runtime.session import (
+from olv_runtime.executor.session import (
     InferenceSession,
     SessionOptions,
-    _shape_of,
     check_tensor,
     tensor_spec,
 )
+from olv_runtime.io import as_model
+from olv_runtime.lazy import lazy_module
+from olv_runtime.proto.helper import declared_shape
+from olv_runtime.state.bindings import resolve_bindings
+from olv_runtime.structs.initializers import NP_DTYPE
+from olv_runtime.structs.runtime import RuntimeStruct, empty_value, field_arrays
+
+files = lazy_module("olv_runtime.state.files")  # State.save only
 
 
 @dataclasses.dataclass
@@ -69,193 +73,6 @@ class StateOptions:
     session_options: SessionOptions | None = None
 
 
-# -- binding validation ------------------------------------------------------------------------
-def resolve_bindings(model: Model) -> list[tuple[str, str]]:
-    """Validate ``graph.persistent_bindings`` of the root graph; return (input, output) pairs.
-
-    Names are exact whole input/output names: dots and backslashes are literal characters, not
-    field paths (seed 000 "Graph-level persistence declaration"). Only metadata is read: the
-    model is not serialized or copied.
-
-    Parameters
-    ----------
-    model : Model
-
-    Returns
-    -------
-    list of (str, str)
-        (input_name, output_name) in declaration order.
-
-    Raises
-    ------
-    BindingError
-        An empty or unknown input/output name (the message lists the graph's names), an input
-        that is an initializer, duplicate input or output selections, type kinds that differ,
-        element type / rank / fixed dimension mismatches, struct types that differ, a string
-        tensor anywhere in the selected type (nested struct fields, constant fields, sequence
-        elements, following ``type_ref`` through ``ModelProto.struct_types``), bindings
-        declared inside a control-flow subgraph or a local function's subgraph.
-    """
-    proto = model.proto
-    g = proto.graph
-    inputs = {vi.name: vi for vi in g.input}
-    outputs = {vi.name: vi for vi in g.output}
-    inits = {t.name for t in g.initializer} | {e.name for e in g.encoded_initializer}
-    for node in g.node:
-        _reject_nested_bindings(node)
-    for fn in proto.functions:
-        for node in fn.node:
-            _reject_nested_bindings(node, f"function {fn.domain}::{fn.name} ")
-    catalogue = {int(st.type_id): st for st in proto.struct_types if st.type_id}
-    pairs: list[tuple[str, str]] = []
-    seen_in: dict[str, str] = {}
-    seen_out: dict[str, str] = {}
-    for b in g.persistent_bindings:
-        i, o = b.input_name, b.output_name
-        what = f"persistent binding {i!r} <- {o!r}"
-        if i not in inputs:
-            raise BindingError(
-                f"{what}: {i!r} is not an input of the root graph; inputs are {sorted(inputs)} "
-                "(names are exact: dots and backslashes are literal)"
-            )
-        if i in inits:
-            raise BindingError(f"{what}: {i!r} is an initializer, not a free input")
-        if o not in outputs:
-            raise BindingError(
-                f"{what}: {o!r} is not an output of the root graph; outputs are "
-                f"{sorted(outputs)} (names are exact: dots and backslashes are literal)"
-            )
-        if i in seen_in:
-            raise BindingError(
-                f"{what}: input {i!r} is already selected (by <- {seen_in[i]!r}); an input is "
-                "bound at most once"
-            )
-        if o in seen_out:
-            raise BindingError(
-                f"{what}: output {o!r} is already selected (by {seen_out[o]!r} <-); an output "
-                "is bound at most once"
-            )
-        seen_in[i] = o
-        seen_out[o] = i
-        _check_pair(what, inputs[i], outputs[o], catalogue)
-        pairs.append((i, o))
-    return pairs
-
-
-def _check_pair(what: str, vin, vout, catalogue: dict) -> None:
-    ti, to = vin.type, vout.type
-    ki, ko = ti.WhichOneof("value"), to.WhichOneof("value")
-    if ki is None or ko is None:
-        raise BindingError(f"{what}: the input and output must both declare a type")
-    if ki != ko:
-        raise BindingError(f"{what}: input is {ki}, output is {ko}")
-    for side, t in ((vin.name, ti), (vout.name, to)):
-        path = _string_path(t, catalogue, side, set())
-        if path is not None:
-            raise BindingError(f"{what}: {path} is a string tensor; strings cannot persist")
-    if ki == "tensor_type":
-        ei, eo = ti.tensor_type.elem_type, to.tensor_type.elem_type
-        if ei != eo:
-            raise BindingError(
-                f"{what}: element types differ ({dtype_name(ei)} vs {dtype_name(eo)})"
-            )
-        si, so = _shape_of(vin), _shape_of(vout)
-        if si is not None and so is not None:
-            if len(si) != len(so):
-                raise BindingError(f"{what}: ranks differ ({si} vs {so})")
-            for k, (a, c) in enumerate(zip(si, so)):
-                if isinstance(a, int) and isinstance(c, int) and a != c:
-                    raise BindingError(f"{what}: dimension {k} differs ({a} vs {c})")
-    elif ki == "struct_type":
-        di = _deref(ti.struct_type, catalogue, what)
-        do = _deref(to.struct_type, catalogue, what)
-        if di is not do and di != do:
-            raise BindingError(
-                f"{what}: the input and output struct types differ "
-                f"({_struct_name(ti.struct_type)} vs {_struct_name(to.struct_type)})"
-            )
-    elif ti != to:  # sequence, optional, map: the same declared type
-        raise BindingError(f"{what}: the input and output {ki} types differ")
-
-
-def _struct_name(st) -> str:
-    if st.WhichOneof("kind") == "type_ref":
-        return f"type_ref {st.type_ref}"
-    return st.name or f"inline {st.WhichOneof('kind')}"
-
-
-def _deref(st, catalogue: dict, what: str):
-    seen = set()
-    while st.WhichOneof("kind") == "type_ref":
-        ref = int(st.type_ref)
-        if ref in seen or ref not in catalogue:
-            raise BindingError(f"{what}: type_ref {ref} does not resolve in ModelProto.struct_types")
-        seen.add(ref)
-        st = catalogue[ref]
-    return st
-
-
-def _string_path(t: TypeProto, catalogue: dict, path: str, refs: set) -> str | None:
-    """Path of the first string tensor inside type ``t`` (None if there is none)."""
-    kind = t.WhichOneof("value")
-    if kind == "tensor_type":
-        return path if t.tensor_type.elem_type == TensorProto.STRING else None
-    if kind == "sparse_tensor_type":
-        return path if t.sparse_tensor_type.elem_type == TensorProto.STRING else None
-    if kind == "sequence_type":
-        return _string_path(t.sequence_type.elem_type, catalogue, path + "[]", refs)
-    if kind == "optional_type":
-        return _string_path(t.optional_type.elem_type, catalogue, path, refs)
-    if kind == "map_type":
-        if t.map_type.key_type == TensorProto.STRING:
-            return path + " (map key)"
-        return _string_path(t.map_type.value_type, catalogue, path + "[value]", refs)
-    if kind == "struct_type":
-        return _struct_string_path(t.struct_type, catalogue, path, refs)
-    return None
-
-
-def _struct_string_path(st, catalogue: dict, path: str, refs: set) -> str | None:
-    kind = st.WhichOneof("kind")
-    if kind == "type_ref":
-        ref = int(st.type_ref)
-        if ref in refs:
-            return None
-        if ref not in catalogue:
-            raise BindingError(f"{path}: type_ref {ref} does not resolve in ModelProto.struct_types")
-        return _struct_string_path(catalogue[ref], catalogue, path, refs | {ref})
-    if kind == "structure":
-        for f in st.structure.field:
-            sub = f"{path}.{f.name}"
-            if f.HasField("constant"):
-                if f.constant.data_type == TensorProto.STRING:
-                    return sub + " (constant)"
-            elif f.HasField("type"):
-                found = _string_path(f.type, catalogue, sub, refs)
-                if found is not None:
-                    return found
-        return None
-    if kind == "array":
-        return _string_path(st.array.element_type, catalogue, path + "[]", refs)
-    return None
-
-
-def _reject_nested_bindings(node, where: str = "") -> None:
-    for attr in node.attribute:
-        subs = list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
-        for sub in subs:
-            if len(sub.persistent_bindings):
-                b = sub.persistent_bindings[0]
-                raise BindingError(
-                    f"{where}node {node.name!r} ({node.op_type}) attribute {attr.name!r}: "
-                    f"persistent binding {b.input_name!r} <- {b.output_name!r} is declared inside "
-                    "a control-flow subgraph; bindings are supported on the root graph only"
-                )
-            for inner in sub.node:
-                _reject_nested_bindings(inner, where)
-
-
-# -- the state -------------------------------------------------------------------------------
 def _readonly(arr: np.ndarray) -> np.ndarray:
     """A read-only view of ``arr`` (same buffer, no copy)."""
     view = arr.view()
@@ -392,7 +209,7 @@ class _Steady:
 
 
 class _SpanValues(_abc.Mapping):
-    """Retained values held as a :class:`~olv_runtime.decoder_stack.KVSpan` (a steady decode
+    """Retained values held as a :class:`~olv_runtime.executor.decoder_step.KVSpan` (a steady decode
     through the session's decode program): a read-only mapping, input name -> read-only
     ``[:, :, :n]`` view, whose views are made when it is first read (then the same objects at
     every read). ``order``: ``(input name, index in the span)`` in binding order."""
@@ -685,7 +502,7 @@ class State:
         -----
         A call whose feed has the name, dtype, shape and strides of the last call's, made when
         every bound output of that call was an in-place KV append of its own bound input
-        (:class:`~olv_runtime.fusion.KVAppended`: a steady decode), takes the steady path
+        (:class:`~olv_runtime.executor.steps.KVAppended`: a steady decode), takes the steady path
         (:meth:`_run_steady`): the same values, counters and rules without the checks whose
         outcome is already known.
         """
@@ -767,7 +584,7 @@ class State:
     def _ticket(self, feeds, prepared, appended, outputs):
         """The :class:`_Steady` call that may follow this one, or None. Its conditions: one
         feed, a numpy array taken as it is; every bound output made by one in-place KV append
-        (:class:`~olv_runtime.fusion.KVAppended`) of its own bound input; the state's bindings
+        (:class:`~olv_runtime.executor.steps.KVAppended`) of its own bound input; the state's bindings
         eligible (:func:`_steady_eligible`)."""
         if len(appended) != 1:
             return None
@@ -801,8 +618,8 @@ class State:
         retained values: checked when retained; symbolic dimensions: every bound input grew by
         one position on the axis whose dimension only they share, :func:`_steady_eligible`).
 
-        With the session's :class:`~olv_runtime.session.DecodeProgram` the token runs there and
-        the retained values are the :class:`~olv_runtime.decoder_stack.KVSpan` it returns (their
+        With the session's :class:`~olv_runtime.executor.session.DecodeProgram` the token runs there and
+        the retained values are the :class:`~olv_runtime.executor.decoder_step.KVSpan` it returns (their
         views made when read, :class:`_SpanValues`). Otherwise the executor runs the plan and the
         outputs are retained without a check when the plan appended in place again (the same
         ``(output, input)`` pairs), else through the generic checks (:meth:`_retain_all`; the
@@ -893,10 +710,8 @@ class State:
 
     def save(self, path):
         """Write the KV cache and token bookkeeping to a file (a prompt cache); see
-        :func:`olv_runtime.prompt_cache.save_state`."""
-        from olv_runtime.prompt_cache import save_state
-
-        return save_state(self, path)
+        :func:`olv_runtime.state.files.save_state`."""
+        return files.save_state(self, path)
 
     @property
     def closed(self) -> bool:
@@ -991,19 +806,14 @@ def empty_cache(model, batch_size: int = 1) -> dict[str, np.ndarray]:
     m = session.model if session else as_model(model)
     bindings = resolve_bindings(m)
     infos = {vi.name: vi for vi in m.proto.graph.input}
-    from olv_runtime.values import NP_DTYPE
-
     out = {}
     for inp, _ in bindings:
         vi = infos[inp]
         if vi.type.WhichOneof("value") == "struct_type":
             # a whole struct cache (e.g. the paged KV cache): empty sequences, zero lengths
-            from olv_runtime.structs import resolve as _resolve
-            from olv_runtime.structs.runtime import empty_value
-
             out[inp] = empty_value(vi.type, _resolve(m).catalogue, batch_size)
             continue
-        shape = _shape_of(vi)
+        shape = declared_shape(vi)
         if shape is None:
             raise BindingError(f"bound input {inp!r} has no declared tensor shape; build its initial value by hand")
         dims = [d if isinstance(d, int) else (batch_size if k == 0 else 0) for k, d in enumerate(shape)]

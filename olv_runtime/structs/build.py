@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from olv_runtime.helper import make_tensor, make_tensor_type
 from olv_runtime.proto import (
     EncodedValueProto,
     FunctionProto,
@@ -25,6 +24,7 @@ from olv_runtime.proto import (
     TensorProto,
     TypeProto,
 )
+from olv_runtime.proto.helper import make_tensor, make_tensor_type
 
 __all__ = ["tensor", "scalar", "ref", "array", "bit_packing", "structure", "field",
            "const_field", "declare", "make_struct_encoded", "as_type", "make_function"]

@@ -34,6 +34,7 @@ from olv_runtime.errors import (
     ValidationError,
 )
 from olv_runtime.proto import StructTypeProto, TensorProto, TypeProto
+from olv_runtime.structs.initializers import dtype_name, param_tensor
 from olv_runtime.structs.layout import (
     LEAF_TYPES,
     ConstantLeaf,
@@ -45,7 +46,6 @@ from olv_runtime.structs.layout import (
     checked_product,
     component_type,
 )
-from olv_runtime.values import dtype_name, param_tensor
 
 #: Deepest nesting of struct/type declarations accepted (inline levels plus type_ref hops along
 #: any path from a declaration or graph value type to a leaf).

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from olv_runtime.helper import make_node
 from olv_runtime.proto import StructTypeProto, TensorProto
+from olv_runtime.proto.helper import make_node
 from olv_runtime.structs.build import (
     array,
     bit_packing,

@@ -49,8 +49,8 @@ from typing import Callable
 import numpy as np
 
 from olv_runtime.errors import ConversionError
-from olv_runtime.helper import make_node, make_tensor
 from olv_runtime.proto import EncodedValueProto, StructTypeProto, TensorProto
+from olv_runtime.proto.helper import make_node, make_tensor
 from olv_runtime.structs.build import (
     array,
     bit_packing,

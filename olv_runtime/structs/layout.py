@@ -29,6 +29,7 @@ import numpy as np
 
 from olv_runtime.errors import LayoutError, SizeOverflowError
 from olv_runtime.proto import TensorProto
+from olv_runtime.proto.helper import bfloat16_dtype  # noqa: F401  (re-exported)
 
 UINT64_MAX = (1 << 64) - 1
 
@@ -49,13 +50,6 @@ class _LeafTypes(dict):
 
     def get(self, key, default=None):
         return self[key] if key in self else default
-
-
-def bfloat16_dtype() -> np.dtype:
-    """numpy dtype of bfloat16 (ml_dtypes, imported at the first call)."""
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
 
 
 LEAF_TYPES: dict[int, tuple[int, str, np.dtype]] = _LeafTypes({

@@ -5,7 +5,7 @@ A graph input or output whose type is ``TypeProto.struct_type`` carries, at runt
 :class:`RuntimeStruct`: an immutable mapping field name → field value, where a field value is
 
 * a dense ``numpy.ndarray`` (a tensor field),
-* an encoded value (:class:`~olv_runtime.values.AffineValue` or
+* an encoded value (:class:`~olv_runtime.structs.initializers.AffineValue` or
   :class:`~olv_runtime.structs.value.StructValue`) standing for a tensor field — allowed when its
   ``logical_type`` is exactly the field's tensor type (seed 000: "Each K/V block may use a different
   EncodedValueProto layout ... provided its decoded type and geometry satisfy the consumer
@@ -32,7 +32,7 @@ import numpy as np
 
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.proto import StructTypeProto, TensorProto, TypeProto
-from olv_runtime.values import NP_DTYPE, AffineValue, dtype_name
+from olv_runtime.structs.initializers import NP_DTYPE, AffineValue, dtype_name
 
 __all__ = ["RuntimeStruct", "SharedPrefix", "check_struct_value", "field_arrays", "payload_nbytes",
            "empty_value"]

@@ -1,15 +1,15 @@
 """Runtime views of struct-typed encoded values and the once-per-model resolution.
 
-:func:`resolve` validates a :class:`~olv_runtime.io.Model` once (cached per Model object) in this
+:func:`resolve_values` validates a :class:`~olv_runtime.io.Model` once (cached per Model object) in this
 order, so that nothing runs on unvalidated data (seed 000 "Payload bounds and layout are validated
 before any decoder or native callback runs"):
 
 1. the struct catalogue (:class:`~olv_runtime.structs.catalogue.Catalogue`) and every struct type
    used by graph inputs, outputs and value_info;
 2. initializer names unique across dense, sparse and encoded initializers;
-3. every encoded initializer: its layout (built-in affine -> :class:`~olv_runtime.values.AffineValue`,
+3. every encoded initializer: its layout (built-in affine -> :class:`~olv_runtime.structs.initializers.AffineValue`,
    struct -> :class:`StructValue`) and payload (location, extent, whole records);
-4. then decoders are bound (:mod:`olv_runtime.structs.decoders`): native decoders verify the
+4. then decoders are bound (:mod:`olv_runtime.decoding.decoders`): native decoders verify the
    resolved declaration, FunctionProto decoders are compiled into small plans. Nothing is decoded.
 
 Loading a model (:func:`olv_runtime.load`) does none of this; an InferenceSession does it at
@@ -26,14 +26,21 @@ from olv_runtime.errors import (
     AffineLayoutError,
     DuplicateNameError,
     EncodingError,
+    InvalidArgument,
     MissingDecoderError,
     RecordCountError,
 )
 from olv_runtime.io import Model
 from olv_runtime.proto import EncodedValueProto, TensorProto
+from olv_runtime.proto.helper import canonical_domain
 from olv_runtime.structs.access import field_array
 from olv_runtime.structs.catalogue import Catalogue, RootType
-from olv_runtime.values import AffineValue, affine_value, param_tensor, tensor_type_shape
+from olv_runtime.structs.initializers import (
+    AffineValue,
+    affine_value,
+    param_tensor,
+    tensor_type_shape,
+)
 
 
 class StructValue:
@@ -53,7 +60,7 @@ class StructValue:
         The logical tensor type the decoder must produce exactly; None when the value has no
         tensor semantics.
     decoder : object or None
-        Bound decoder (``decoder.decode(value) -> ndarray``), set by :func:`resolve`.
+        Bound decoder (``decoder.decode(value) -> ndarray``), set by :func:`olv_runtime.decoding.resolve`.
     decoder_error : str or None
         Why no decoder is bound (reported when something needs to decode this value).
     """
@@ -150,7 +157,7 @@ class StructValue:
 
 
 class ResolvedModel:
-    """The validated representation layer of one model (see :func:`resolve`).
+    """The validated representation layer of one model (see :func:`resolve_values`).
 
     Attributes
     ----------
@@ -161,7 +168,7 @@ class ResolvedModel:
         The model's opset imports (decoder FunctionProtos without their own use these).
     compiled_roots : dict of int -> RootType
         Resolved value types of the seed 004 compiled entries (checked by
-        :func:`olv_runtime.compiled.check_compiled`).
+        :func:`olv_runtime.structs.compiled.check_compiled`).
     """
 
     def __init__(self, catalogue: Catalogue, values: dict, opsets: dict):
@@ -169,13 +176,12 @@ class ResolvedModel:
         self.values = values
         self.opsets = opsets
         self.compiled_roots: dict = {}
+        self.decoders_bound = False  # set by olv_runtime.decoding.resolve
 
     def value(self, name: str):
         try:
             return self.values[name]
         except KeyError:
-            from olv_runtime.errors import InvalidArgument
-
             raise InvalidArgument(
                 f"no encoded initializer named {name!r}; encoded initializers: {list(self.values)}"
             ) from None
@@ -184,8 +190,12 @@ class ResolvedModel:
 _CACHE: "weakref.WeakKeyDictionary[Model, ResolvedModel]" = weakref.WeakKeyDictionary()
 
 
-def resolve(model: Model, counters=None) -> ResolvedModel:
+def resolve_values(model: Model, counters=None) -> ResolvedModel:
     """Validate the model's representation layer once and return it (cached per Model).
+
+    Decoders are not bound here: :func:`olv_runtime.decoding.resolve` checks the seed 004
+    compiled entries and binds a decoder to every struct value of the result (what callers
+    that decode use).
 
     Parameters
     ----------
@@ -204,9 +214,6 @@ def resolve(model: Model, counters=None) -> ResolvedModel:
     got = _CACHE.get(model)
     if got is not None:
         return got
-    from olv_runtime.ops.registry import canonical_domain
-    from olv_runtime.structs.decoders import bind_decoders
-
     proto = model.proto
     g = proto.graph
     catalogue = Catalogue(proto.struct_types)
@@ -226,12 +233,7 @@ def resolve(model: Model, counters=None) -> ResolvedModel:
         counters.add("payload_bytes_read", read)
         counters.add("payload_bytes_copied", 0)
     opsets = {canonical_domain(o.domain): int(o.version) for o in proto.opset_import}
-    from olv_runtime.compiled import check_compiled
-
-    compiled_roots = check_compiled(model, catalogue)  # seed 004 "Validation" (structural)
     resolved = ResolvedModel(catalogue, values, opsets)
-    resolved.compiled_roots = compiled_roots
-    bind_decoders(resolved)  # after every value is validated
     _CACHE[model] = resolved
     return resolved
 

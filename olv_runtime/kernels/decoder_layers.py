@@ -1,0 +1,1131 @@
+"""One compiled decode step for a stack of pre-norm transformer layers (M = 1).
+
+ggml's way of running a graph: one pool of threads walks every operator of the step, with a
+barrier between operators, instead of a Python call (and a parallel-region start) per operator.
+:func:`decode_stack` opens ONE numba parallel region of ``nt`` tasks (``nt`` <= the threads of
+the ``omp`` layer, so every task runs on its own thread at once); each task runs
+:func:`_stack_thread` over every layer and meets the others at a spin barrier (atomic counter and
+generation in an int64 array, ``pause`` while waiting) after each operator that produces shared
+data.
+
+Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 [E]):
+
+1. ``h = RMSNorm(x) * w_in`` -- every thread computes it privately (E floats, no barrier), and in
+   int8 mode quantizes it privately (:func:`~.packed_i8._quantize_rows_i8`; exact mode on the
+   VNNI path: its block fixed-point digits, :func:`~.packed_f32_vnni._digits_rows`);
+2. ``qkv = h @ Wqkv.T (+ bias)`` -- chunks of 8-row groups claimed by the tasks
+   (:func:`_claim`: each task starts with its own share, then takes what is left of the
+   others'; :func:`~.packed_i8._groups` int8; exact: :func:`~.packed_f32_vnni._groups_m1` on
+   activation digits where the CPU has VNNI, else :func:`~.packed_f32._groups_m1`); barrier;
+3. RoPE of q (every task into its private copy) and k (non-interleaved or interleaved halves,
+   ``rotary_dim``); the last task, whose share of the keys ends with the new one, writes k and
+   v into slot ``t`` of the layer's capacity buffers (no other task reads that slot: no
+   barrier);
+4. attention over ``t + 1`` keys (:func:`~.attention._attend_rows`: one pass per kv head for all
+   its query heads, 64-key tiles, online softmax): each task takes its share of the keys of every
+   kv head (flash-decoding split); barrier; each task merges the partial softmax states into its
+   private copy of the attention output (:func:`~.attention._merge_partials`);
+5. ``x1 = attn @ Wo.T + x`` (groups claimed, residual added per row); barrier;
+6. ``h2 = RMSNorm(x1) * w_post`` (private), ``gu = h2 @ Wgu.T`` (gate rows then up rows): a
+   claimed chunk is the same 8-row groups of the gate half and of the up half (when ``inter``
+   is a multiple of 8; otherwise the groups are claimed over the whole and a barrier follows);
+7. ``a = g * sigmoid(g) * u`` on the chunk's rows (same operations as the unfused SiLU:
+   ``1 / (1 + exp(-g))``, then two products); barrier;
+8. ``x2 = a @ Wdown.T + x1`` (groups claimed); barrier.
+
+After the last layer: ``RMSNorm(x) * w_final`` (private), ``logits = . @ Wlm.T`` (groups
+claimed), a last barrier (it resets the claim offsets for the next call). Five barriers per
+layer. Every linear's groups are claimed in chunks (:func:`_claim`), so a task delayed by the
+machine (another process on its core) or by slower memory no longer makes the others wait at
+the barrier for its fixed share; which task computes a row never changes the row's result. Before each, a task prefetches the first 2 KiB of its share of the
+next weight (the group loop's own prefetch runs that far ahead of the stream, so a linear's
+start would otherwise wait for DRAM after the barrier).
+
+The arithmetic of every operator is that of the generic kernels (same serial functions or the
+same expressions), so the logits agree with the per-operator plan to float32 rounding (the SiLU
+``exp`` is libm's here and numpy's SIMD exp in the plan; attention's dot products may be
+vectorised differently): the tests bound the difference and require identical greedy tokens.
+
+Workspace (:class:`StackWorkspace`) is allocated once per (session, thread); a call allocates
+nothing.
+
+Compile cost (cold start, issue 14). numba re-optimises and re-emits every function linked into
+a top-level function when that one is compiled, so the program is kept to what a session uses:
+the activation mode is chosen by the *type* of the int8 buffers argument (None in exact mode,
+an ``overload``), so only one mode's kernels are compiled; the serial entry is
+:func:`_stack_thread` itself (one specialisation shared with the parallel driver, whose task
+index is cast to int64); the packed weights and KV buffers arrive as int64 address tables turned
+into array views inside the program (:func:`_view`), not as numba typed lists (whose methods
+are compiled again in every process and box on every call). Helpers called at many places of
+the program (:func:`_linear_part`, :func:`_weight`, the prefetches) are functions of their own,
+compiled once; numba's IR inlining (``inline="always"``) is kept for the once-called layer
+parts: inlining a helper re-translates and re-types it at every call site (measured: ~2 s of
+the step's ~9 s compilation when the many-site helpers were inlined). A library level costs
+LLVM work too -- each compiled function's LLVM module re-optimises and re-emits everything
+linked into it -- so small helpers called from one place are inlined (``inline="always"`` in
+:mod:`.attention` and :mod:`.packed_f32_vnni`). The phase stamps (:func:`_stamp`, 16 sites) are
+a function of their own called with ``np.int64`` phases (IR-inlined they cost ~1 s). The callees
+the prefill kernels share with the step take the prefill's specialisations (one row as
+``np.int64(1)``, int64 key offsets), so that with a compile worker (:mod:`.precompile`, one numba
+cache for both processes) each is compiled once: the worker first compiles what the prefill needs
+last (many-row GEMV groups, RoPE rows, the attention rows: :func:`precompile_entries`), the main
+process meanwhile the rest of the prefill (one-row GEMV groups, activation digits, RMSNorm rows),
+which the step then loads.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic, overload
+from numba.core.typing.typeof import Purpose, typeof
+from numba.np.arrayobj import populate_array
+
+from olv_runtime.errors import InvalidArgument
+from olv_runtime.kernels.attention import shared_entries
+from olv_runtime.kernels.rope import _rope_token
+
+from . import packed_f32, packed_f32_vnni, packed_i8
+from . import paged_attention as pk
+from .attention import SLACK, TILE, _attend_rows, _merge_partials, _state_init
+from .config import JIT, PJIT
+from .norm import _rms_norm_row
+from .paged_attention import _paged_rows
+
+__all__ = ["decode_stack", "StackWorkspace", "WeightTable", "address", "BARRIER_SLOTS"]
+
+BARRIER_SLOTS = 16  # int64 [16]: counter at 0, generation at 8 (separate cache lines)
+WORK_SLOTS = 8      # per task, after the barrier: its range's claim offset (one cache line each)
+GROUP_ROWS = packed_i8.GROUP_ROWS
+GROUP_BLOCK_BYTES = packed_i8.GROUP_BLOCK_BYTES
+_OV = dict(fastmath=False, error_model="numpy")  # the JIT flags overload implementations take
+
+
+# ------------------------------------------------------------------------------------------------
+# atomics and the barrier
+# ------------------------------------------------------------------------------------------------
+def _i64_ptr(context, builder, aty, aval, idx):
+    ary = context.make_array(aty)(context, builder, aval)
+    return builder.gep(ary.data, [idx])
+
+
+@intrinsic
+def _atomic_add(typingctx, arr, idx, val):
+    """Atomic ``arr[idx] += val`` (seq_cst); returns the old value (int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", p, v, "seq_cst")
+    return types.int64(arr, types.intp, val), codegen
+
+
+@intrinsic
+def _atomic_load(typingctx, arr, idx):
+    """Atomic (seq_cst) load of ``arr[idx]`` (int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
+        return builder.load_atomic(p, "seq_cst", 8)
+    return types.int64(arr, types.intp), codegen
+
+
+@intrinsic
+def _atomic_store(typingctx, arr, idx, val):
+    """Atomic (seq_cst) store ``arr[idx] = val`` (int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(v, p, "seq_cst", 8)
+        return context.get_dummy_value()
+    return types.none(arr, types.intp, val), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """Spin-wait hint (x86 ``pause``)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                            "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def _yield_cpu(typingctx):
+    """``sched_yield()`` (POSIX; libc is linked into the process, resolved by the JIT)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                            "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def _view(typingctx, like, addr, shape):
+    """An array of ``like``'s exact type (dtype, rank, C layout, read-only flag) over the memory
+    at address ``addr`` with ``shape`` (a tuple of ints; C-contiguous strides), without a
+    meminfo: the caller keeps the memory alive (the Python side holds the arrays whose addresses
+    it put in the tables, :class:`olv_runtime.executor.decoder_step.DecoderStack`). numba's typed lists
+    of arrays cost seconds of compilation per process (their methods are not cached on disk) and
+    per-call boxing; tables of addresses cost neither."""
+    if not (isinstance(like, types.Array) and like.layout == "C"
+            and isinstance(addr, types.Integer) and isinstance(shape, types.BaseTuple)
+            and len(shape) == like.ndim and all(isinstance(t, types.Integer) for t in shape)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.return_type
+        ary = context.make_array(aryty)(context, builder)
+        dt = context.get_data_type(aryty.dtype)
+        isz = context.get_abi_sizeof(dt)
+        intp = context.get_value_type(types.intp)
+        dims = [context.cast(builder, builder.extract_value(args[2], i), sig.args[2][i],
+                             types.intp) for i in range(aryty.ndim)]
+        strides = []
+        acc = ir.Constant(intp, isz)
+        for dim in reversed(dims):
+            strides.append(acc)
+            acc = builder.mul(acc, dim)
+        strides.reverse()
+        a = context.cast(builder, args[1], sig.args[1], types.intp)
+        data = builder.inttoptr(a, dt.as_pointer())
+        populate_array(ary, data=data, shape=dims, strides=strides,
+                       itemsize=ir.Constant(intp, isz), meminfo=None)
+        return ary._getvalue()
+    return like(like, addr, shape), codegen
+
+
+@intrinsic
+def _cycles(typingctx):
+    """The CPU's time-stamp counter (``llvm.readcyclecounter``: ``rdtsc`` on x86)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return types.int64(), codegen
+
+
+@njit(**JIT)
+def cycles_now():
+    """:func:`_cycles` from Python (benchmarks calibrate the counter's rate with it)."""
+    return _cycles()
+
+
+PROF_SLOTS = 32  # per task: time-stamp-counter ticks per phase (PHASES), the last stamp at 31
+PHASES = ("input norm + quantize", "qkv linear", "wait after qkv", "rope + kv write + attention",
+          "wait after attention", "merge heads", "quantize attn + o linear + residual",
+          "wait after o", "post norm + quantize", "gate/up linear + silu*up", "wait after gate/up",
+          "quantize act + down linear + residual", "wait after down",
+          "final norm + quantize + lm_head", "final wait")
+
+
+@njit(**JIT)
+def _stamp(bar, tid, nt, k):
+    """Phase profile (benchmarks only, bench/stack_phases.py): when the barrier array is longer
+    than :func:`barrier_slots` (``+ nt * PROF_SLOTS``), add the ticks since this task's last
+    stamp to its phase ``k``; with the normal array, nothing (one compare).
+
+    A function of its own, called with ``np.int64(k)`` (one specialisation, not one per literal
+    phase): numba's IR inlining at its 16 call sites cost ~1 s of the step's compilation (cold
+    start); LLVM inlines the compiled function anyway (the step's optimised code is the same)."""
+    base = BARRIER_SLOTS + WORK_SLOTS * nt
+    if bar.shape[0] >= base + nt * PROF_SLOTS:
+        o = base + tid * PROF_SLOTS
+        now = _cycles()
+        if k >= 0:
+            bar[o + k] += now - bar[o + PROF_SLOTS - 1]
+        bar[o + PROF_SLOTS - 1] = now
+
+
+SPIN_LIMIT = 1 << 10  # pause-spins (~26 us here, ~25 ns each) before a waiting task yields its CPU
+
+
+def barrier_slots(nt: int) -> int:
+    """Length of the int64 barrier array of ``nt`` tasks (:func:`_barrier`, :func:`_claim`)."""
+    return BARRIER_SLOTS + WORK_SLOTS * nt
+
+
+@njit(**JIT)
+def _barrier(bar, nt):
+    """All ``nt`` tasks wait here until every one has arrived (sense by generation count).
+    A waiting task spins with ``pause``, then yields its CPU (``sched_yield``) so a descheduled
+    partner on a busy machine gets to run instead of the spinner burning its time slice.
+    The last task to arrive also resets the work ranges' claim offsets (:func:`_claim`) before
+    it releases the others: every task has then finished its claims of the linear before the
+    barrier, and none claims from the next one yet."""
+    if nt == 1:
+        return
+    gen = _atomic_load(bar, 8)
+    if _atomic_add(bar, 0, 1) == nt - 1:
+        _atomic_store(bar, 0, 0)
+        for r in range(nt):
+            _atomic_store(bar, BARRIER_SLOTS + WORK_SLOTS * r, 0)
+        _atomic_add(bar, 8, 1)
+    else:
+        spins = 0
+        while _atomic_load(bar, 8) == gen:
+            if spins < SPIN_LIMIT:
+                _pause()
+                spins += 1
+            else:
+                _yield_cpu()
+
+
+# ------------------------------------------------------------------------------------------------
+# workspace
+# ------------------------------------------------------------------------------------------------
+class StackWorkspace:
+    """Buffers of :func:`decode_stack` for ``nt`` tasks (shared activations, per-task scratch)."""
+
+    def __init__(self, nt, e, n_qkv, hd, n_gu, inter, vocab, k_max):
+        kp = 32 * (-(-k_max // 32))
+        kb = kp // 32
+        self.nt = nt
+        self.xa = np.zeros((1, e), np.float32)
+        self.xb = np.zeros((1, e), np.float32)
+        self.qkv = np.zeros((1, n_qkv), np.float32)
+        self.attn = np.zeros((1, hd), np.float32)
+        self.qp = np.zeros((nt, 1, hd), np.float32)        # private rotated queries
+        self._qp3 = None
+        self.gu = np.zeros((1, n_gu), np.float32)
+        self.act = np.zeros((1, inter), np.float32)
+        self.hx = np.zeros((nt, 1, e), np.float32)          # private normed activations
+        self.xq = packed_i8._aligned_empty((nt, 1, kp), np.int8)
+        self.xq[...] = 0
+        self.xd = np.zeros((nt, 1, kb), np.float32)
+        self.xs8 = np.zeros((nt, 1, kb), np.int32)
+        self.facc8 = np.zeros((nt, 1, GROUP_ROWS), np.float32)
+        self.facc32 = np.zeros((nt, packed_f32.ROWS_MAX * GROUP_ROWS), np.float32)
+        # exact mode on the VNNI path: per-task activation digits (packed_f32_vnni)
+        self.dgt = tuple(a.reshape((nt, 1) + a.shape[1:]) for a in
+                         packed_f32_vnni.digit_buffers(nt, kb if packed_i8.HOST_VNNI else 0))
+        self.bar = np.zeros(barrier_slots(nt), np.int64)
+        self.vocab = vocab
+        self.i8 = (self.xq, self.xd, self.xs8, self.facc8)  # int8 mode's per-task buffers
+        self._att = None
+        self._q3 = None
+
+    def qprivate(self, n_heads, d):
+        """Per-task rotated queries ``[nt, 1, H*D]`` and the same memory as ``[nt, H, D]``."""
+        if self.qp.shape[2] != n_heads * d:
+            raise InvalidArgument(f"qprivate: {n_heads} x {d} query features, the workspace "
+                                  f"holds {self.qp.shape[2]}")
+        if self._qp3 is None:
+            self._qp3 = self.qp.reshape(self.nt, n_heads, d)
+        return self.qp, self._qp3
+
+    def q3(self, n_heads, d):
+        """The query part of ``qkv`` viewed as float32 [H, D] (no copy)."""
+        if self._q3 is None or self._q3[0] is not self.qkv:
+            self._q3 = (self.qkv, self.qkv[0, :n_heads * d].reshape(n_heads, d))
+        return self._q3[1]
+
+    def attention(self, n_heads, n_kv, d, width=TILE):
+        """Attention buffers: per task partial max/sum/output ``pm, pl [nt, H]``, ``po [nt, H,
+        D]``, the private merged output ``attn_p [nt, 1, H*D]``, scores/probabilities
+        ``[nt, H/KVH, width]`` and the tile max ``[nt, H/KVH]``."""
+        a = self._att
+        if a is None or a[4].shape[2] != width + SLACK:
+            nt, g = self.nt, n_heads // n_kv
+            a = self._att = (np.zeros((nt, n_heads), np.float32),
+                             np.zeros((nt, n_heads), np.float32),
+                             np.zeros((nt, n_heads, d), np.float32),
+                             np.zeros((nt, 1, n_heads * d), np.float32),
+                             np.zeros((nt, g, width + SLACK), np.float32),
+                             np.zeros((nt, g, width + SLACK), np.float32),
+                             np.zeros((nt, g), np.float32))
+        return a
+
+    def paged(self, d, width, n_kv, bs, n_heads):
+        """Paged-step scratch: one decoded block and head ``[nt, BS, D]`` with its row
+        multipliers ``[nt, BS + 16]``, a tile's block list ``[nt, width, 2]`` int64, the new
+        key/value rows ``[nt, 2, KVH*D]``; the int8 queries of int8-activation mode
+        (:func:`~.paged_attention._quantize_heads`): codes and INT4-order codes ``[nt, H, D]``
+        int8, ``qmul [nt, H]`` float32, ``qsum [nt, H]`` int32; the partial softmax max/sum
+        ``pm, pl [nt, H]`` and the tile max ``[nt, H/KVH]`` of the paged step. Rows of the
+        small per-task arrays are padded to whole 64-byte lines (views of ``[nt, >= 16]``
+        arrays): the tasks update them all through the attention, and two tasks' rows in one
+        cache line would bounce it between the cores."""
+        a = getattr(self, "_paged", None)
+        if a is None or a[2].shape[1] != width or a[0].shape[1] != bs or a[4].shape[1] != n_heads:
+            nt = self.nt
+
+            def padded(n, dtype):  # [nt, n] rows 64-byte aligned apart
+                w = -(-n // 16) * 16
+                return np.zeros((nt, w), dtype)[:, :n]
+
+            a = self._paged = (np.zeros((nt, bs, d), np.float32),
+                               np.zeros((nt, bs + SLACK), np.float32),
+                               np.zeros((nt, width, 2), np.int64),
+                               np.zeros((nt, 2, n_kv * d), np.float32),
+                               np.zeros((nt, n_heads, d), np.int8),
+                               np.zeros((nt, n_heads, d), np.int8),
+                               padded(n_heads, np.float32),
+                               padded(n_heads, np.int32),
+                               padded(n_heads, np.float32),
+                               padded(n_heads, np.float32),
+                               padded(n_heads // n_kv, np.float32))
+        return a
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(getattr(self, a).nbytes for a in (
+            "xa", "xb", "qkv", "attn", "qp", "gu", "act", "hx", "xq", "xd", "xs8", "facc8",
+            "facc32", "bar"))) + sum(a.nbytes for a in (self._att or ())) + sum(
+                a.nbytes for a in self.dgt)
+
+    def exact_buffers(self, quant):
+        """The per-task activation buffers argument of the compiled step: int8 mode's
+        ``(xq, xd, xs8, facc8)``, exact mode's digits ``(dg, bz, xsc)`` on the VNNI path
+        (:mod:`.packed_f32_vnni`), or None (exact mode, float path)."""
+        if quant:
+            return self.i8
+        return self.dgt if packed_i8.use_vnni() else None
+
+
+# ------------------------------------------------------------------------------------------------
+# the per-thread program
+# ------------------------------------------------------------------------------------------------
+def _linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
+    """8-row groups ``[g0, g1)`` of ``out[0, :] = xin[0, :] @ W.T``. ``i8``: None (exact mode,
+    float path, :mod:`.packed_f32`), this task's activation digits ``(dg, bz, xsc)`` (exact
+    mode, VNNI path, :mod:`.packed_f32_vnni`) or its int8 quantization ``(xq, xd, xs8, facc8)``
+    of ``xin`` (both made by :func:`_quantize`).
+
+    The mode is chosen by the *type* of ``i8`` when numba compiles the caller (an ``overload``),
+    so a session compiles the kernels of its own mode only, never both (cold start)."""
+
+
+def _is_digits(i8):
+    return isinstance(i8, types.BaseTuple) and len(i8) == 3
+
+
+@overload(_linear_groups, jit_options=_OV)
+def _ov_linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
+    if isinstance(i8, types.NoneType):
+        def impl(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
+            packed_f32._groups_m1(codes, scale, g0, g1, xin, out.shape[1], out, facc32)
+    elif _is_digits(i8):
+        def impl(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
+            dg, bz, xsc = i8
+            packed_f32_vnni._groups_m1(codes, scale, g0, g1, dg, bz, xsc, out.shape[1], out,
+                                       facc32)
+    else:
+        def impl(i8, codes, scale, xin, out, facc32, vnni, g0, g1):
+            xq, xd, xs8, facc8 = i8
+            packed_i8._groups(codes, scale, g0, g1, xq, xd, xs8, 1, out.shape[1], out, facc8,
+                              vnni)
+    return impl
+
+
+CHUNK_BYTES = 1 << 16  # codes bytes per claimed chunk of a linear (about 4 us of stream)
+CHUNK_MULTIPLE = 4     # groups per chunk: a multiple of packed_f32_vnni.NG_MULTI
+CHUNK_DIV = 2          # a claim takes 1/CHUNK_DIV of what is left in the range (guided)
+
+
+@njit(inline="always", **JIT)
+def _chunk_units(codes, per_unit):
+    """Units of ``per_unit`` groups per claimed chunk of a linear: about :data:`CHUNK_BYTES` of
+    codes, a multiple of :data:`CHUNK_MULTIPLE` units (at least that many)."""
+    ub = codes.shape[1] * GROUP_BLOCK_BYTES * per_unit * CHUNK_MULTIPLE
+    return CHUNK_MULTIPLE * max(np.int64(1), CHUNK_BYTES // ub)
+
+
+@njit(inline="always", **JIT)
+def _claim(bar, nt, n, step, r):
+    """Claim the next chunk of units ``[u0, u1)`` out of ``n`` (units: 8-row groups, or gate/up
+    group pairs), starting the search at range ``r``: returns ``(u0, u1, r)`` with the range
+    the chunk came from, or ``u0 = -1`` when every range is used up.
+
+    Dynamic work distribution. The ``n`` units are cut into ``nt`` ranges, range ``r`` being
+    task ``r``'s static share ``[r n / nt, (r + 1) n / nt)``; each has a claim offset in
+    ``bar`` (int64 slot ``BARRIER_SLOTS + WORK_SLOTS r``, advanced by an atomic add, reset to 0
+    by :func:`_barrier`). A claim takes ``1 / CHUNK_DIV`` of what is left of the range, at least
+    ``step`` units, rounded down to a multiple of :data:`CHUNK_MULTIPLE` (guided scheduling: few
+    long claims first, short ones at the end). A task claims chunks of its own range in order
+    (one contiguous stream, as the static split read it), then takes chunks from the front of
+    the other ranges, so a task that is delayed (descheduled, slower memory) no longer holds the
+    others up at the next barrier.
+
+    Results do not depend on which task computes a chunk, nor on where chunks end: every
+    output row is computed from its own weights and the shared activations only, by the same
+    serial group kernel. Chunks start at the range start plus a multiple of
+    :data:`CHUNK_MULTIPLE` groups, so the multi-group passes of exact mode on the VNNI path
+    (:func:`~.packed_f32_vnni._groups_m1`, 4 groups per pass) fall exactly where the static
+    split put them."""
+    for _ in range(nt):
+        s = r * n // nt
+        e = (r + 1) * n // nt
+        slot = BARRIER_SLOTS + WORK_SLOTS * r
+        rem = e - s - _atomic_load(bar, slot)
+        if rem > 0:
+            size = max(step, CHUNK_MULTIPLE * (rem // (CHUNK_DIV * CHUNK_MULTIPLE)))
+            off = _atomic_add(bar, slot, size)
+            if s + off < e:
+                return s + off, min(s + off + size, e), r
+        r = r + 1 if r + 1 < nt else 0
+    return np.int64(-1), np.int64(-1), r
+
+
+# the add flag of _linear_part: module-level numpy bools, which numba types as plain booleans;
+# a literal True / False argument would make one more specialisation of _linear_part each
+# (cold start: measured 3 compilations of it instead of 1)
+_YES = np.bool_(True)
+_NO = np.bool_(False)
+
+
+@njit(**JIT)
+def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni, bar, add, addv):
+    """This task's part of ``out[0, :] = xin[0, :] @ W.T (+ addv)`` (:func:`_linear_groups`):
+    chunks of 8-row groups claimed with :func:`_claim` (with one task: all groups). ``add``:
+    the rows a chunk wrote get ``+ addv[0, r]`` (bias, residual) before the next claim.
+    Returns the number of chunks this task computed."""
+    ng = codes.shape[0]
+    n = out.shape[1]
+    if nt == 1:
+        _linear_groups(i8, codes, scale, xin, out, facc32, vnni, np.int64(0), ng)
+        if add:
+            for r in range(n):
+                out[0, r] = out[0, r] + addv[0, r]
+        return np.int64(1)
+    step = _chunk_units(codes, 1)
+    r = tid
+    done = np.int64(0)
+    while True:
+        g0, g1, r = _claim(bar, nt, ng, step, r)
+        if g0 < 0:
+            break
+        _linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1)
+        if add:
+            for j in range(g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, n)):
+                out[0, j] = out[0, j] + addv[0, j]
+        done += 1
+    return done
+
+
+@njit(**JIT)
+def _prefetch_head(codes, scale, g0):
+    """Prefetch the first :data:`~.packed_i8.PF_BYTES` of the codes and scales stream that
+    starts at group ``g0`` (the part the group loop's own prefetch, that far ahead, never
+    covers): issued before a barrier, the DRAM latency of a linear's start overlaps the wait."""
+    pf = packed_i8.PF_BYTES
+    if pf > 0:
+        kb = codes.shape[1]
+        cb = g0 * kb * GROUP_BLOCK_BYTES
+        for off in range(0, pf, 64):
+            packed_i8._prefetch(codes, cb + off)
+        sb = g0 * kb * GROUP_ROWS
+        # scales: 8 per block, float32 or float16 bits (element offsets; 64-byte lines)
+        for off in range(0, pf // GROUP_BLOCK_BYTES * GROUP_ROWS, 64 // scale.itemsize):
+            packed_i8._prefetch(scale, sb + off)
+
+
+@njit(**JIT)
+def _prefetch_part(tid, nt, wt, w, codes0, scale0):
+    """:func:`_prefetch_head` of this task's share of weight ``w`` (where its first claim,
+    :func:`_claim`, starts)."""
+    cw, sw = _weight(wt, w, codes0, scale0)
+    _prefetch_head(cw, sw, tid * cw.shape[0] // nt)
+
+
+def _quantize(i8, xin, k, kb):
+    """int8 mode: this task's quantization of ``xin[0, :k]`` into ``i8``; exact mode on the
+    VNNI path: its activation digits; exact mode, float path (``i8`` is None): nothing (see
+    :func:`_linear_part`)."""
+
+
+@overload(_quantize, jit_options=_OV)
+def _ov_quantize(i8, xin, k, kb):
+    if isinstance(i8, types.NoneType):
+        def impl(i8, xin, k, kb):
+            pass
+    # one row as np.int64(1), not the literal 1: the prefill's specialisation (int64 rows), so
+    # the step loads the one the main process compiled instead of compiling a second (cold start)
+    elif _is_digits(i8):
+        def impl(i8, xin, k, kb):
+            dg, bz, xsc = i8
+            packed_f32_vnni._digits_rows(xin, np.int64(1), k, dg, bz, xsc)  # non-finite: NaN out
+    else:
+        def impl(i8, xin, k, kb):
+            xq, xd, xs8, facc8 = i8
+            packed_i8._quantize_rows_i8(xin, np.int64(1), k, kb, xq, xd, xs8)
+    return impl
+
+
+def _task_i8(i8ws, tid):
+    """Task ``tid``'s activation buffers of the workspace tuple (int8 mode's
+    ``(xq, xd, xs8, facc8)`` or exact mode's digits ``(dg, bz, xsc)``), or None."""
+
+
+@overload(_task_i8, jit_options=_OV)
+def _ov_task_i8(i8ws, tid):
+    if isinstance(i8ws, types.NoneType):
+        return lambda i8ws, tid: None
+    if _is_digits(i8ws):
+        return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid])
+    return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid], i8ws[3][tid])
+
+
+@njit(**JIT)
+def _rope_head(buf, off, cos, sin, interleaved, rdim):
+    """Rotate one head ``buf[0, off:off+D]`` in place (the expressions of rope._rope_token)."""
+    half = rdim // 2
+    if interleaved:
+        for i in range(half):
+            x1 = buf[0, off + 2 * i]
+            x2 = buf[0, off + 2 * i + 1]
+            buf[0, off + 2 * i] = cos[i] * x1 - sin[i] * x2
+            buf[0, off + 2 * i + 1] = sin[i] * x1 + cos[i] * x2
+    else:
+        for i in range(half):
+            x1 = buf[0, off + i]
+            x2 = buf[0, off + half + i]
+            buf[0, off + i] = cos[i] * x1 - sin[i] * x2
+            buf[0, off + half + i] = sin[i] * x1 + cos[i] * x2
+
+
+@njit(**JIT)
+def _weight(wt, w, codes0, scale0):
+    """Packed weight ``w`` (codes, scale) from the address table (see :func:`decode_stack`)."""
+    ng = wt[w, 2]
+    kb = wt[w, 3]
+    return (_view(codes0, wt[w, 0], (ng, kb, GROUP_BLOCK_BYTES)),
+            _view(scale0, wt[w, 1], (ng, kb, GROUP_ROWS)))
+
+
+@njit(inline="always", **JIT)
+def _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h, qkv,
+                f32, bar, vnni):
+    """Steps 1-2: input norm (private), q/k/v projection (+ bias); barrier."""
+    e = x.shape[1]
+    _rms_norm_row(x[0], norms[2 * li], eps, h[0])
+    cw, sw = _weight(wt, 4 * li, codes0, scale0)
+    _quantize(i8, h, e, cw.shape[1])
+    _stamp(bar, tid, nt, np.int64(0))
+    _linear_part(tid, nt, i8, cw, sw, h, qkv, f32, vnni, bar, has_bias[li], biases[li:li + 1])
+    _prefetch_part(tid, nt, wt, 4 * li + 1, codes0, scale0)  # the output projection's start
+    _stamp(bar, tid, nt, np.int64(1))
+    _barrier(bar, nt)
+    _stamp(bar, tid, nt, np.int64(2))
+
+
+@njit(inline="always", **JIT)
+def _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p):
+    """Every task combines the partial softmax states of all heads into its private copy of
+    the attention output (no barrier needed before the output projection reads it)."""
+    ap = attn_p[tid]
+    for hh in range(n_heads):
+        _merge_partials(pm, pl, po, nt, hh, ap[0, hh * d:(hh + 1) * d])
+
+
+@njit(inline="always", **JIT)
+def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps, inter, attn, h,
+                gu, act, f32, bar, vnni):
+    """Steps 5-8 (output projection + residual, post norm, gate/up, SiLU*up, down + residual);
+    returns the new residual buffer and the flip flag. Before each barrier a task prefetches
+    the start of its share of the next weight (:func:`_prefetch_part`)."""
+    w = 4 * li
+    hd = attn.shape[1]
+    e = x.shape[1]
+    xn = xa if nxt == 0 else xb
+    cw, sw = _weight(wt, w + 1, codes0, scale0)
+    _quantize(i8, attn, hd, cw.shape[1])
+    _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni, bar, _YES, x)
+    _stamp(bar, tid, nt, np.int64(6))
+    cw, sw = _weight(wt, w + 2, codes0, scale0)
+    ng = cw.shape[0]
+    # gate rows [0, inter), up rows [inter, 2 inter): when no 8-row group straddles the two,
+    # each task takes the same groups of both halves and applies SiLU * up to its own rows
+    # (no barrier between gate/up and the product)
+    halves = inter % GROUP_ROWS == 0 and ng == 2 * (inter // GROUP_ROWS)
+    gh = ng // 2
+    a0 = tid * gh // nt
+    if halves:
+        _prefetch_head(cw, sw, a0)
+        _prefetch_head(cw, sw, gh + a0)
+    else:
+        _prefetch_head(cw, sw, tid * ng // nt)
+    _barrier(bar, nt)
+    _stamp(bar, tid, nt, np.int64(7))
+    x = xn
+    nxt = 1 - nxt
+    xn = xa if nxt == 0 else xb
+    # 6: post-attention norm (private), gate/up projection
+    _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
+    _quantize(i8, h, e, cw.shape[1])
+    _stamp(bar, tid, nt, np.int64(8))
+    if halves:
+        # chunks of gate/up group pairs (the same groups of both halves), claimed as the
+        # linears' groups are (_claim); SiLU * up on the chunk's rows
+        if nt == 1:
+            _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, np.int64(0), gh)
+        else:
+            step = _chunk_units(cw, 2)
+            r = tid
+            while True:
+                p0, p1, r = _claim(bar, nt, gh, step, r)
+                if p0 < 0:
+                    break
+                _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, p0, p1)
+    else:
+        _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni, bar, _NO, gu)
+        _barrier(bar, nt)
+        _silu_mul(gu, act, inter, tid * inter // nt, (tid + 1) * inter // nt)
+    _prefetch_part(tid, nt, wt, w + 3, codes0, scale0)
+    _stamp(bar, tid, nt, np.int64(9))
+    _barrier(bar, nt)
+    _stamp(bar, tid, nt, np.int64(10))
+    # 8: down projection + residual
+    cw, sw = _weight(wt, w + 3, codes0, scale0)
+    _quantize(i8, act, inter, cw.shape[1])
+    _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni, bar, _YES, x)
+    _prefetch_part(tid, nt, wt, w + 4, codes0, scale0)  # next layer's qkv, or the lm_head
+    _stamp(bar, tid, nt, np.int64(11))
+    _barrier(bar, nt)
+    _stamp(bar, tid, nt, np.int64(12))
+    return xn, 1 - nxt
+
+
+@njit(inline="always", **JIT)
+def _silu_mul(gu, act, inter, j0, j1):
+    """Step 7 on rows ``[j0, j1)``: ``act = g * sigmoid(g) * u`` (same operations as
+    fusion.SiluMul: ``1 / (1 + exp(-g))``, then two products)."""
+    one = np.float32(1.0)
+    for j in range(j0, j1):
+        gv = gu[0, j]
+        sg = one / (np.exp(-gv) + one)
+        act[0, j] = (gv * sg) * gu[0, inter + j]
+
+
+@njit(inline="always", **JIT)
+def _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, p0, p1):
+    """Gate groups ``[p0, p1)``, the up groups ``gh + [p0, p1)`` (``gh = inter / 8``), then
+    SiLU * up on their rows."""
+    gh = cw.shape[0] // 2
+    _linear_groups(i8, cw, sw, h, gu, f32, vnni, p0, p1)
+    _linear_groups(i8, cw, sw, h, gu, f32, vnni, gh + p0, gh + p1)
+    _silu_mul(gu, act, inter, p0 * GROUP_ROWS, p1 * GROUP_ROWS)
+
+
+@njit(inline="always", **JIT)
+def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
+             bar):
+    """Final norm (private), ``logits = . @ Wlm.T``; a last barrier (it resets the claim
+    offsets for the next call)."""
+    e = x.shape[1]
+    _rms_norm_row(x[0], norms[2 * n_layers], eps, h[0])
+    wl = 4 * n_layers
+    cw, sw = _weight(wt, wl, codes0, scale0)
+    _quantize(i8, h, e, cw.shape[1])
+    _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni, bar, _NO, logits)
+    _stamp(bar, tid, nt, np.int64(13))
+    _barrier(bar, nt)
+    _stamp(bar, tid, nt, np.int64(14))
+
+
+@njit(**JIT)
+def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
+                  kvt, kv0, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+                  inter, xa, xb, qkv, qpa, qpa3, gu, act, hx, i8ws, facc32, bar,
+                  logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
+    n_layers = tpos.shape[0]
+    hd = n_heads * d
+    kvd = n_kv * d
+    group = n_heads // n_kv
+    qp = qpa[tid]  # this task's rotated queries [1, H*D], as [H, D]
+    q3 = qpa3[tid]
+    h = hx[tid]
+    i8 = _task_i8(i8ws, tid)  # None in exact mode
+    f32 = facc32[tid]
+    sc = asc[tid]
+    p = ap[tid]
+    mx = amx[tid]
+    attn = attn_p[tid]
+    # residual stream: x0 -> xa -> xb -> xa ... (each write goes to the buffer x is not in)
+    x = x0
+    nxt = 0  # 0: the next write goes to xa, 1: to xb
+    _stamp(bar, tid, nt, np.int64(-1))  # phase profile (benchmarks only): the start
+    for li in range(n_layers):
+        _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h,
+                    qkv, f32, bar, vnni)
+        # 3: RoPE: every task rotates all query heads into its private copy; the task whose
+        #    key range ends with the new key (the last one) rotates the key heads and writes
+        #    k and v into slot t of the capacity buffers -- no other task reads slot t, so no
+        #    barrier before the attention
+        t = tpos[li]
+        cap = kvt[li, 2]
+        kb = _view(kv0, kvt[li, 0], (1, n_kv, cap, d))
+        vb = _view(kv0, kvt[li, 1], (1, n_kv, cap, d))
+        for i in range(hd):
+            qp[0, i] = qkv[0, i]
+        for hh in range(n_heads):
+            _rope_head(qp, hh * d, cos, sin, interleaved, rdim)
+        if tid == nt - 1:
+            for g in range(n_kv):
+                _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
+                for i in range(d):
+                    kb[0, g, t, i] = qkv[0, hd + g * d + i]
+                    vb[0, g, t, i] = qkv[0, hd + kvd + g * d + i]
+        # 4: this task's share of the t + 1 keys for every kv head (flash-decoding split);
+        #    barrier; every task merges the partial states into its private output
+        j0 = tid * (t + 1) // nt
+        j1 = (tid + 1) * (t + 1) // nt
+        for g in range(n_kv):
+            hs = g * group
+            m = pm[tid, hs:hs + group]
+            l = pl[tid, hs:hs + group]
+            o = po[tid, hs:hs + group]
+            _state_init(m, l, o, group)
+            _attend_rows(q3[hs:hs + group], group, kb[0, g], vb[0, g], j0, j1, att_scale, m, l,
+                         o, sc, p, mx)
+        _stamp(bar, tid, nt, np.int64(3))
+        _barrier(bar, nt)
+        _stamp(bar, tid, nt, np.int64(4))
+        _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
+        _stamp(bar, tid, nt, np.int64(5))
+        x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
+                             inter, attn, h, gu, act, f32, bar, vnni)
+    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
+             bar)
+
+
+@njit(**PJIT)
+def _stack_par(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
+               n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, qpa, qpa3, gu,
+               act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
+    for tid in prange(nt):
+        # int64 like the serial entry's tid (the prange index is unsigned): one specialisation
+        # of _stack_thread serves both
+        _stack_thread(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
+                      kvt, kv0, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+                      inter, xa, xb, qkv, qpa, qpa3, gu, act, hx, i8ws, facc32, bar, logits,
+                      vnni, pm, pl, po, attn_p, asc, ap, amx)
+
+
+def address(a: np.ndarray) -> int:
+    """The address of ``a``'s first element (for the tables of :func:`decode_stack`)."""
+    return int(a.__array_interface__["data"][0])
+
+
+class WeightTable:
+    """The packed weights of a stack as an address table (views of the arrays, not copies).
+
+    Parameters
+    ----------
+    packed : list of :class:`~.packed_i8.PackedInt4I8`
+        4 per layer (qkv, o, gate_up, down), then the lm_head; one scale dtype, C-contiguous.
+
+    Attributes
+    ----------
+    wt : int64 [W, 4]
+        Per weight: address of ``codes`` (uint8 [NG, KB, 128]), address of ``scale``
+        ([NG, KB, 8] float32 or uint16), NG, KB.
+    codes0, scale0 : read-only views of the first weight's arrays (their numba types are the
+        types of every view :func:`_weight` makes).
+    codes, scales : lists of the arrays themselves (inspection; they keep the memory alive).
+    """
+
+    def __init__(self, packed):
+        wt = np.zeros((len(packed), 4), np.int64)
+        sdt = packed[0].scale.dtype
+        for i, p in enumerate(packed):
+            c, sc = p.codes, p.scale
+            ng, kb = c.shape[0], c.shape[1]
+            if (c.dtype != np.uint8 or c.shape != (ng, kb, GROUP_BLOCK_BYTES) or sc.dtype != sdt
+                    or sc.shape != (ng, kb, GROUP_ROWS) or not c.flags.c_contiguous
+                    or not sc.flags.c_contiguous):
+                raise InvalidArgument(f"weight {i}: not the packed layout (codes {c.dtype} "
+                                 f"{c.shape}, scale {sc.dtype} {sc.shape})")
+            wt[i] = (address(c), address(sc), ng, kb)
+        self.wt = wt
+        self.codes = [p.codes for p in packed]  # the arrays the addresses point into
+        self.scales = [p.scale for p in packed]
+        self.codes0 = _readonly(packed[0].codes)
+        self.scale0 = _readonly(packed[0].scale)
+
+
+def _readonly(a):
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+# ------------------------------------------------------------------------------------------------
+# the paged variant: block tables instead of capacity buffers (compiled only for paged models)
+# ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def _write_open_row(tab, nb, g, bs, d, t_in, src, off):
+    """Write the key ``src[0, off:off+D]`` and value ``src[1, off:off+D]`` as token ``t_in`` of kv
+    head ``g`` into the open (last) block of the table (float32, or float16 rounded to nearest
+    even)."""
+    for side in range(2):
+        fmt = tab[nb - 1, pk.T_KFMT if side == 0 else pk.T_VFMT]
+        addr = tab[nb - 1, pk.T_KADDR if side == 0 else pk.T_VADDR]
+        r = g * bs + t_in
+        if fmt == 0:
+            dst = carray(pk._f32p(addr + r * d * 4), (d,))
+            for i in range(d):
+                dst[i] = src[side, off + i]
+        else:
+            dst16 = carray(pk._u16p(addr + r * d * 2), (d,))
+            for i in range(d):
+                dst16[i] = pk._f32_to_half(src[side, off + i])
+
+
+@njit(**JIT)
+def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
+                        tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
+                        att_scale, inter, xa, xb, qkv, qpa, qpa3, kvnew, gu, act, hx, i8ws,
+                        facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, ascr, armul,
+                        apend, iq, aqi, aqip, aqmul, aqsum):
+    n_layers = len(tabs)
+    hd = n_heads * d
+    kvd = n_kv * d
+    group = n_heads // n_kv
+    qp = qpa[tid]  # this task's rotated queries [1, H*D], as [H, D]
+    q3 = qpa3[tid]
+    h = hx[tid]
+    i8 = _task_i8(i8ws, tid)  # None in exact mode
+    f32 = facc32[tid]
+    sc = asc[tid]
+    p = ap[tid]
+    mx = amx[tid]
+    scr = ascr[tid]
+    rmul = armul[tid]
+    pend = apend[tid]
+    attn = attn_p[tid]
+    kv = kvnew[tid]
+    qi = aqi[tid]
+    qip = aqip[tid]
+    qmul = aqmul[tid]
+    qsum = aqsum[tid]
+    x = x0
+    nxt = 0
+    for li in range(n_layers):
+        _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h,
+                    qkv, f32, bar, vnni)
+        tab = tabs[li]
+        nb = nblk[li]
+        # RoPE: every task rotates all query heads into its private copy; the last task, whose
+        # share of the blocks ends with the open block, rotates the key heads and writes the
+        # new key and value there -- no other task reads the open block: no barrier before the
+        # attention (as the contiguous step)
+        for i in range(hd):
+            qp[0, i] = qkv[0, i]
+        for hh in range(n_heads):
+            _rope_head(qp, hh * d, cos, sin, interleaved, rdim)
+        if tid == nt - 1:
+            for g in range(n_kv):
+                _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
+                for i in range(d):
+                    kv[0, g * d + i] = qkv[0, hd + g * d + i]
+                    kv[1, g * d + i] = qkv[0, hd + kvd + g * d + i]
+                _write_open_row(tab, nb, g, bs, d, tin[li], kv, g * d)
+        if iq:  # int8 queries for INT8/INT4 key blocks (every task quantizes all heads)
+            pk._quantize_heads(q3, 0, n_heads, att_scale, qi, qip, qmul, qsum)
+        b0 = tid * nb // nt
+        b1 = (tid + 1) * nb // nt
+        for g in range(n_kv):
+            hs = g * group
+            _state_init(pm[tid, hs:hs + group], pl[tid, hs:hs + group], po[tid, hs:hs + group],
+                        group)
+        # one softmax tile of blocks at a time for every kv head: a block slot ([KVH, BS, D])
+        # is read whole, in address order, before the next one
+        tb = max((sc.shape[1] - SLACK) // bs, 1)
+        for c0 in range(b0, b1, tb):
+            c1 = min(c0 + tb, b1)
+            for g in range(n_kv):
+                hs = g * group
+                _paged_rows(q3[hs:hs + group], group, tab, c0, c1, g, bs, 0, False, att_scale,
+                            pm[tid, hs:hs + group], pl[tid, hs:hs + group],
+                            po[tid, hs:hs + group], sc, p, mx, scr, rmul, pend, iq,
+                            qi[hs:hs + group], qip[hs:hs + group], qmul[hs:hs + group],
+                            qsum[hs:hs + group], vnni, b1, n_kv if g == 0 else 0)
+        _barrier(bar, nt)
+        _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
+        x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
+                             inter, attn, h, gu, act, f32, bar, vnni)
+    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
+             bar)
+
+
+@njit(**PJIT)
+def _stack_par_paged(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, tabs, nblk, tin,
+                     bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
+                     qkv, qpa, qpa3, kvnew, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm, pl,
+                     po, attn_p, asc, ap, amx, ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum):
+    for tid in prange(nt):
+        _stack_thread_paged(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms,
+                            eps, tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim,
+                            interleaved, att_scale, inter, xa, xb, qkv, qpa, qpa3, kvnew, gu,
+                            act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap,
+                            amx, ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum)
+
+
+def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tabs, nblk,
+                       tin, block_size, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+                       inter, ws, logits):
+    """:func:`decode_stack` over paged KV caches (compiled at the first call, for paged models).
+
+    Instead of capacity buffers, each layer's cache is a block table
+    (:mod:`.paged_attention`) and the weights are a :class:`WeightTable`: ``tabs`` a typed list of int64 [>= nblk[l], TABLE_COLS] arrays
+    (one per layer), ``nblk`` int64 [L] rows used, ``tin`` int64 [L] the token index inside the
+    last (open, float32/float16) block where the new key and value are written, ``block_size``
+    BS. Step 3 writes k, v there: the last task, whose share of the blocks ends with the open
+    block, so no barrier before the attention (the bookkeeping -- slot claim, allocation,
+    sealing -- is the caller's, :meth:`olv_runtime.kv.paged.PagedKV.decode_begin` /
+    ``decode_end``); step 4 runs
+    :func:`~.paged_attention._paged_rows` over this task's share of the blocks for every kv head
+    and merges the partial states as the contiguous step does. In int8-activation mode
+    (``quant``) the scores of INT8/INT4 key blocks are integer dot products against the query
+    heads quantized to int8 (``paged_attention(..., int8_query=True)``: one scale per head,
+    the block's key codes and scales as they are).
+    """
+    w = pk.tile_width(block_size)
+    att = ws.attention(n_heads, n_kv, d, w)
+    scr, rmul, pend, kvnew, qi, qip, qmul, qsum, pm, pl, amx = ws.paged(d, w, n_kv,
+                                                                    int(block_size), n_heads)
+    att = (pm, pl) + tuple(att[2:6]) + (amx,)  # line-padded per-task max/sum rows
+    args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, tabs,
+            nblk, tin, int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
+            inter, ws.xa, ws.xb, ws.qkv, *ws.qprivate(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
+            ws.exact_buffers(quant), ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att,
+            scr, rmul, pend, bool(quant), qi, qip, qmul, qsum)
+    if nt > 1:
+        _stack_par_paged(nt, *args)
+    else:  # the per-thread program is the serial entry (as in decode_stack)
+        _stack_thread_paged(0, 1, *args)
+    return logits
+
+
+def decode_stack(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
+                 n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
+    """Run every layer of one decode token and the lm_head (see the module docstring).
+
+    Parameters (checked by the caller, :class:`olv_runtime.executor.decoder_step.DecoderStack`)
+    ----------
+    nt : int
+        Tasks (1: serial; > 1 only with the ``omp`` threading layer, nt <= its threads).
+    quant : bool
+        int8 activations (:mod:`.packed_i8`) or float32 (:mod:`.packed_f32`); only the kernels
+        of the mode in use are compiled.
+    x0 : float32 [1, E]
+        The embedding of the token.
+    weights : WeightTable
+        4 packed weights per layer (qkv, o, gate_up, down) + lm_head.
+    biases : float32 [L, N_qkv] (zeros where a layer has none); has_bias : bool [L]
+    norms : float32 [2L + 1, E]: input and post-attention norm weights per layer, final
+    eps : float32
+    kvt : int64 [L, 3]
+        Per layer: address of the key and of the value capacity buffer (float32
+        [1, KVH, CAP, D], C-contiguous; slot ``tpos[l]`` is written), CAP.
+    kv0 : float32 [1, KVH, 1, D] (any C-contiguous writeable 4-D float32 array: the type of the
+        views)
+    tpos : int64 [L]
+    cos, sin : float32 [rdim/2] of the token's position
+    ws : StackWorkspace
+    logits : float32 [1, V] (written)
+    """
+    fn, args = _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos,
+                           cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws,
+                           logits)
+    fn(*args)
+    return logits
+
+
+def _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
+                n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
+    args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, kvt, kv0,
+            tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb,
+            ws.qkv, *ws.qprivate(n_heads, d), ws.gu, ws.act, ws.hx, ws.exact_buffers(quant),
+            ws.facc32,
+            ws.bar, logits, packed_i8.use_vnni(), *ws.attention(n_heads, n_kv, d))
+    if nt > 1:
+        return _stack_par, (nt,) + args
+    # the per-thread program itself is the serial entry (no second top-level driver)
+    return _stack_thread, (0, 1) + args
+
+
+#: Positions, in the argument list of :func:`_stack_call`'s compiled function, of the values that
+#: change from one token to the next (x0, cos, sin, logits), after its 1 (parallel entry: nt)
+#: or 2 (serial entry: tid, nt) leading arguments. Checked by :func:`prepared_call`.
+_VARYING = (0, 11, 12, 31)
+
+
+def prepared_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
+                  n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
+    """:func:`decode_stack`'s compiled function and argument list, built once for a workspace:
+    ``(fn, args, (i_x0, i_cos, i_sin, i_logits))``. A caller whose other arguments stay the
+    same objects (the tables are updated in place) runs a token with
+    ``args[i_x0] = x0; ...; fn(*args)`` instead of rebuilding the 40 arguments."""
+    fn, args = _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos,
+                           cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws,
+                           logits)
+    lead = 1 if nt > 1 else 2
+    idx = tuple(lead + i for i in _VARYING)
+    assert all(args[i] is v for i, v in zip(idx, (x0, cos, sin, logits)))
+    return fn, list(args), idx
+
+
+def precompile_entries(entry) -> list:
+    """What a compile worker builds for the decode step ``entry`` (:func:`decode_stack_entry`),
+    in order: first kernels of the prefill, the ones the main process reaches last -- its
+    RoPE rows, and in exact mode on the VNNI path the many-row GEMV groups
+    (:func:`_prefill_entries`) --, then the attention rows the prefill shares with the step
+    (:func:`~.attention.shared_entries`), then the step itself (whose compilation loads the
+    GEMV and norm callees the main process has compiled meanwhile).
+
+    With the shared cache each entry is compiled by one process (:mod:`.precompile`): the main
+    process, running the prefill, waits for an entry the worker is compiling and loads it, and
+    compiles one the worker has not started itself (the worker then skips it). So the first
+    token, which only needs the prefill's kernels, comes earlier, and the second one (the first
+    decode step) later by about the same time. Only what the prefill needs last is listed:
+    with its first callees too (RMSNorm rows, digits, one-row groups) the main process mostly
+    waited for the worker instead of compiling beside it (measured: 1 s less CPU in the main
+    process, no earlier first token)."""
+    return _prefill_entries(entry) + shared_entries() + [entry]
+
+
+def _prefill_entries(entry) -> list:
+    """``(dispatcher, argument types)`` of prefill kernels whose specialisation follows from the
+    decode step's (the packed weight and digit types): the rows of a prompt's RoPE
+    (:func:`~.rope._rope_token`) and, in exact mode on the VNNI path, the many-row GEMV groups
+    (:func:`~.packed_f32_vnni._groups_rows`, the types of :func:`~.packed_f32_vnni._groups_m1`
+    that the step calls, plus the row count)."""
+    f1 = types.Array(types.float32, 1, "C")
+    f2 = types.Array(types.float32, 2, "C")
+    i64 = types.int64
+    out = []
+    fn, sig = entry
+    if fn is _stack_thread or fn is _stack_par:
+        names = list(inspect.signature(fn.py_func).parameters)
+        codes_t, scale_t = sig[names.index("codes0")], sig[names.index("scale0")]
+        i8ws = sig[names.index("i8ws")]
+        dg_t = (types.Array(types.int8, 2, "C"), types.Array(types.int32, 2, "C"), f2)
+        if (isinstance(i8ws, types.BaseTuple) and len(i8ws) == 3
+                and isinstance(codes_t, types.Array)):
+            out.append((packed_f32_vnni._groups_rows,
+                        (codes_t, scale_t, i64, i64, i64) + dg_t + (i64, f2, f1)))
+    out.append((_rope_token, (f2, f1, f1, types.boolean, i64, f2)))
+    return out
+
+
+def decode_stack_entry(*args):
+    """``(numba dispatcher, argument types)`` of the compiled function that
+    :func:`decode_stack` with these arguments calls (the arrays only need the types of the real
+    ones): what :mod:`.precompile` compiles in a worker process."""
+    fn, call = _stack_call(*args)
+    return fn, tuple(typeof(a, Purpose.argument) for a in call)
