@@ -22,11 +22,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, StateError
+from olv_runtime.io import Model
 from olv_runtime.kernels.precompile import kernel_seconds
 from olv_runtime.sampling import (SamplingParams, TokenLogprob, check_finite, select_token,
                                   token_logprob)
 from olv_runtime.session import InferenceSession, SessionOptions
-from olv_runtime.state import empty_cache, make_state
+from olv_runtime.sidecars import sidecar_path
+from olv_runtime.state import State, empty_cache, make_state
 
 
 #: The output generate reads (one tuple object: a state's steady decode calls pass the same).
@@ -164,13 +166,9 @@ def eos_token_ids(model) -> list[int]:
     InvalidArgument
         A generation_config.json that is not JSON or whose eos_token_id is not int / list of int.
     """
-    from olv_runtime.io import Model
-
     m = model.model if isinstance(model, InferenceSession) else model
     path = m.path if isinstance(m, Model) else (pathlib.Path(m) if isinstance(m, (str, pathlib.Path)) else None)
     if path is not None:
-        from olv_runtime.sidecars import sidecar_path
-
         # the model's own generation_config.json (digest recorded at conversion), not another
         # model's left in the same folder (SidecarError)
         cfg = sidecar_path(m if isinstance(m, Model) else path, "generation_config.json")
@@ -470,8 +468,6 @@ def generate(
         raise InvalidArgument(f"stats must be a GenerationStats or None, got "
                               f"{type(stats).__name__}")
     if state is not None:
-        from olv_runtime.state.state import State
-
         if not isinstance(state, State):
             raise InvalidArgument(f"state must be a State (make_state, load_state, or generate "
                                   f"with return_state=True) or None, got {type(state).__name__}")
