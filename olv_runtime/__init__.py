@@ -8,6 +8,7 @@ Main entry points::
     state = olv_runtime.make_state(model, olv_runtime.empty_cache(model))
     out = state.run({"input_ids": ids})
     ids = olv_runtime.generate(model, prompt_ids, max_new_tokens=64)
+    res = olv_runtime.generate_result(model, prompt_ids, olv_runtime.GenerationConfig(64))
     olv_runtime.compile_model("out.onnx", "fast.onnx")   # persist prepacked weights (seed 004)
 """
 import time as _time
@@ -21,7 +22,9 @@ from olv_runtime.errors import (  # noqa: F401,E402  (the exceptions the README 
     GGUFFormatError, InvalidArgument, ModelFormatError, OlvError, OutputError, PayloadError,
     SidecarError, StateError, StateFileError, UnsupportedOperatorError, ValidationError)
 from olv_runtime.generate import (  # noqa: F401
-    GenerationResult, GenerationStats, TextStream, eos_token_ids, generate, sample_token)
+    GenerationResult, GenerationStats, TextStream, decode_step, eos_token_ids, generate,
+    generate_result, prefill, sample_token)
+from olv_runtime.generation_config import GenerationConfig  # noqa: F401
 from olv_runtime.sampling import SamplingParams, TokenLogprob  # noqa: F401
 from olv_runtime.io import Model, load, save  # noqa: F401
 from olv_runtime.session import InferenceSession, NodeArg, SessionOptions  # noqa: F401
