@@ -79,7 +79,7 @@ class GenerationConfig:
     """Sampling, stopping and output settings of one generation (batch 1).
 
     Immutable and hashable; ``dataclasses.replace(config, temperature=0.7)`` makes a changed
-    copy (checked again). The defaults are those of :func:`olv_runtime.generate`: 32 tokens,
+    copy (checked again); ``GenerationConfig(**dataclasses.asdict(config))`` is ``config``. The defaults are those of :func:`olv_runtime.generate`: 32 tokens,
     greedy, no penalty, no stop condition but the length.
 
     Attributes
@@ -130,7 +130,7 @@ class GenerationConfig:
         >= 0: with ``logprobs``, also record this many best alternatives per token (at most the
         model's vocabulary size, checked by the generate front).
     sampling : SamplingParams
-        Derived (not an argument): the selection fields above as the
+        Derived (a property, not a field): the selection fields above as the
         :class:`~olv_runtime.sampling.SamplingParams` the selection reads.
 
     Raises
@@ -155,22 +155,25 @@ class GenerationConfig:
     skip_special_tokens: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    sampling: SamplingParams = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _count("max_new_tokens", self.max_new_tokens)
-        sampling = SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p,
-                                  self.repetition_penalty, self.presence_penalty,
-                                  self.frequency_penalty, self.penalty_last_n)
+        _ = self.sampling  # making the SamplingParams checks the selection fields
         seed = check_seed(self.seed)
         stop = _stop_strings(self.stop)
         _count("top_logprobs", self.top_logprobs)
         eos = _eos_entries(self.eos_token_id)
         setattr_ = object.__setattr__  # frozen: the normalised values are set once, here
-        setattr_(self, "sampling", sampling)
         setattr_(self, "seed", seed)
         setattr_(self, "stop", stop)
         setattr_(self, "eos_token_id", eos)
         setattr_(self, "skip_special_tokens", bool(self.skip_special_tokens))
         setattr_(self, "logprobs", bool(self.logprobs))
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """The selection fields as the :class:`~olv_runtime.sampling.SamplingParams` the
+        selection reads (made on each access: read it once per generation)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p,
+                              self.repetition_penalty, self.presence_penalty,
+                              self.frequency_penalty, self.penalty_last_n)
