@@ -511,7 +511,8 @@ def prefill(state, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def decode_step(state, token: int) -> np.ndarray:
     """Feed one token (gpt-fast's ``decode_one_token``): it is appended to ``state.tokens`` and
-    its KV computed.
+    its KV computed. If the call fails (or is interrupted) the token stays pending: the state is
+    as :func:`generate` leaves it, and ``prefill(state, [])`` feeds it.
 
     Parameters
     ----------
