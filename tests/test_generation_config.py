@@ -9,6 +9,7 @@ import inspect
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 import olv_runtime
 from olv_runtime import GenerationConfig, GenerationResult, decode_step, generate_result, prefill
@@ -32,8 +33,6 @@ def sess(tiny_chat_models):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_chat_models):
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(tiny_chat_models["int4"].parent / "tokenizer.json"))
 
 
