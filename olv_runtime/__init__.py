@@ -8,6 +8,7 @@ Main entry points::
     state = olv_runtime.make_state(model, olv_runtime.empty_cache(model))
     out = state.run({"input_ids": ids})
     ids = olv_runtime.generate(model, prompt_ids, max_new_tokens=64)
+    res = olv_runtime.generate_result(model, prompt_ids, olv_runtime.GenerationConfig(64))
     olv_runtime.compile_model("out.onnx", "fast.onnx")   # persist prepacked weights (seed 004)
 """
 import time as _time
@@ -40,11 +41,15 @@ from olv_runtime.generation.generate import (  # noqa: F401
     GenerationResult,
     GenerationStats,
     TextStream,
+    decode_step,
     eos_token_ids,
     generate,
+    generate_result,
+    prefill,
     sample_token,
 )
 from olv_runtime.generation.sampling import SamplingParams, TokenLogprob  # noqa: F401
+from olv_runtime.generation.settings import GenerationConfig  # noqa: F401
 from olv_runtime.io import Model, load, save  # noqa: F401
 from olv_runtime.lazy import lazy_module  # noqa: E402
 from olv_runtime.state import State, StateOptions, empty_cache, make_state  # noqa: F401

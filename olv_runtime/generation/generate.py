@@ -1,5 +1,12 @@
 """Token generation over a converted causal LM: prefill, then one decode call per token.
 
+Split as gpt-fast splits it: :func:`prefill` (the prompt in one call, returning the last
+position's logits), :func:`decode_step` (one token in, its logits out; the loop uses the same
+feed), the loop (:func:`_decode_loop`: select, record, stop, feed), and the front
+:func:`generate_result` taking a :class:`~olv_runtime.GenerationConfig` and returning a
+:class:`GenerationResult`. :func:`generate` is the keyword compatibility form (same arguments
+and return shapes as before the config existed).
+
 The KV cache is carried by the model's persistent bindings (:func:`olv_runtime.make_state`);
 each call feeds only ``input_ids``. A :class:`~olv_runtime.State` passed to :func:`generate`
 is continued: only the tokens its KV cache does not hold yet are fed (the previous call's last
@@ -30,11 +37,11 @@ from olv_runtime.generation.sampling import (
     select_token,
     token_logprob,
 )
+from olv_runtime.generation.settings import GenerationConfig, check_seed  # noqa: F401
 from olv_runtime.io import Model
 from olv_runtime.io.sidecars import sidecar_path
 from olv_runtime.kernels.precompile import kernel_seconds
-from olv_runtime.state import empty_cache, make_state
-from olv_runtime.state.state import State
+from olv_runtime.state import State, empty_cache, make_state
 
 #: The output generate reads (one tuple object: a state's steady decode calls pass the same).
 _LOGITS = ("logits",)
@@ -103,7 +110,7 @@ class GenerationStats:
 
 @dataclasses.dataclass
 class GenerationResult:
-    """What :func:`generate` returns with ``return_result=True``.
+    """What :func:`generate_result` returns (and :func:`generate` with ``return_result=True``).
 
     Attributes
     ----------
@@ -121,7 +128,8 @@ class GenerationResult:
     logprobs : list of TokenLogprob or None
         One per generated token when ``logprobs=True`` (see :class:`TokenLogprob`).
     state : State or None
-        The state (the one passed in, or a new one with ``return_state=True``); open.
+        The state (the one passed in, or a new one with ``keep_state=True`` /
+        ``return_state=True``); open.
     stats : GenerationStats
     """
 
@@ -284,44 +292,6 @@ def _kv_length(state) -> int | None:
     return None
 
 
-def _check_eos(eos_token_id, vocab) -> set[int]:
-    """eos ids given as an int or a sequence of ints, each in ``[0, vocab)``; InvalidArgument
-    naming the bad entry otherwise."""
-    if eos_token_id is None:
-        return set()
-    scalar = np.isscalar(eos_token_id) or (isinstance(eos_token_id, np.ndarray)
-                                           and eos_token_id.ndim == 0)
-    try:
-        vals = [eos_token_id] if scalar else list(eos_token_id)
-    except TypeError:
-        raise InvalidArgument(f"eos_token_id must be an int, a list of ints, 'auto' or None, "
-                              f"got {eos_token_id!r}") from None
-    out = set()
-    for v in vals:
-        if isinstance(v, np.ndarray) and v.ndim == 0:
-            v = v[()]
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-            raise InvalidArgument(f"eos_token_id entries must be integer token ids, got {v!r} "
-                                  f"in {eos_token_id!r}")
-        if v < 0 or (vocab is not None and v >= int(vocab)):
-            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
-            raise InvalidArgument(f"eos_token_id entries must be token ids in {limit}, got {v}")
-        out.add(int(v))
-    return out
-
-
-def check_seed(seed) -> int | None:
-    """A sampling seed: None or an int in [0, 2**128) (numpy's SeedSequence takes non-negative
-    integers); InvalidArgument otherwise."""
-    if seed is None:
-        return None
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-        raise InvalidArgument(f"seed must be None or an integer >= 0, got {seed!r}")
-    if not 0 <= int(seed) < 2**128:
-        raise InvalidArgument(f"seed must be an integer in [0, 2**128), got {seed}")
-    return int(seed)
-
-
 def _check_decodable(session) -> None:
     """A model whose graph wants more than ``input_ids`` but binds nothing persistently (a plain
     ONNX export with ``past_*``/``present_*``) cannot be decoded by ``generate``: say so."""
@@ -334,6 +304,455 @@ def _check_decodable(session) -> None:
             f"graph inputs {extra[:4]}{' ...' if len(extra) > 4 else ''} would have to be fed "
             "by the caller. Run it with InferenceSession.run (feeding past_* from present_*), "
             "or use an olv-converted model or an onnxruntime-genai folder")
+
+
+def _check_eos_range(eos: tuple[int, ...] | None, vocab) -> set[int]:
+    """The eos ids of a :class:`GenerationConfig` as a set, each in ``[0, vocab)`` (``>= 0``
+    when the model does not record its vocabulary size); InvalidArgument naming the bad entry
+    otherwise."""
+    out = set()
+    for v in eos or ():
+        if v < 0 or (vocab is not None and v >= int(vocab)):
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise InvalidArgument(f"eos_token_id entries must be token ids in {limit}, got {v}")
+        out.add(v)
+    return out
+
+
+def _as_ids(prompt_ids) -> np.ndarray:
+    """``prompt_ids`` as an array (an empty list, which numpy makes float64, as int64)."""
+    ids = np.asarray(prompt_ids)
+    if ids.size == 0 and ids.dtype.kind == "f":
+        ids = ids.astype(np.int64)
+    return ids
+
+
+def _check_state_arg(state, who: str) -> None:
+    """``state`` is an open State; InvalidArgument (another type) or StateError (closed)."""
+    if not isinstance(state, State):
+        raise InvalidArgument(f"state must be a State (make_state, load_state, or generate "
+                              f"with return_state=True) or None, got {type(state).__name__}"
+                              if who == "generate" else
+                              f"{who}: state must be a State (make_state, load_state), got "
+                              f"{type(state).__name__}")
+    if state.closed:
+        raise StateError(f"{who}: the state is closed")
+
+
+def _check_kv_agrees(state, who: str) -> None:
+    """The state's KV cache holds as many positions as its history records as cached."""
+    held = _kv_length(state)
+    if held is not None and held != state.cached_tokens:
+        raise StateError(
+            f"{who}: the state's KV cache holds {held} positions but its token history "
+            f"records {state.cached_tokens} (was it run outside generate?)")
+
+
+def _check_lm(session) -> None:
+    """The model has an ``input_ids`` input and a ``logits`` output."""
+    in_names = [a.name for a in session.get_inputs()]
+    out_names = [a.name for a in session.get_outputs()]
+    if "input_ids" not in in_names or "logits" not in out_names:
+        raise InvalidArgument(
+            f"generate needs a model with an 'input_ids' input and a 'logits' output; inputs are "
+            f"{in_names}, outputs {out_names}"
+        )
+
+
+def _check_callers(config: GenerationConfig, tokenizer, callback, text_callback, stats,
+                   state) -> None:
+    """The arguments of a generation that are not settings (checked before any model work)."""
+    if (config.stop or text_callback is not None) and tokenizer is None:
+        raise InvalidArgument("stop strings and text_callback need a tokenizer (tokenizers.Tokenizer)")
+    for name, fn in (("callback", callback), ("text_callback", text_callback)):
+        if fn is not None and not callable(fn):
+            raise InvalidArgument(f"{name} must be callable or None, got {type(fn).__name__} "
+                                  f"{fn!r}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise InvalidArgument(
+            f"tokenizer must have a decode(ids, skip_special_tokens=...) method "
+            f"(tokenizers.Tokenizer), got {type(tokenizer).__name__} {str(tokenizer)[:40]!r}")
+    if stats is not None and not isinstance(stats, GenerationStats):
+        raise InvalidArgument(f"stats must be a GenerationStats or None, got "
+                              f"{type(stats).__name__}")
+    if state is not None:
+        _check_state_arg(state, "generate")
+
+
+def _session_for(model, state, session_options) -> InferenceSession:
+    """The session a generation runs on: the state's, else ``model``'s (one is made for a model
+    that is not a session)."""
+    if state is not None:
+        if model is not None and isinstance(model, InferenceSession) and model is not state.session:
+            raise InvalidArgument("generate: the state belongs to another InferenceSession")
+        return state.session
+    if model is None:
+        raise InvalidArgument("generate needs a model (or a state)")
+    return model if isinstance(model, InferenceSession) else InferenceSession(model, session_options)
+
+
+def _check_against_model(session, ids: np.ndarray, config: GenerationConfig, state) -> set[int]:
+    """The checks that need the model (vocabulary size, input and output names, a continued
+    state's KV length); returns the eos ids as a set."""
+    vocab = session.get_modelmeta().get("olv.vocab_size")
+    pending = state is not None and len(state.tokens) > state.cached_tokens
+    _check_ids(ids, vocab, "prompt_ids", allow_empty=pending)
+    _check_lm(session)
+    if config.eos_token_id == "auto":
+        eos = set(eos_token_ids(session))
+    else:
+        eos = _check_eos_range(config.eos_token_id, vocab)
+    if vocab is not None and config.top_logprobs > int(vocab):
+        raise InvalidArgument(f"top_logprobs must be at most the vocabulary size {vocab}, got "
+                              f"{config.top_logprobs}")
+    if state is not None:
+        _check_kv_agrees(state, "generate")
+    return eos
+
+
+def _generator(state, seed: int | None) -> np.random.Generator:
+    """The sampling generator: a continued state keeps its own unless ``seed`` is given."""
+    if state is None:
+        return np.random.default_rng(seed)
+    if seed is not None or state.rng is None:
+        state.rng = np.random.default_rng(seed)
+    return state.rng
+
+
+class _PhaseClock:
+    """Wall time and kernel-preparation time (:func:`kernel_seconds`) of the prefill (from
+    :meth:`start` to the first token) and of the decode (from the first token to :meth:`stop`),
+    written to a :class:`GenerationStats`."""
+
+    __slots__ = ("t0", "k0", "t1", "k1")
+
+    def __init__(self):
+        self.t0 = self.t1 = None
+        self.k0 = self.k1 = 0.0
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        self.k0 = kernel_seconds()  # compile / cache-load / worker time, excluded from the rates
+
+    def first_token(self, stats: GenerationStats) -> float:
+        """The first token is chosen: the prefill phase ends."""
+        self.t1, self.k1 = time.perf_counter(), kernel_seconds()
+        stats.prefill_compile_seconds = self.k1 - self.k0
+        stats.prefill_seconds = self.t1 - self.t0 - stats.prefill_compile_seconds
+        return self.t1
+
+    def stop(self, stats: GenerationStats) -> None:
+        """Generation ended (or was interrupted): the phase under way ends (none before
+        :meth:`start`)."""
+        if self.t1 is not None:
+            stats.decode_compile_seconds = kernel_seconds() - self.k1
+            stats.decode_seconds = time.perf_counter() - self.t1 - stats.decode_compile_seconds
+        elif self.t0 is not None:
+            stats.prefill_compile_seconds = kernel_seconds() - self.k0
+            stats.prefill_seconds = time.perf_counter() - self.t0 - stats.prefill_compile_seconds
+
+
+def _run_prompt(state, feed: list[int], history: list[int]) -> np.ndarray:
+    """Feed ``feed`` (the state's pending tokens and the prompt) in one call; the state's history
+    becomes ``history``, all of it cached. Returns the logits of the last position."""
+    step_ids = np.asarray(feed, np.int64).reshape(1, -1)
+    # only the last row of the prompt's logits is read (the lm_head of the other positions is
+    # not computed, as in llama.cpp)
+    logits = state.run({"input_ids": step_ids}, last_only=_LOGITS, outputs=_LOGITS)["logits"]
+    state.tokens, state.cached_tokens = list(history), len(history)
+    return logits
+
+
+def _feed_token(state, step: np.ndarray, tok: int) -> np.ndarray:
+    """Feed ``tok``, the pending last entry of ``state.tokens``, through the reused int64
+    ``[1, 1]`` buffer ``step`` (the same feed every call: the state's steady decode path);
+    returns its logits ``[1, 1, vocab]``."""
+    step[0, 0] = tok
+    logits = state.run({"input_ids": step}, outputs=_LOGITS)["logits"]
+    state.cached_tokens += 1
+    return logits
+
+
+def prefill(state, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Feed a state's pending tokens and ``prompt_ids`` in one call (the prompt phase of
+    :func:`generate_result`, gpt-fast's ``prefill``).
+
+    Parameters
+    ----------
+    state : State
+        Open; its KV cache holds ``state.cached_tokens`` positions. Its pending tokens (the
+        entries of ``state.tokens`` not cached yet, e.g. the last token a generate chose) are fed
+        first. Afterwards ``state.tokens`` ends with ``prompt_ids``, all of it cached.
+    prompt_ids : sequence of int
+        Token ids in ``[0, vocab)``; may be empty when the state has a pending token.
+
+    Returns
+    -------
+    numpy.ndarray
+        float32 logits of the last position fed: ``[1, 1, vocab]`` when the lm_head is a fused
+        linear step (only its last row is computed), else ``[1, n, vocab]``; ``logits[0, -1]`` is
+        the row the next token is chosen from.
+
+    Raises
+    ------
+    InvalidArgument
+        ``state`` not a State; ids that are not integers in ``[0, vocab)``, or none to feed; a
+        model without ``input_ids``/``logits``.
+    StateError
+        A closed state, or one whose KV cache length disagrees with its token history.
+    """
+    _check_state_arg(state, "prefill")
+    session = state.session
+    ids = _as_ids(prompt_ids)
+    pending = list(state.tokens[state.cached_tokens:])
+    _check_ids(ids, session.get_modelmeta().get("olv.vocab_size"), "prompt_ids",
+               allow_empty=bool(pending))
+    _check_lm(session)
+    _check_kv_agrees(state, "prefill")
+    new = [int(t) for t in ids.tolist()]
+    return _run_prompt(state, pending + new, list(state.tokens) + new)
+
+
+def decode_step(state, token: int) -> np.ndarray:
+    """Feed one token (gpt-fast's ``decode_one_token``): it is appended to ``state.tokens`` and
+    its KV computed. If the call fails (or is interrupted) the token stays pending: the state is
+    as :func:`generate` leaves it, and ``prefill(state, [])`` feeds it.
+
+    Parameters
+    ----------
+    state : State
+        Open, with no pending token (after :func:`generate`, feed the pending one with
+        ``prefill(state, [])`` first).
+    token : int
+        In ``[0, vocab)``.
+
+    Returns
+    -------
+    numpy.ndarray
+        float32 logits ``[1, 1, vocab]`` of the position fed (a new array: the caller owns it).
+
+    Raises
+    ------
+    InvalidArgument
+        ``state`` not a State; ``token`` not an integer in ``[0, vocab)``.
+    StateError
+        A closed state, or one with pending tokens.
+    """
+    _check_state_arg(state, "decode_step")
+    if len(state.tokens) != state.cached_tokens:
+        raise StateError(f"decode_step: the state has {len(state.tokens) - state.cached_tokens} "
+                         f"pending token(s) (chosen, not fed yet): feed them with "
+                         f"prefill(state, []) first")
+    vocab = state.session.get_modelmeta().get("olv.vocab_size")
+    if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) \
+            or token < 0 or (vocab is not None and token >= int(vocab)):
+        limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+        raise InvalidArgument(f"decode_step: token must be an integer token id in {limit}, got "
+                              f"{token!r}")
+    state.tokens.append(int(token))
+    return _feed_token(state, np.empty((1, 1), np.int64), int(token))
+
+
+def _decode_loop(state, logits: np.ndarray, history: list[int], config: GenerationConfig,
+                 eos: set[int], rng, out: list[int], lps: list | None, callback,
+                 stream: TextStream | None, text_callback, stats: GenerationStats,
+                 clock: _PhaseClock) -> str:
+    """Choose a token from ``logits``, record it, feed it; until a stop condition. Returns the
+    finish reason ("stop", "eos" or "length"). Each chosen token is appended to ``out``,
+    ``history`` and ``state.tokens`` (pending until fed) before the callbacks see it."""
+    session = state.session
+    params, top_n, max_new = config.sampling, config.top_logprobs, config.max_new_tokens
+    step = np.empty((1, 1), np.int64)
+    # greedy without penalties: select_token's argmax, without its dispatch per token
+    argmax_only = params.greedy and not params.penalised
+    t1 = None
+    while True:
+        row = logits[0, -1]
+        if argmax_only:
+            tok = int(row.argmax())
+            if not math.isfinite(row[tok]):  # argmax finds a NaN first: O(1) check
+                check_finite(row, tok)
+        else:
+            tok = select_token(row, history, params, rng)
+        if lps is not None:
+            lps.append(token_logprob(row, tok, top_n))
+        out.append(tok)
+        history.append(tok)
+        state.tokens.append(tok)  # pending: its KV is computed by the next run
+        stats.new_tokens = len(out)
+        if t1 is None:
+            t1 = clock.first_token(stats)
+        if callback is not None:
+            callback(tok)
+        if stream is not None:
+            piece = stream.push(tok)
+            if piece and text_callback is not None:
+                text_callback(piece)
+            if stream.stopped is not None:
+                return "stop"
+        if tok in eos:
+            return "eos"
+        if len(out) >= max_new:
+            return "length"
+        session.recycle(logits)  # consumed: its buffer serves the next call
+        logits = _feed_token(state, step, tok)
+
+
+def _run(state, own_state: bool, ids: np.ndarray, config: GenerationConfig, eos: set[int], rng,
+         out: list[int], lps: list | None, callback, stream: TextStream | None, text_callback,
+         stats: GenerationStats, keep_state: bool, raise_interrupt: bool) -> str:
+    """Prefill and decode loop on ``state``, with the timings and the KeyboardInterrupt rules;
+    returns the finish reason. A state made by the caller for this call (``own_state``) is
+    closed unless it is kept and generation ended normally."""
+    new = [int(t) for t in ids.tolist()]
+    pending = list(state.tokens[state.cached_tokens:])
+    history = list(state.tokens) + new
+    clock = _PhaseClock()
+    reason = "length"
+    closed_ok = False
+    try:
+        if config.max_new_tokens == 0:
+            state.tokens = history
+        else:
+            clock.start()
+            logits = _run_prompt(state, pending + new, history)
+            stats.prefill_tokens = len(pending) + len(new)
+            reason = _decode_loop(state, logits, history, config, eos, rng, out, lps, callback,
+                                  stream, text_callback, stats, clock)
+            clock.stop(stats)
+        closed_ok = True
+    except KeyboardInterrupt:
+        reason = "interrupted"
+        clock.stop(stats)  # the rate so far stays reportable
+        if raise_interrupt:
+            raise
+        closed_ok = True
+    finally:
+        if own_state and not (keep_state and closed_ok):
+            state.close()
+    return reason
+
+
+def _generate(model, prompt_ids, config: GenerationConfig, *, tokenizer, callback, text_callback,
+              session_options, stats, state, keep_state: bool,
+              raise_interrupt: bool) -> GenerationResult:
+    """:func:`generate_result`, and :func:`generate` with ``raise_interrupt`` (its KeyboardInterrupt
+    rule without ``return_result``). Every argument is checked before the state is touched."""
+    ids = _as_ids(prompt_ids)
+    _check_callers(config, tokenizer, callback, text_callback, stats, state)
+    session = _session_for(model, state, session_options)
+    eos = _check_against_model(session, ids, config, state)
+    rng = _generator(state, config.seed)
+
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = int(ids.size)
+    stats.new_tokens = stats.prefill_tokens = 0
+    stats.cached_tokens = state.cached_tokens if state is not None else 0
+    stats.prefill_seconds = stats.decode_seconds = 0.0
+    stats.prefill_compile_seconds = stats.decode_compile_seconds = 0.0
+    stream = (TextStream(tokenizer, config.stop, skip_special_tokens=config.skip_special_tokens)
+              if tokenizer is not None else None)
+    out: list[int] = []
+    lps: list[TokenLogprob] | None = [] if config.logprobs else None
+
+    own_state = state is None
+    if own_state:
+        _check_decodable(session)
+        state = make_state(session, empty_cache(session))
+        state.rng = rng
+    reason = _run(state, own_state, ids, config, eos, rng, out, lps, callback, stream,
+                  text_callback, stats, keep_state, raise_interrupt)
+    if stream is not None and text_callback is not None and reason != "stop":
+        rest = stream.flush()
+        if rest:
+            text_callback(rest)
+    return GenerationResult(np.asarray(out, np.int64), stream.text if stream else None, reason,
+                            stream.stopped if stream else None, lps,
+                            state if (keep_state or not own_state) else None, stats)
+
+
+def generate_result(
+    model,
+    prompt_ids: Sequence[int] | np.ndarray,
+    config: GenerationConfig | None = None,
+    *,
+    tokenizer=None,
+    callback: Callable[[int], object] | None = None,
+    text_callback: Callable[[str], object] | None = None,
+    state=None,
+    keep_state: bool = False,
+    stats: GenerationStats | None = None,
+    session_options: SessionOptions | None = None,
+) -> GenerationResult:
+    """Generate tokens after a prompt (batch 1) with the settings of ``config``; the entry point
+    of new code, with one return type (:func:`generate` is the keyword compatibility form).
+
+    A separate name rather than ``generate(..., config=...)``: the settings live in one place (no
+    keyword that could disagree with the config), the return type does not depend on flags, and
+    :func:`generate`'s signature stays exactly as before. The work is :func:`prefill`, then one
+    decode step (:func:`decode_step`'s feed) per token after the first, as gpt-fast splits it.
+
+    Parameters
+    ----------
+    model : Model, ModelProto, path, InferenceSession or None
+        A converted causal LM (``input_ids`` input, ``logits`` output, KV cache bound by
+        persistent_bindings). Pass an InferenceSession to reuse it across calls. May be None
+        when ``state`` is given (its session is used).
+    prompt_ids : sequence of int
+        Token ids to append (at least one, unless a continued state has a pending token).
+    config : GenerationConfig, optional
+        Sampling, stopping and output settings (default: ``GenerationConfig()``, 32 greedy
+        tokens).
+    tokenizer : tokenizers.Tokenizer, optional
+        For ``config.stop``, ``text_callback`` and ``GenerationResult.text``.
+    callback : callable, optional
+        Called with each new token id as soon as it is chosen.
+    text_callback : callable, optional
+        Called with each piece of final text (see :class:`TextStream`; needs ``tokenizer``).
+        An exception raised by ``callback`` or ``text_callback`` propagates unchanged and ends
+        the generation. The state is not rolled back: it keeps every token chosen so far, the
+        token just passed to the callback included (the pending last entry of ``state.tokens``;
+        its KV is computed by the next call), so a call with ``prompt_ids=[]`` continues where
+        the callback stopped. A state made by this call is closed.
+    state : State, optional
+        Continue this state (from :func:`olv_runtime.make_state` with an empty cache,
+        :func:`olv_runtime.load_state` or an earlier generation). Only the tokens its KV cache
+        does not hold yet are fed. It is left open and holds the sequence afterwards (the last
+        generated token pending). None: a new state, closed at the end unless ``keep_state``.
+    keep_state : bool
+        Keep a state made by this call open and return it in ``GenerationResult.state``.
+    stats : GenerationStats, optional
+        Filled with token counts and timings (also in ``GenerationResult.stats``).
+    session_options : SessionOptions, optional
+        For the session made when ``model`` is not an InferenceSession.
+
+    Returns
+    -------
+    GenerationResult
+        ``ids`` int64 ``[n_new]`` (prompt excluded), ``finish_reason`` ("length", "eos",
+        "stop", "interrupted" after a KeyboardInterrupt, which is not re-raised), ``state``: the
+        state passed, the kept one, or None.
+
+    Raises
+    ------
+    InvalidArgument
+        Empty prompt with nothing pending, non-integer or out-of-vocabulary ids (only
+        ``[0, vocab)``), ``config`` not a GenerationConfig, eos ids or ``top_logprobs`` beyond
+        the vocabulary, stop strings or ``text_callback`` without a tokenizer, a tokenizer
+        without ``decode``, a callback that is not callable, a ``state`` that is not a State,
+        ``stats`` that is not a GenerationStats, a model without ``input_ids``/``logits``, a
+        state of another session. Every argument is checked before the state is touched.
+    StateError
+        A closed state, or one whose KV cache length disagrees with its token history.
+    """
+    if config is None:
+        config = GenerationConfig()
+    elif not isinstance(config, GenerationConfig):
+        raise InvalidArgument(f"config must be a GenerationConfig or None, got "
+                              f"{type(config).__name__}")
+    return _generate(model, prompt_ids, config, tokenizer=tokenizer, callback=callback,
+                     text_callback=text_callback, session_options=session_options, stats=stats,
+                     state=state, keep_state=bool(keep_state), raise_interrupt=False)
 
 
 def generate(
@@ -364,52 +783,30 @@ def generate(
     return_state: bool = False,
     return_result: bool = False,
 ):
-    """Generate tokens after a prompt (batch 1), optionally continuing a state.
+    """Generate tokens after a prompt (batch 1), optionally continuing a state: the keyword
+    compatibility form.
+
+    Kept so that code written before :class:`GenerationConfig` keeps working unchanged (same
+    arguments, checks, results and return shapes); it builds a :class:`GenerationConfig` from
+    its setting keywords and runs :func:`generate_result`. New code: ``generate_result(model,
+    prompt_ids, GenerationConfig(...))``, which always returns a :class:`GenerationResult`.
 
     Parameters
     ----------
     model : Model, ModelProto, path, InferenceSession or None
-        A converted causal LM (``input_ids`` input, ``logits`` output, KV cache bound by
-        persistent_bindings). Pass an InferenceSession to reuse it across calls. May be None
-        when ``state`` is given (its session is used).
+        As :func:`generate_result` (None when ``state`` is given).
     prompt_ids : sequence of int
         Token ids to append (at least one, unless a continued state has a pending token).
-    max_new_tokens : int
-        Number of tokens to generate (fewer when an eos id or a stop string appears).
-    temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, penalty_last_n
-        Selection controls, :class:`olv_runtime.generation.sampling.SamplingParams` (transformers'
-        definitions). Temperature 0 is greedy. The penalties see the whole sequence (a
-        continued state's history, the prompt and the generated tokens).
-    seed : int, optional
-        Seeds the sampling generator. A continued state keeps its generator when ``seed`` is
-        None, so a continuation draws what one uninterrupted call would have drawn.
-    eos_token_id : int, list of int, "auto" or None
-        Stop after emitting one of these; ``"auto"``: :func:`eos_token_ids` of the model.
-    stop : str or list of str, optional
-        Stop strings, matched on the decoded continuation (needs ``tokenizer``); the text
-        returned stops before the match.
-    tokenizer : tokenizers.Tokenizer, optional
-        For ``stop``, ``text_callback`` and ``GenerationResult.text``.
-    skip_special_tokens : bool
-        Leave special tokens (``<|im_end|>``, eos, ...) out of the decoded text
-        (``tokenizers.Tokenizer.decode``'s flag; stop strings match the text without them).
-        The ids always include them.
-    logprobs, top_logprobs : bool, int
-        Record each token's log-probability and the ``top_logprobs`` best alternatives
-        (:func:`olv_runtime.generation.sampling.token_logprob`, raw logits).
-    callback : callable, optional
-        Called with each new token id as soon as it is chosen.
-    text_callback : callable, optional
-        Called with each piece of final text (see :class:`TextStream`; needs ``tokenizer``).
-        An exception raised by ``callback`` or ``text_callback`` propagates out of
-        ``generate`` unchanged and ends the generation. The state is not rolled back: it stays
-        consistent and keeps every token chosen so far, the token just passed to the callback
-        included (it is the pending last entry of ``state.tokens``; its KV is computed by the
-        next call), exactly as after a KeyboardInterrupt, so ``generate([], n, state=state)``
-        continues where the callback stopped. A state made by this call (``state=None``) is
-        closed.
-    stats : GenerationStats, optional
-        Filled with token counts and timings.
+    max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, penalty_last_n, seed, eos_token_id, stop, skip_special_tokens, logprobs, top_logprobs
+        The fields of :class:`GenerationConfig` (same names, defaults, meaning and checks):
+        length, selection (transformers' definitions; temperature 0 is greedy; penalties see
+        the whole sequence), sampling seed (a continued state keeps its generator when None),
+        eos ids (``"auto"``: :func:`eos_token_ids` of the model), stop strings (need
+        ``tokenizer``), decoded-text and log-probability options.
+    tokenizer, callback, text_callback, stats, session_options
+        As :func:`generate_result`; an exception raised by a callback propagates unchanged and
+        the state keeps every token chosen so far (the last one pending), so ``generate([], n,
+        state=state)`` continues where the callback stopped.
     state : State, optional
         Continue this state (made by an earlier ``generate(..., return_state=True)``,
         :func:`olv_runtime.load_state`, or a fresh :func:`make_state` with an empty cache). It is
@@ -418,7 +815,7 @@ def generate(
     return_state : bool
         Return ``(ids, state)`` (a new open state when none was passed).
     return_result : bool
-        Return a :class:`GenerationResult`.
+        Return a :class:`GenerationResult` (with both flags, its ``state`` is the open state).
 
     Returns
     -------
@@ -428,15 +825,10 @@ def generate(
     Raises
     ------
     InvalidArgument
-        Empty prompt with nothing pending, non-integer or out-of-vocabulary ids (only
-        ``[0, vocab)``, unlike ``State.run``, which follows ONNX Gather and counts negative ids
-        from the end), bad sampling values, a seed that is not None or an integer >= 0, stop
-        strings without a tokenizer, a tokenizer without ``decode``, a ``callback`` /
-        ``text_callback`` that is not callable, eos ids that are not integers in
-        ``[0, vocab)``, ``top_logprobs`` above the vocabulary size, a ``state`` that is not a
-        State or ``stats`` that is not a GenerationStats, a model without
-        ``input_ids``/``logits``, a state of another session. Every argument is checked before
-        the state is touched.
+        As :func:`generate_result` and :class:`GenerationConfig` (a bad setting, id, callback,
+        tokenizer, state or stats; every argument is checked before the state is touched).
+        Ids must be in ``[0, vocab)``, unlike ``State.run``, which follows ONNX Gather and
+        counts negative ids from the end.
     StateError
         A state whose KV cache length disagrees with its token history (it was run outside
         generate), or a closed state.
@@ -444,185 +836,15 @@ def generate(
         Re-raised after the state was left consistent (unless ``return_result``, which reports
         ``finish_reason="interrupted"``).
     """
-    ids = np.asarray(prompt_ids)
-    if ids.size == 0 and ids.dtype.kind == "f":
-        ids = ids.astype(np.int64)
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
-            or max_new_tokens < 0:
-        raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty,
-                            presence_penalty, frequency_penalty, penalty_last_n)
-    seed = check_seed(seed)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise InvalidArgument(f"stop strings must be non-empty strings, got {stops!r}")
-    if (stops or text_callback is not None) and tokenizer is None:
-        raise InvalidArgument("stop strings and text_callback need a tokenizer (tokenizers.Tokenizer)")
-    if not isinstance(top_logprobs, (int, np.integer)) or isinstance(top_logprobs, bool) \
-            or top_logprobs < 0:
-        raise InvalidArgument(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
-    for name, fn in (("callback", callback), ("text_callback", text_callback)):
-        if fn is not None and not callable(fn):
-            raise InvalidArgument(f"{name} must be callable or None, got {type(fn).__name__} "
-                                  f"{fn!r}")
-    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
-        raise InvalidArgument(
-            f"tokenizer must have a decode(ids, skip_special_tokens=...) method "
-            f"(tokenizers.Tokenizer), got {type(tokenizer).__name__} {str(tokenizer)[:40]!r}")
-    if stats is not None and not isinstance(stats, GenerationStats):
-        raise InvalidArgument(f"stats must be a GenerationStats or None, got "
-                              f"{type(stats).__name__}")
-    if state is not None:
-        if not isinstance(state, State):
-            raise InvalidArgument(f"state must be a State (make_state, load_state, or generate "
-                                  f"with return_state=True) or None, got {type(state).__name__}")
-
-    if state is not None:
-        if state.closed:
-            raise StateError("generate: the state is closed")
-        if model is not None and isinstance(model, InferenceSession) and model is not state.session:
-            raise InvalidArgument("generate: the state belongs to another InferenceSession")
-        session = state.session
-    else:
-        if model is None:
-            raise InvalidArgument("generate needs a model (or a state)")
-        session = model if isinstance(model, InferenceSession) else InferenceSession(model, session_options)
-    vocab = session.get_modelmeta().get("olv.vocab_size")
-    pending = list(state.tokens[state.cached_tokens:]) if state is not None else []
-    _check_ids(ids, vocab, "prompt_ids", allow_empty=bool(pending))
-    in_names = [a.name for a in session.get_inputs()]
-    out_names = [a.name for a in session.get_outputs()]
-    if "input_ids" not in in_names or "logits" not in out_names:
-        raise InvalidArgument(
-            f"generate needs a model with an 'input_ids' input and a 'logits' output; inputs are "
-            f"{in_names}, outputs {out_names}"
-        )
-    if isinstance(eos_token_id, str):
-        if eos_token_id != "auto":
-            raise InvalidArgument(f"eos_token_id must be an int, a list of ints, 'auto' or None, "
-                                  f"got {eos_token_id!r}")
-        eos = set(eos_token_ids(session))
-    else:
-        eos = _check_eos(eos_token_id, vocab)
-    if vocab is not None and top_logprobs > int(vocab):
-        raise InvalidArgument(f"top_logprobs must be at most the vocabulary size {vocab}, got "
-                              f"{top_logprobs}")
-    if state is not None:
-        held = _kv_length(state)
-        if held is not None and held != state.cached_tokens:
-            raise StateError(
-                f"generate: the state's KV cache holds {held} positions but its token history "
-                f"records {state.cached_tokens} (was it run outside generate?)")
-        if seed is not None or state.rng is None:
-            state.rng = np.random.default_rng(seed)
-        rng = state.rng
-    else:
-        rng = np.random.default_rng(seed)
-
-    stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = int(ids.size)
-    stats.new_tokens = stats.prefill_tokens = 0
-    stats.cached_tokens = state.cached_tokens if state is not None else 0
-    stats.prefill_seconds = stats.decode_seconds = 0.0
-    stats.prefill_compile_seconds = stats.decode_compile_seconds = 0.0
-    stream = (TextStream(tokenizer, stops, skip_special_tokens=bool(skip_special_tokens))
-              if tokenizer is not None else None)
-    out: list[int] = []
-    lps: list[TokenLogprob] | None = [] if logprobs else None
-    reason = "length"
-
-    own_state = state is None
-    if own_state:
-        _check_decodable(session)
-        state = make_state(session, empty_cache(session))
-        state.rng = rng
-    history = list(state.tokens) + [int(t) for t in ids.tolist()]
-    feed = pending + [int(t) for t in ids.tolist()]
-    closed_ok = False
-    t0 = t1 = None
-    k0 = k1 = 0.0
-    try:
-        if max_new_tokens == 0:
-            state.tokens = history
-            closed_ok = True
-        else:
-            t0 = time.perf_counter()
-            k0 = kernel_seconds()  # compile / cache-load / worker time, excluded from the rates
-            step_ids = np.asarray(feed, np.int64).reshape(1, -1)
-            # only the last row of the prompt's logits is read (the lm_head of the other
-            # positions is not computed, as in llama.cpp)
-            logits = state.run({"input_ids": step_ids}, last_only=_LOGITS,
-                               outputs=_LOGITS)["logits"]
-            state.tokens, state.cached_tokens = list(history), len(history)
-            stats.prefill_tokens = len(feed)
-            step = np.empty((1, 1), np.int64)
-            # greedy without penalties: select_token's argmax, without its dispatch per token
-            argmax_only = params.greedy and not params.penalised
-            while True:
-                row = logits[0, -1]
-                if argmax_only:
-                    tok = int(row.argmax())
-                    if not math.isfinite(row[tok]):  # argmax finds a NaN first: O(1) check
-                        check_finite(row, tok)
-                else:
-                    tok = select_token(row, history, params, rng)
-                if lps is not None:
-                    lps.append(token_logprob(row, tok, top_logprobs))
-                out.append(tok)
-                history.append(tok)
-                state.tokens.append(tok)  # pending: its KV is computed by the next run
-                stats.new_tokens = len(out)
-                if t1 is None:
-                    t1, k1 = time.perf_counter(), kernel_seconds()
-                    stats.prefill_compile_seconds = k1 - k0
-                    stats.prefill_seconds = t1 - t0 - stats.prefill_compile_seconds
-                if callback is not None:
-                    callback(tok)
-                if stream is not None:
-                    piece = stream.push(tok)
-                    if piece and text_callback is not None:
-                        text_callback(piece)
-                    if stream.stopped is not None:
-                        reason = "stop"
-                        break
-                if tok in eos:
-                    reason = "eos"
-                    break
-                if len(out) >= max_new_tokens:
-                    break
-                step[0, 0] = tok
-                session.recycle(logits)  # consumed: its buffer serves the next call
-                logits = state.run({"input_ids": step}, outputs=_LOGITS)["logits"]
-                state.cached_tokens += 1
-            stats.decode_compile_seconds = kernel_seconds() - k1
-            stats.decode_seconds = time.perf_counter() - t1 - stats.decode_compile_seconds
-            closed_ok = True
-    except KeyboardInterrupt:
-        reason = "interrupted"
-        if t1 is not None:  # the rate so far stays reportable
-            stats.decode_compile_seconds = kernel_seconds() - k1
-            stats.decode_seconds = time.perf_counter() - t1 - stats.decode_compile_seconds
-        elif t0 is not None:
-            stats.prefill_compile_seconds = kernel_seconds() - k0
-            stats.prefill_seconds = time.perf_counter() - t0 - stats.prefill_compile_seconds
-        if not return_result:
-            raise
-        closed_ok = True
-    finally:
-        if own_state and not (return_state and closed_ok):
-            state.close()
-    if stream is not None and text_callback is not None and reason != "stop":
-        rest = stream.flush()
-        if rest:
-            text_callback(rest)
-    result_ids = np.asarray(out, np.int64)
-    keep = state if (return_state or not own_state) else None
+    config = GenerationConfig(
+        max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, penalty_last_n, seed, eos_token_id, stop, skip_special_tokens,
+        logprobs, top_logprobs)
+    res = _generate(model, prompt_ids, config, tokenizer=tokenizer, callback=callback,
+                    text_callback=text_callback, session_options=session_options, stats=stats,
+                    state=state, keep_state=return_state, raise_interrupt=not return_result)
     if return_result:
-        text = None
-        if stream is not None:
-            text = stream.text
-        return GenerationResult(result_ids, text, reason, stream.stopped if stream else None,
-                                lps, keep, stats)
+        return res
     if return_state:
-        return result_ids, state
-    return result_ids
+        return res.ids, res.state
+    return res.ids
