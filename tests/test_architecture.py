@@ -216,6 +216,20 @@ def test_environment_read_in_config_only():
     assert ENVIRON <= {"olv_runtime.config"}, sorted(ENVIRON - {"olv_runtime.config"})
 
 
+def test_session_private_fields_stay_in_the_executor():
+    """The layers above the executor use InferenceSession's public API only."""
+    bad = []
+    for module, path in MODULES.items():
+        if module.startswith("olv_runtime.executor"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and ast.unparse(node.value).split(".")[-1] in ("session", "_session", "sess")):
+                bad.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, bad
+
+
 def test_the_checks_see_what_they_check(tmp_path):
     """The scanner itself: a function-level import, a cycle and an upward edge are found."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]

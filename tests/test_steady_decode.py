@@ -20,7 +20,7 @@ import olv_runtime
 from olv_runtime.executor import decoder_step as decoder_stack
 from olv_runtime.counters import Counters
 from olv_runtime.errors import InvalidArgument, StateError
-from olv_runtime.executor.session import DecodeProgram
+from olv_runtime.executor.program import DecodeProgram
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 TOKENS = [3, 8, 13, 21, 34, 55, 89, 1, 2, 4, 9, 16]

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import threading
+import types
 from typing import Any, Mapping, Sequence
 
-import numba
 import numpy as np
 
 from olv_runtime import kernels
@@ -43,9 +42,10 @@ from olv_runtime.errors import (
     ValidationError,
     node_failed,
 )
-from olv_runtime.executor.decoder_step import DecoderStack, prestart_precompile
+from olv_runtime.executor.decoder_step import prestart_precompile
+from olv_runtime.executor.options import MAX_KV_CAPACITY, MAX_KV_GROWTH, SessionOptions  # noqa: F401
 from olv_runtime.executor.passes import optimize
-from olv_runtime.executor.positions import RotaryPositions
+from olv_runtime.executor.program import DecodeProgram, _SlotPlan
 from olv_runtime.executor.steps import (
     LAST_ONLY,
     EncodedGather,
@@ -58,6 +58,13 @@ from olv_runtime.executor.steps import (
     last_position_args,
     prepare_linears,
     release_repacks,
+)
+from olv_runtime.executor.tensors import (  # noqa: F401
+    TensorSpec,
+    as_array,
+    check_tensor,
+    tensor_spec,
+    type_string,
 )
 from olv_runtime.io import Model, as_model
 from olv_runtime.kernels import precompile
@@ -90,98 +97,6 @@ from olv_runtime.structs.runtime import check_struct_value
 ENCODED_CONSUMERS = {("olv", "Decode")}
 
 
-@dataclasses.dataclass
-class SessionOptions:
-    """Options of :class:`InferenceSession`.
-
-    Attributes
-    ----------
-    num_threads : int or None
-        numba threads for parallel kernels (None: numba's default, the core count).
-    enable_fusion : bool
-        Fuse Decode/Transpose/MatMul and Decode/Gather (default True). With False every
-        ``olv.Decode`` materialises its tensor (counted in ``bytes_dequantized``): a reference
-        mode for tests.
-    prepack : bool
-        Repack INT4 block-32 linear weights once into the tiled kernel layout (default True;
-        a layout change only, the values are those of the encoded initializer).
-    quantize_activations : bool
-        Quantize activations per 32-block to int8 for integer dot products in the INT4 linear
-        layers (as llama.cpp and onnxruntime accuracy level 4 do). Faster, approximate: off by
-        default; see kernels/packed.py for the tolerance.
-    compiled_decode : bool
-        Run the decoder layers of a one-token call as one compiled step (default True; see
-        :mod:`olv_runtime.executor.decoder_step`): no Python per operator, one parallel region per token.
-        Plans of another form, and calls of several tokens, run operator by operator.
-    kv_initial_capacity : int
-        Tokens of a newly allocated contiguous KV capacity buffer (at least what the call needs).
-    kv_growth : float
-        Capacity multiplier when a KV buffer is outgrown (the prefix is copied once then);
-        finite, > 1 and <= 16.
-    use_compiled : bool
-        Use the model's seed 004 compiled entries (persisted prepacked weights) where every
-        loading rule holds (default True); False repacks every weight from its source.
-
-    Raises
-    ------
-    InvalidArgument
-        A flag that is not a bool; num_threads not an int in numba's pool; kv_initial_capacity
-        not an int in [0, :data:`MAX_KV_CAPACITY`]; kv_growth not a number in
-        (1, :data:`MAX_KV_GROWTH`].
-    """
-
-    num_threads: int | None = None
-    enable_fusion: bool = True
-    prepack: bool = True
-    quantize_activations: bool = False
-    compiled_decode: bool = True
-    kv_initial_capacity: int = 256
-    kv_growth: float = 2.0
-    use_compiled: bool = True
-
-    def __post_init__(self):
-        for name in ("enable_fusion", "prepack", "quantize_activations", "compiled_decode",
-                     "use_compiled"):
-            v = getattr(self, name)
-            if not isinstance(v, (bool, np.bool_)):
-                raise InvalidArgument(
-                    f"SessionOptions.{name} must be a bool (True or False), got "
-                    f"{type(v).__name__} {v!r}")
-        if self.num_threads is not None:
-            most = int(numba.config.NUMBA_NUM_THREADS)
-            _check_int("num_threads", self.num_threads, 1, most,
-                       "numba's thread pool on this machine")
-        _check_int("kv_initial_capacity", self.kv_initial_capacity, 0, MAX_KV_CAPACITY,
-                   "tokens of a new contiguous KV buffer")
-        v = self.kv_growth
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer,
-                                                                 np.floating)):
-            raise InvalidArgument(
-                f"SessionOptions.kv_growth must be a finite number in (1, {MAX_KV_GROWTH:g}], "
-                f"got {type(v).__name__} {v!r}")
-        growth = float(v)
-        if not (math.isfinite(growth) and 1.0 < growth <= MAX_KV_GROWTH):
-            raise InvalidArgument(
-                f"SessionOptions.kv_growth must be a finite number in (1, {MAX_KV_GROWTH:g}] "
-                f"(the capacity multiplier when a KV buffer is outgrown), got {v!r}")
-
-
-#: Upper bounds of :class:`SessionOptions` fields: a KV buffer of more tokens, or a growth
-#: factor beyond this, only fails later (allocation, "maximum allowed dimension exceeded").
-MAX_KV_CAPACITY = 1 << 24
-MAX_KV_GROWTH = 16.0
-
-
-def _check_int(name: str, v, lo: int, hi: int, what: str) -> None:
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise InvalidArgument(
-            f"SessionOptions.{name} must be an int in [{lo}, {hi}] ({what}), got "
-            f"{type(v).__name__} {v!r}")
-    if not lo <= int(v) <= hi:
-        raise InvalidArgument(
-            f"SessionOptions.{name} must be in [{lo}, {hi}] ({what}), got {v}")
-
-
 @dataclasses.dataclass(frozen=True)
 class NodeArg:
     """Name, type string and shape of a graph input or output (as onnxruntime's NodeArg).
@@ -192,15 +107,6 @@ class NodeArg:
     name: str
     type: str
     shape: list
-
-
-def _type_string(vi: ValueInfoProto) -> str:
-    kind = vi.type.WhichOneof("value")
-    if kind == "tensor_type":
-        return f"tensor({dtype_name(vi.type.tensor_type.elem_type).lower()})"
-    if kind == "struct_type":
-        return "struct"
-    return kind or "unknown"
 
 
 class InferenceSession:
@@ -235,6 +141,7 @@ class InferenceSession:
         self._opsets = {canonical_domain(o.domain): int(o.version) for o in proto.opset_import}
         if "" not in self._opsets:
             raise ValidationError("model has no opset_import for the standard ONNX domain")
+        self._opsets_view = types.MappingProxyType(self._opsets)
         self._constants: dict[str, Any] = {}
         resolved = resolve_encoded(self.model, self.counters)  # seed 000 layer + seed 004 checker
         self._encoded_values = resolved.values
@@ -244,6 +151,7 @@ class InferenceSession:
         self._load_constants(graph)
         self._inputs = [vi for vi in graph.input if vi.name not in self._constants]
         self._input_infos = {vi.name: vi for vi in graph.input}
+        self._input_infos_view = types.MappingProxyType(self._input_infos)
         self._specs = {name: tensor_spec(vi) for name, vi in self._input_infos.items()}
         self._symbolic_dims = [  # (input, axis, dim_param) of every named symbolic dimension
             (name, axis, d) for name, spec in self._specs.items() if spec.kind == "tensor_type"
@@ -253,10 +161,12 @@ class InferenceSession:
         for name, axis, d in self._symbolic_dims:
             groups.setdefault(d, []).append((name, axis))
         self._symbolic_groups = list(groups.values())  # (input, axis) pairs per dim_param
+        self._symbolic_groups_t = tuple(tuple(g) for g in self._symbolic_groups)
         self._input_name_set = frozenset(vi.name for vi in self._inputs)
         self._check_input_types()
         self._outputs = list(graph.output)
         self._output_names = [o.name for o in self._outputs]
+        self._output_names_t = tuple(self._output_names)
         prestarted = False
         if self.options.compiled_decode:  # cold numba cache: a compile worker starts now
             prestarted = prestart_precompile(graph)
@@ -633,6 +543,35 @@ class InferenceSession:
         outs = set(self._output_names)
         return frozenset(n for n, u in uses.items() if u == {"past"} and n not in outs)
 
+    # -- public read-only views (what the state, the operators and the layers above read) ----
+    @property
+    def opsets(self) -> Mapping[str, int]:
+        """The model's opset imports, ``{canonical domain: version}`` (``""`` is ai.onnx;
+        read-only)."""
+        return self._opsets_view
+
+    @property
+    def input_infos(self) -> Mapping[str, ValueInfoProto]:
+        """Every graph input's ValueInfoProto by name, constant-backed ones included
+        (read-only)."""
+        return self._input_infos_view
+
+    @property
+    def constant_names(self) -> frozenset:
+        """Names of the graph's initializers (dense and encoded) as the plan sees them."""
+        return frozenset(self._constants)
+
+    @property
+    def output_names(self) -> tuple:
+        """The graph outputs' names, in graph order."""
+        return self._output_names_t
+
+    @property
+    def symbolic_groups(self) -> tuple:
+        """One tuple of ``(input name, axis)`` pairs per ``dim_param`` that two or more inputs
+        share (their sizes must agree in a call)."""
+        return self._symbolic_groups_t
+
     def accepts_strided(self, name: str) -> bool:
         """True if input ``name`` may be fed as a non-contiguous view (KV past inputs)."""
         return name in self._strided_ok
@@ -640,11 +579,11 @@ class InferenceSession:
     # -- introspection -------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
         """Graph inputs that are not initializers (what ``run`` needs)."""
-        return [NodeArg(vi.name, _type_string(vi), declared_shape(vi)) for vi in self._inputs]
+        return [NodeArg(vi.name, type_string(vi), declared_shape(vi)) for vi in self._inputs]
 
     def get_outputs(self) -> list[NodeArg]:
         """Graph outputs."""
-        return [NodeArg(vi.name, _type_string(vi), declared_shape(vi)) for vi in self._outputs]
+        return [NodeArg(vi.name, type_string(vi), declared_shape(vi)) for vi in self._outputs]
 
     def get_modelmeta(self) -> dict[str, str]:
         """``metadata_props`` of the model."""
@@ -727,7 +666,7 @@ class InferenceSession:
         if not self._input_name_set.issubset(out):
             for vi in self._inputs:
                 if vi.name not in out:
-                    raise InvalidArgument(f"missing input {vi.name!r} ({_type_string(vi)}, shape {declared_shape(vi)})")
+                    raise InvalidArgument(f"missing input {vi.name!r} ({type_string(vi)}, shape {declared_shape(vi)})")
         self.check_symbolic_dims(out)
         return out
 
@@ -889,160 +828,6 @@ class InferenceSession:
         return outputs
 
 
-class _SlotPlan:
-    """The plan's values as list slots, fixed once: ``template`` holds the constants the steps
-    (or the graph outputs) read, every other slot None; ``slot`` maps a value name to its slot
-    (graph inputs included); ``steps`` is ``(step, input slots, output slots, released slots)``
-    per step (slot -1: an omitted output; a name-less input reads the slot of ``""``, always
-    None); ``outputs`` the graph outputs' ``(name, slot)``. ``step.fn`` is read at every run
-    (tests and benchmarks replace it)."""
-
-    __slots__ = ("template", "slot", "steps", "outputs", "_pairs")
-
-    def __init__(self, steps, constants, input_infos, output_names):
-        slot: dict[str, int] = {"": 0}
-        template: list = [None]
-
-        def at(name: str) -> int:
-            i = slot.get(name)
-            if i is None:
-                i = slot[name] = len(template)
-                template.append(constants[name] if name in constants and name not in input_infos
-                                else None)
-            return i
-
-        for name in input_infos:
-            at(name)
-        for name in input_infos:  # an input with an initializer: its default unless fed
-            if name in constants:
-                template[slot[name]] = constants[name]
-        plan = []
-        for st in steps:
-            ins = tuple(at(n) for n in st.inputs)
-            outs = tuple(at(n) if n else -1 for n in st.outputs)
-            rel = tuple(slot[n] for n in st.release if n in slot)
-            plan.append((st, ins, outs, rel))
-        self.outputs = tuple((n, at(n)) for n in output_names)
-        self.template = template
-        self.slot = slot
-        self.steps = tuple(plan)
-        self._pairs: dict = {}
-
-    def kv_pairs(self, step, k: int) -> tuple:
-        """``(output name, input name)`` of a :class:`~olv_runtime.executor.steps.KVAppended` step's KV
-        values: its outputs after the ``k`` pooled ones and its last inputs, in order."""
-        key = (id(step), k)
-        got = self._pairs.get(key)
-        if got is None or got[0] is not step:
-            outs = step.outputs[k:]
-            ins = step.inputs[len(step.inputs) - len(outs):]
-            got = self._pairs[key] = (step, tuple(zip(outs, ins)))
-        return got[1]
-
-
-class DecodeProgram:
-    """A steady decode token of a plan of the converter's decoder form, run without the
-    executor's per-step bookkeeping: ``[EncodedGather(ids) -> x, RotaryPositions(past_0, ids) ->
-    cos, sin, DecoderStack(x, cos, sin, pasts...) -> logits, presents...]`` (every graph output
-    made by the stack). :meth:`run` takes the token's ids (int64 [1, 1]) and the stack's KV
-    values of the last call (a :class:`~olv_runtime.executor.decoder_step.KVSpan` or the arrays) and
-    returns the logits and the new span, or None when the call is not the steady one (the
-    caller then runs the plan generically). The values are those of the executor's run: the
-    same step objects compute them (``one_token``, ``rows``, ``steady_run``), the pool serves
-    the buffers and the same counters are counted; a step whose ``fn`` was replaced (tests,
-    benchmarks) sends every call to the executor.
-
-    Attributes
-    ----------
-    feed : str
-        The ids input.
-    kv_inputs, kv_outputs : tuple of str
-        The stack's past inputs and present outputs, in its KV order.
-    pairs : tuple
-        The stack's ``(output, input)`` KV pairs, the object :meth:`InferenceSession.run_env`
-        reports for its in-place appends.
-    """
-
-    def __init__(self, session, steps, pairs):
-        self.session = session
-        self.steps = steps
-        g, r, s = steps
-        self.feed = g.inputs[0]
-        self.kv_inputs = tuple(s.inputs[3:])
-        self.kv_outputs = tuple(s.outputs[1:])
-        self.logits = s.outputs[0]
-        self.pairs = pairs
-
-    @staticmethod
-    def build(session) -> "DecodeProgram | None":
-        steps = session._steps
-        if len(steps) != 3:
-            return None
-        g, r, s = steps
-        if not (type(g.impl) is EncodedGather and type(r.impl) is RotaryPositions
-                and type(s.impl) is DecoderStack):
-            return None  # (a step whose fn is replaced is checked at every run)
-        stack, rope = s.impl, r.impl
-        if stack.rope_table or rope.paged or len(g.inputs) != 1 or len(g.outputs) != 1:
-            return None
-        ids = g.inputs[0]
-        if (ids not in session._input_name_set or len(s.inputs) < 4 or len(r.inputs) != 2
-                or r.inputs != (s.inputs[3], ids) or s.inputs[0] != g.outputs[0]
-                or tuple(s.inputs[1:3]) != tuple(r.outputs)):
-            return None
-        if any(n not in session._input_name_set for n in s.inputs[3:]):
-            return None
-        if sorted(session._output_names) != sorted(s.outputs) or len(set(s.outputs)) != len(s.outputs):
-            return None
-        if g.impl.w.shape[1] != stack.e or rope.r2 != stack.rotary_dim // 2:
-            return None
-        return DecodeProgram(session, (g, r, s), session._slot_plan().kv_pairs(s, 1))
-
-    def run(self, ids: np.ndarray, kv):
-        """One token: ``(logits float32 [1, 1, V], KVSpan)`` or None (see the class docstring)."""
-        g, r, s = self.steps
-        if g.fn is not g.impl or r.fn is not r.impl or s.fn is not s.impl:
-            return None
-        if ids.shape != (1, 1) or ids.dtype != _I64:
-            return None
-        sess = self.session
-        sess.model.check_external_files()  # PayloadError if a mapped file changed
-        n = sess.options.num_threads
-        if n is not None:  # numba's thread count is per calling thread: this session's
-            n = int(n)
-            kernels.config.thread_count_fns()[0](n)
-        stack = s.impl
-        t = stack.steady_begin(kv, n)  # claims slot t of every KV buffer
-        if t is None:
-            return None
-        sess.counters.add("runs", 1)
-        pool = sess._pools.pool if hasattr(sess._pools, "pool") else sess.buffer_pool()
-        prev = pool_mod.activate(pool)
-        token = LAST_ONLY.set(frozenset()) if LAST_ONLY.get() else None
-        ok = False
-        step = g
-        try:
-            x0 = g.impl.one_token(ids)
-            step = r
-            cos, sin = r.impl.rows(t)
-            step = s
-            logits, span = stack.steady_run(x0, cos, sin, t)
-            pool.escape_one(logits)
-            pool.end_run()
-            ok = True
-        except (InvalidArgument, ValidationError):
-            raise
-        except Exception as exc:
-            raise node_failed(step, exc) from exc
-        finally:
-            if token is not None:
-                LAST_ONLY.reset(token)
-            pool_mod.restore(prev)
-            if not ok:
-                pool.abort_run()
-        return logits, span
-
-
 _I64 = np.dtype(np.int64)
 
 
@@ -1077,99 +862,3 @@ def _check_output_count(node, domain: str, version: int) -> None:
             f"node {node.name or node.op_type!r} ({node.op_type}): declares {n} outputs "
             f"({list(node.output)}); the ONNX schema allows {lo} to {hi}"
         )
-
-
-def as_array(name: str, value: Any) -> np.ndarray:
-    """View a feed as a numpy array without copying (numpy arrays, DLPack CPU tensors).
-
-    Raises
-    ------
-    InvalidArgument
-        Not an array / DLPack tensor, or a tensor that cannot be viewed without a copy.
-    """
-    if isinstance(value, np.ndarray):
-        return value
-    if hasattr(value, "__dlpack__"):
-        try:
-            return np.from_dlpack(value)
-        except Exception as exc:  # BufferError, TypeError, RuntimeError from the producer
-            raise InvalidArgument(
-                f"input {name!r}: {type(value).__name__} cannot be viewed without a copy "
-                f"via DLPack ({exc}); pass a CPU, contiguous tensor"
-            ) from None
-    raise InvalidArgument(
-        f"input {name!r}: expected a numpy array or a DLPack tensor (e.g. torch CPU), got "
-        f"{type(value).__name__}"
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """What a tensor input declares, parsed once from its ValueInfoProto."""
-
-    kind: str                 # TypeProto 'value' oneof ('tensor_type', 'struct_type', ...)
-    type_string: str
-    elem_type: int
-    dtype: np.dtype | None    # native-order numpy dtype (None: unsupported element type)
-    shape: tuple | None       # ints for fixed dims, str/None for symbolic; None: no shape
-
-
-def tensor_spec(vi: ValueInfoProto) -> TensorSpec:
-    """Parse a ValueInfoProto's tensor type once (see :func:`check_tensor`)."""
-    kind = vi.type.WhichOneof("value") or ""
-    et = vi.type.tensor_type.elem_type if kind == "tensor_type" else 0
-    want = NP_DTYPE.get(et)
-    shape = declared_shape(vi)
-    for i, d in enumerate(shape or ()):
-        if isinstance(d, int) and d < 0:
-            raise ValidationError(
-                f"graph value {vi.name!r}: declared dimension {i} is negative ({d}); a "
-                "dim_value is a size >= 0 (use a dim_param for a symbolic size)"
-            )
-    return TensorSpec(kind, _type_string(vi), et,
-                      want.newbyteorder("=") if want is not None else None,
-                      tuple(shape) if shape is not None else None)
-
-
-def check_tensor(name: str, value: Any, vi, allow_strided: bool = False) -> np.ndarray:
-    """Validate one feed against its declared type and return the numpy view (never a copy).
-
-    ``vi`` is the input's ValueInfoProto or its parsed :class:`TensorSpec`. ``allow_strided``
-    accepts non-contiguous arrays (for inputs whose consumers read any strides, such as KV past
-    inputs)."""
-    spec = vi if isinstance(vi, TensorSpec) else tensor_spec(vi)
-    arr = as_array(name, value)
-    if spec.kind != "tensor_type":
-        raise InvalidArgument(f"input {name!r}: only tensor inputs can be fed, the graph declares {spec.type_string}")
-    et = spec.elem_type
-    want = spec.dtype
-    if want is None:
-        raise InvalidArgument(f"input {name!r}: element type {dtype_name(et)} is not supported")
-    if arr.dtype is want or arr.dtype == want:
-        pass
-    elif not arr.dtype.isnative:
-        raise InvalidArgument(
-            f"input {name!r}: byte-swapped dtype {arr.dtype} is not supported (no silent copy); "
-            "convert it to native byte order first"
-        )
-    else:
-        raise InvalidArgument(
-            f"input {name!r}: expected element type {dtype_name(et)} ({want}), got {arr.dtype}"
-        )
-    if not allow_strided and not arr.flags.c_contiguous:
-        raise InvalidArgument(
-            f"input {name!r}: array is not C-contiguous (strides {arr.strides}); the runtime does "
-            "not copy inputs silently — pass np.ascontiguousarray(x)"
-        )
-    shape = spec.shape
-    if shape is not None:
-        if arr.ndim != len(shape):
-            raise InvalidArgument(
-                f"input {name!r}: expected rank {len(shape)} (shape {shape}), got shape {list(arr.shape)}"
-            )
-        for i, (d, got) in enumerate(zip(shape, arr.shape)):
-            if isinstance(d, int) and d != got:
-                raise InvalidArgument(
-                    f"input {name!r}: dimension {i} must be {d}, got {got} (shape {list(arr.shape)})"
-                )
-    return arr

@@ -81,7 +81,7 @@ def resolve(session, domain: str, op_type: str, opsets: dict | None = None):
     fn = local_functions(session).get((domain, op_type))
     if fn is not None:
         return lambda node, info: FunctionCall(node, info, fn)
-    opsets = session._opsets if opsets is None else opsets
+    opsets = session.opsets if opsets is None else opsets
     if domain not in opsets:
         raise UnsupportedOperatorError(
             f"operator {domain or 'ai.onnx'}::{op_type}: the domain is not imported (opset_import)"
@@ -188,7 +188,7 @@ class If(Op):
             g = self.attrs[key]
             _reject_bindings(f"node {self.name!r} (If) attribute {key!r}", g)
             body = Body(f"node {self.name!r} (If) {key}", g.node, (), [o.name for o in g.output],
-                        session, session._opsets, g.initializer, outer_scope=True)
+                        session, session.opsets, g.initializer, outer_scope=True)
             if len(body.outputs) != len(self.node.output):
                 raise ValidationError(
                     f"node {self.name!r} (If): {key} has {len(body.outputs)} outputs, the node "
@@ -219,7 +219,7 @@ class If(Op):
 
 def _root_names(session) -> set[str]:
     g = session.model.proto.graph
-    names = set(session._constants) | set(session._input_infos)
+    names = set(session.constant_names) | set(session.input_infos)
     for node in g.node:
         names.update(o for o in node.output if o)
     return names
@@ -252,7 +252,7 @@ class FunctionCall:
         active = _active_functions.get()
         if key in active:
             raise ValidationError(f"node {self.name!r}: function {fname} calls itself (recursion)")
-        opsets = dict(session._opsets)
+        opsets = dict(session.opsets)
         for o in function.opset_import:
             opsets[canonical_domain(o.domain)] = int(o.version)
         token = _active_functions.set(active + (key,))

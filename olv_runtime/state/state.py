@@ -262,7 +262,7 @@ def _steady_eligible(session, resolved, other) -> bool:
         if shape is not None and (len(shape) != 4 or isinstance(shape[2], int)):
             return False
         bound.add((b.input, 2))
-    for pairs in session._symbolic_groups:
+    for pairs in session.symbolic_groups:
         inside = [p in bound for p in pairs]
         if any(inside) and not all(inside):
             return False
@@ -299,7 +299,7 @@ class State:
                  initial: Mapping[str, Any]):
         self._session = session
         self._bindings = list(bindings)
-        infos = session._input_infos
+        infos = session.input_infos
         self._resolved = [_Binding(i, o, infos[i], session.accepts_strided(i)) for i, o in bindings]
         self._by_input = {b.input: b for b in self._resolved}
         self._groups, self._other = _tensor_groups(self._resolved)
@@ -573,7 +573,7 @@ class State:
         if isinstance(outputs, str):
             raise InvalidArgument(f"outputs: expected a sequence of output names, got the "
                                   f"string {outputs!r}")
-        names = self._session._output_names
+        names = self._session.output_names
         want = tuple(outputs)
         for n in want:
             if n not in names:
@@ -644,7 +644,7 @@ class State:
                         return {prog.logits: logits}
                     full = dict(zip(prog.kv_outputs, span.views()))
                     full[prog.logits] = logits
-                    names = self._session._output_names if outputs is None else outputs
+                    names = self._session.output_names if outputs is None else outputs
                     return {n: full[n] for n in names}
             prepared = dict(self._values)
             prepared[name] = value
