@@ -275,6 +275,83 @@ class Model:
         )
 
 
+#: Longest ``.npy`` header accepted by :func:`read_npy_header` (numpy writes 118-128 bytes).
+NPY_HEADER_MAX = 4096
+#: The header numpy writes (format 1.0-3.0): descr, fortran_order, shape; nothing else.
+_NPY_HEADER = re.compile(
+    r"\{'descr': '([<>|=][A-Za-z][0-9]{0,3})', 'fortran_order': (False|True), "
+    r"'shape': \(((?:[0-9]{1,19}, )*[0-9]{1,19},?|)\), \} *\n?")
+
+
+def read_npy_header(fh, what: str, error=ValueError) -> tuple:
+    """Read and check the header of a ``.npy`` stream (``fh`` at its first byte) without
+    numpy's parser: the magic, a header of at most :data:`NPY_HEADER_MAX` bytes matching the
+    form numpy writes exactly (no nesting to recurse into), a fixed-size, non-object dtype,
+    C order, and a shape of non-negative integers. Nothing is allocated from the header.
+
+    Parameters
+    ----------
+    fh : binary file object
+    what : str
+        Names the stream in messages (a path, an archive member).
+    error : type
+        The exception class raised (an :class:`~olv_runtime.errors.OlvError` subclass).
+
+    Returns
+    -------
+    (numpy.dtype, tuple of int, int)
+        The dtype, the shape and the data size in bytes (checked: it fits in an int64).
+
+    Raises
+    ------
+    error
+        Not a ``.npy`` stream, an unknown version, a header too long or not of numpy's form,
+        an object/structured/unsized dtype, Fortran order, or a size beyond 2**63 bytes.
+    """
+    head = fh.read(8)
+    if len(head) < 8 or head[:6] != b"\x93NUMPY":
+        raise error(f"{what}: not a .npy array (no \\x93NUMPY magic)")
+    major = head[6]
+    if major == 1:
+        raw = fh.read(2)
+        n = int.from_bytes(raw, "little") if len(raw) == 2 else -1
+    elif major in (2, 3):
+        raw = fh.read(4)
+        n = int.from_bytes(raw, "little") if len(raw) == 4 else -1
+    else:
+        raise error(f"{what}: .npy format version {major}.{head[7]} is not supported "
+                    "(1.0-3.0)")
+    if not 0 < n <= NPY_HEADER_MAX:
+        raise error(f"{what}: .npy header length {n} is not in [1, {NPY_HEADER_MAX}] bytes")
+    text = fh.read(n)
+    if len(text) != n:
+        raise error(f"{what}: truncated .npy header ({len(text)} of {n} bytes)")
+    try:
+        got = _NPY_HEADER.fullmatch(text.decode("latin-1"))
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
+        got = None
+    if got is None:
+        raise error(f"{what}: the .npy header is not numpy's form "
+                    f"({text[:80].decode('latin-1')!r})")
+    descr, fortran, dims = got.groups()
+    try:
+        dtype = np.dtype(descr)
+    except TypeError:
+        raise error(f"{what}: .npy dtype {descr!r} is not a dtype") from None
+    if dtype.hasobject or dtype.itemsize == 0 or dtype.fields is not None:
+        raise error(f"{what}: .npy dtype {descr!r} is not a fixed-size numeric dtype")
+    if fortran == "True":
+        raise error(f"{what}: .npy array in Fortran order; expected C order")
+    shape = tuple(int(d) for d in dims.replace(",", " ").split())
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+        if nbytes >= 1 << 63:
+            raise error(f"{what}: .npy shape {shape} of {descr} is {nbytes} bytes or more, "
+                        "beyond any file")
+    return dtype, shape, nbytes
+
+
 def same_file(a, b) -> bool:
     """Whether paths ``a`` and ``b`` name one file: the same resolved path, or (both existing)
     the same inode (a hard link). Unresolvable paths are not the same file."""
