@@ -15,6 +15,8 @@ import json
 import pathlib
 import sys
 
+from olv_runtime.chat import read_template_file
+
 
 def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
     """Options of :class:`olv_runtime.SamplingParams` and stopping (``basic``: also
@@ -71,7 +73,7 @@ def cmd_chat(args) -> int:
     if args.chat_template:
         if not pathlib.Path(args.chat_template).is_file():
             raise CliError(f"--chat-template {args.chat_template}: no such file")
-        template = pathlib.Path(args.chat_template).read_text(encoding="utf-8")
+        template = read_template_file(args.chat_template)
     if template is None:
         from olv_runtime.sidecars import sidecar_path
 
