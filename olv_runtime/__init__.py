@@ -17,7 +17,8 @@ import time as _time
 IMPORT_TIME = _time.perf_counter()
 
 from olv_runtime.errors import (  # noqa: F401,E402  (the exceptions the README names)
-    BindingError, CompiledTensorError, ConversionError, EncodingError, EnvironmentVariableError,
+    BindingError, CompiledTensorError, ContextLengthError, ConversionError, EncodingError,
+    EnvironmentVariableError,
     GGUFFormatError, InvalidArgument, ModelFormatError, OlvError, OutputError, PayloadError,
     SidecarError, StateError, StateFileError, UnsupportedOperatorError, ValidationError)
 from olv_runtime.generate import (  # noqa: F401

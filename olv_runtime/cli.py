@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from olv_runtime.cli_chat import add_context_option
 from olv_runtime.errors import OlvError
 
 
@@ -50,12 +51,31 @@ def _check_vocab(ids, model, what: str) -> None:
                        f"got {bad}{hint}")
 
 
-def _check_positions(n_prompt: int, max_new: int, model) -> None:
-    limit = model.metadata().get("olv.max_position_embeddings", "")
-    if limit.isdigit() and n_prompt + max_new > int(limit):
-        _warn(f"prompt ({n_prompt} tokens) + new tokens ({max_new}) exceeds the model's "
-              f"max_position_embeddings ({limit}): positions beyond it were not trained and the "
-              "output may degrade")
+def _check_positions(n_prompt: int, max_new: int, model, context_limit="model") -> None:
+    """The prompt against the context before any work (CliError with the numbers); a note
+    when the new tokens will stop at the context (generate's finish reason ``length``)."""
+    text = model.metadata().get("olv.max_position_embeddings", "")
+    if context_limit == "model":
+        limit, what = (int(text), "the model's max_position_embeddings") if text.isdigit() \
+            else (None, "")
+    else:
+        limit, what = context_limit, "--context-limit"
+    if limit is None:
+        if text.isdigit() and n_prompt + max_new > int(text):
+            _warn(f"prompt ({n_prompt} tokens) + new tokens ({max_new}) exceeds the model's "
+                  f"max_position_embeddings ({text}): positions beyond it were not trained and "
+                  "the output may degrade")
+        return
+    if n_prompt + 1 > limit:
+        raise CliError(f"the prompt of {n_prompt} tokens does not fit the context of {limit} "
+                       f"positions ({what}) with room for a new token: at most {limit - 1} "
+                       "prompt tokens (--context-limit N allows more for a model whose RoPE "
+                       "scaling does, 'none' turns the check off)")
+    if n_prompt + max_new > limit:
+        _warn(f"prompt ({n_prompt} tokens) + new tokens ({max_new}) exceeds "
+              + (f"the model's max_position_embeddings ({limit})" if context_limit == "model"
+                 else f"--context-limit ({limit})")
+              + f": generation stops at {limit - n_prompt} new tokens (finish reason length)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -262,7 +282,7 @@ def cmd_generate(args) -> int:
         if not ids:
             raise CliError("the prompt encodes to zero tokens")
     _check_vocab(ids, model, "--prompt" if args.prompt is not None else "--prompt-ids")
-    _check_positions(len(ids), args.max_new_tokens, model)
+    _check_positions(len(ids), args.max_new_tokens, model, args.context_limit)
     if args.output == "ids":  # the tokenizer only encoded --prompt: print ids, no echo
         tokenizer = None
     if tokenizer is not None and args.prompt is not None:
@@ -276,11 +296,11 @@ def cmd_bench(args) -> int:
     import olv_runtime
 
     model = olv_runtime.load(args.model)
+    _check_positions(args.prompt_len, args.new_tokens, model, args.context_limit)
     sess = olv_runtime.InferenceSession(model, _session_options(args))
     vocab = int(model.metadata().get("olv.vocab_size", "100"))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, size=args.prompt_len).tolist()
-    _check_positions(args.prompt_len, args.new_tokens, model)
     print(f"bench {args.model}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"{args.runs} runs (+1 warm-up), threads={args.threads or 'default'}, "
           f"activations {'int8' if args.quantize_activations else 'float32 (exact)'}",
@@ -291,7 +311,8 @@ def cmd_bench(args) -> int:
     with bar(args.runs + 1, "bench", "run") as progress:  # a bar on a terminal only
         for r in range(args.runs + 1):
             st = olv_runtime.GenerationStats()
-            olv_runtime.generate(sess, prompt, args.new_tokens, stats=st)
+            olv_runtime.generate(sess, prompt, args.new_tokens, stats=st,
+                                 context_limit=args.context_limit)
             progress.update(1)
             if r == 0:
                 continue
@@ -639,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per run (default: 64)")
     b.add_argument("--runs", type=_positive, default=3,
                    help="measured runs after one warm-up; the median is printed (default: 3)")
+    add_context_option(b)
     add_run_opts(b)
     b.set_defaults(func=cmd_bench)
 

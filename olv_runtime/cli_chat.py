@@ -16,6 +16,7 @@ import pathlib
 import sys
 
 from olv_runtime.chat import read_template_file
+from olv_runtime.errors import ContextLengthError
 
 
 def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
@@ -47,6 +48,25 @@ def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
                    help="stop when the text contains TEXT (not printed); repeatable")
     q.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the eos ids (generation_config.json eos_token_id)")
+    add_context_option(q)
+
+
+def context_limit_arg(text: str):
+    """``--context-limit``: "model", "none" or an integer >= 1."""
+    if text in ("model", "none"):
+        return None if text == "none" else "model"
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected 'model', 'none' or an integer >= 1, got "
+                                         f"{text!r}")
+    return int(text)
+
+
+def add_context_option(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--context-limit", type=context_limit_arg, default="model", metavar="N",
+                   help="positions a sequence may use: a longer prompt is refused before the "
+                        "prefill, generation stops there (finish reason length); 'model' "
+                        "(default): the model's max_position_embeddings; N: more, for a model "
+                        "whose RoPE scaling allows it; 'none': no limit")
 
 
 def sampling_kwargs(args) -> dict:
@@ -56,7 +76,8 @@ def sampling_kwargs(args) -> dict:
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                 penalty_last_n=args.penalty_last_n, seed=args.seed,
                 stop=list(args.stop) or None,
-                eos_token_id=None if args.ignore_eos else "auto")
+                eos_token_id=None if args.ignore_eos else "auto",
+                context_limit=args.context_limit)
 
 
 def cmd_chat(args) -> int:
@@ -134,7 +155,7 @@ def cmd_chat(args) -> int:
             except KeyboardInterrupt:
                 print("\n[interrupted]", file=sys.stderr, flush=True)
                 continue
-            except ChatTemplateError as exc:
+            except (ChatTemplateError, ContextLengthError) as exc:
                 print(f"olv chat: error: {exc}", file=sys.stderr, flush=True)
                 continue
             print(flush=True)

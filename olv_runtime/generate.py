@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from olv_runtime.errors import InvalidArgument, StateError
+from olv_runtime.errors import ContextLengthError, InvalidArgument, StateError
 from olv_runtime.kernels.precompile import kernel_seconds
 from olv_runtime.sampling import (SamplingParams, TokenLogprob, check_finite, select_token,
                                   token_logprob)
@@ -147,6 +147,39 @@ def sample_token(logits: np.ndarray, temperature: float = 0.0, top_k: int = 0, t
     """
     return select_token(logits, None, SamplingParams(float(temperature), int(top_k), float(top_p)),
                         rng)
+
+
+def context_limit_of(session, context_limit="model") -> int | None:
+    """The number of positions a sequence may use (prompt, continued state and generated
+    tokens together).
+
+    Parameters
+    ----------
+    session : InferenceSession
+    context_limit : "model", int or None
+        ``"model"``: the model's ``max_position_embeddings`` (metadata
+        ``olv.max_position_embeddings``; no limit when the model does not record one, e.g. an
+        onnxruntime-genai folder); an int >= 1: that many positions (a model whose RoPE
+        scaling allows more than it was trained on); None: no limit (the explicit opt-out).
+
+    Raises
+    ------
+    InvalidArgument
+        Any other value.
+    """
+    if context_limit is None:
+        return None
+    if isinstance(context_limit, str):
+        if context_limit != "model":
+            raise InvalidArgument(f"context_limit must be 'model', an integer >= 1 or None, got "
+                                  f"{context_limit!r}")
+        text = session.get_modelmeta().get("olv.max_position_embeddings", "")
+        return int(text) if text.isdigit() and int(text) > 0 else None
+    if isinstance(context_limit, bool) or not isinstance(context_limit, (int, np.integer)) \
+            or context_limit < 1:
+        raise InvalidArgument(f"context_limit must be 'model', an integer >= 1 or None, got "
+                              f"{context_limit!r}")
+    return int(context_limit)
 
 
 def eos_token_ids(model) -> list[int]:
@@ -360,6 +393,7 @@ def generate(
     state=None,
     return_state: bool = False,
     return_result: bool = False,
+    context_limit: int | str | None = "model",
 ):
     """Generate tokens after a prompt (batch 1), optionally continuing a state.
 
@@ -372,7 +406,8 @@ def generate(
     prompt_ids : sequence of int
         Token ids to append (at least one, unless a continued state has a pending token).
     max_new_tokens : int
-        Number of tokens to generate (fewer when an eos id or a stop string appears).
+        Number of tokens to generate (fewer when an eos id or a stop string appears, or when
+        the sequence reaches ``context_limit``: finish reason ``"length"``, as llama.cpp).
     temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, penalty_last_n
         Selection controls, :class:`olv_runtime.sampling.SamplingParams` (transformers'
         definitions). Temperature 0 is greedy. The penalties see the whole sequence (a
@@ -416,6 +451,12 @@ def generate(
         Return ``(ids, state)`` (a new open state when none was passed).
     return_result : bool
         Return a :class:`GenerationResult`.
+    context_limit : "model", int or None
+        Positions the whole sequence may use (:func:`context_limit_of`): by default the
+        model's ``max_position_embeddings``. A prompt that does not fit (with the tokens a
+        continued state holds, and room for one new token when ``max_new_tokens > 0``) is
+        refused before any prefill; generation stops when the sequence reaches it. An int
+        allows more (RoPE scaling); None turns the check off.
 
     Returns
     -------
@@ -424,6 +465,9 @@ def generate(
 
     Raises
     ------
+    ContextLengthError
+        The prompt does not fit the context (see ``context_limit``); raised before the state
+        is touched.
     InvalidArgument
         Empty prompt with nothing pending, non-integer or out-of-vocabulary ids (only
         ``[0, vocab)``, unlike ``State.run``, which follows ONNX Gather and counts negative ids
@@ -487,6 +531,22 @@ def generate(
             raise InvalidArgument("generate needs a model (or a state)")
         session = model if isinstance(model, InferenceSession) else InferenceSession(model, session_options)
     vocab = session.get_modelmeta().get("olv.vocab_size")
+    limit = context_limit_of(session, context_limit)
+    held_tokens = len(state.tokens) if state is not None else 0
+    if limit is not None:  # before the ids are read or copied: a 10M-token prompt stops here
+        total = held_tokens + int(ids.size)
+        room = 1 if max_new_tokens > 0 else 0
+        if total + room > limit:
+            held = f" after the {held_tokens} tokens the state holds" if held_tokens else ""
+            source = ("the model's max_position_embeddings" if context_limit == "model"
+                      else "context_limit")
+            raise ContextLengthError(
+                f"the prompt of {int(ids.size)} tokens{held} does not fit the context of {limit} "
+                f"positions ({source})"
+                + (f" with room for a new token (at most {limit - held_tokens - room} prompt "
+                   "tokens)" if room else "")
+                + "; shorten it, or pass context_limit=N (olv --context-limit N) for a model "
+                  "whose RoPE scaling allows more, or None to turn the check off")
     pending = list(state.tokens[state.cached_tokens:]) if state is not None else []
     _check_ids(ids, vocab, "prompt_ids", allow_empty=bool(pending))
     in_names = [a.name for a in session.get_inputs()]
@@ -589,6 +649,8 @@ def generate(
                     break
                 if len(out) >= max_new_tokens:
                     break
+                if limit is not None and len(history) >= limit:
+                    break  # the next token's position would be past the context: "length"
                 step[0, 0] = tok
                 session.recycle(logits)  # consumed: its buffer serves the next call
                 logits = state.run({"input_ids": step}, outputs=_LOGITS)["logits"]
