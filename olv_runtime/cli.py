@@ -17,6 +17,7 @@ import numpy as np
 
 from olv_runtime.cli_chat import add_context_option
 from olv_runtime.errors import OlvError
+from olv_runtime.io import check_output_not_input, load, model_files
 
 
 class CliError(Exception):
@@ -259,6 +260,8 @@ def cmd_generate(args) -> int:
 
         check_state_path(cache)
     model = olv_runtime.load(path)
+    if cache:  # read and rewritten: never one of the model's files
+        check_output_not_input(cache, model_files(model), "--prompt-cache")
     if cache:  # a paged KV cache cannot be saved: refused before generating
         from olv_runtime.prompt_cache import check_saveable
 
@@ -503,6 +506,10 @@ def cmd_export_standard(args) -> int:
     from olv_runtime.builder.export import save_standard
 
     ext = {"auto": None, "yes": True, "no": False}[args.external_data]
+    inputs = model_files(load(args.model))
+    for target in (pathlib.Path(args.output), pathlib.Path(args.output + ".data")):
+        check_output_not_input(target, inputs, "output" if target.name == pathlib.Path(
+            args.output).name else "output's data file")
     out = save_standard(args.model, args.output, feedback=args.feedback, external_data=ext)
     note = " (persistent bindings lowered to caller-managed feedback, see metadata 'olv.feedback')" \
         if args.feedback else ""

@@ -17,6 +17,7 @@ import sys
 
 from olv_runtime.chat import read_template_file
 from olv_runtime.errors import ContextLengthError
+from olv_runtime.io import check_output_not_input, model_files
 
 
 def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
@@ -114,7 +115,13 @@ def cmd_chat(args) -> int:
     SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"],
                    kw["repetition_penalty"], kw["presence_penalty"], kw["frequency_penalty"],
                    kw["penalty_last_n"])  # validate before loading the model
-    sess = olv_runtime.InferenceSession(olv_runtime.load(path), _session_options(args))
+    model = olv_runtime.load(path)
+    if args.transcript:  # appended to: never one of the files the model or chat reads
+        inputs = model_files(model)
+        if args.chat_template:
+            inputs.append(("the --chat-template file", pathlib.Path(args.chat_template)))
+        check_output_not_input(args.transcript, inputs, "--transcript")
+    sess = olv_runtime.InferenceSession(model, _session_options(args))
     conv = Conversation(sess, tokenizer, template, special, system=args.system,
                         generate_kwargs=kw)
     interactive = sys.stdin.isatty()

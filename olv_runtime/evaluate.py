@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument
+from olv_runtime.io import read_npy_header
 
 
 # -- logit sources ------------------------------------------------------------------------------
@@ -404,12 +405,21 @@ def read_tokens(path, tokenizer=None, token_ids: bool | None = None) -> np.ndarr
     if not p.is_file():
         raise InvalidArgument(f"{p}: no such file")
     if p.suffix == ".npy":
+        try:  # the header is checked against the file before numpy allocates anything
+            with open(p, "rb") as fh:
+                dtype, shape, nbytes = read_npy_header(fh, str(p), InvalidArgument)
+                left = p.stat().st_size - fh.tell()
+        except OSError as exc:
+            raise InvalidArgument(f"{p}: not a readable .npy array ({exc})") from None
+        if dtype.kind not in "iu":
+            raise InvalidArgument(f"{p}: token ids must be integers, got dtype {dtype}")
+        if nbytes != left:
+            raise InvalidArgument(f"{p}: its .npy header declares {shape} {dtype} ({nbytes} "
+                                  f"bytes of data), the file holds {left} bytes of data")
         try:
             a = np.load(p, allow_pickle=False)
         except (ValueError, OSError, EOFError) as exc:
             raise InvalidArgument(f"{p}: not a readable .npy array ({exc})") from None
-        if a.dtype.kind not in "iu":
-            raise InvalidArgument(f"{p}: token ids must be integers, got dtype {a.dtype}")
         return a.reshape(-1).astype(np.int64)
     try:
         text = p.read_text(encoding="utf-8")

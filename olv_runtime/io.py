@@ -23,6 +23,7 @@ from typing import Iterator, Union
 import numpy as np
 
 from olv_runtime.errors import ModelFormatError, OutputError, PayloadError
+from olv_runtime.sidecars import SIDECAR_FILES
 from olv_runtime.proto import EncodedValueProto, ModelProto, TensorProto
 
 PathLike = Union[str, os.PathLike]
@@ -362,6 +363,61 @@ def same_file(a, b) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except (OSError, RuntimeError, ValueError):
         return False
+
+
+def model_files(model: "Model") -> list:
+    """``(what, path)`` of every file a loaded model reads: the model file, its external data
+    files (every external location of its payloads, and any file already mapped), the payload
+    files of its compiled entries and the sidecars beside it (tokenizer.json, ...). Used to
+    refuse an output that would overwrite one of them (:func:`check_output_not_input`)."""
+    if model.path is None:
+        return []
+    out = [("the model file", model.path)]
+    base = model.base_dir
+
+    def add(what, loc):
+        try:
+            out.append((what, (base / pathlib.PurePosixPath(loc.replace("\\", "/"))).resolve()))
+        except (OSError, RuntimeError, ValueError):
+            pass
+
+    for msg in _payload_messages(model.proto):
+        if msg.data_location == TensorProto.EXTERNAL:
+            loc = next((x.value for x in msg.external_data if x.key == "location"), None)
+            if loc:
+                add("an external data file", loc)
+    for e in model.proto.compiled_tensors:
+        if e.value.data_location == TensorProto.EXTERNAL:
+            loc = next((x.value for x in e.value.external_data if x.key == "location"), None)
+            if loc:
+                add("the compiled payload file", loc)
+    out += [("an external data file", pathlib.Path(p)) for p in model._maps]
+    out += [("the compiled payload file", pathlib.Path(p))
+            for p in model.__dict__.get("_compiled_maps", {})]
+    out += [(f"the model's {n}", model.path.parent / n) for n in SIDECAR_FILES
+            if (model.path.parent / n).exists()]
+    seen, unique = set(), []
+    for what, path in out:
+        if path not in seen:
+            seen.add(path)
+            unique.append((what, path))
+    return unique
+
+
+def check_output_not_input(out, inputs, option: str) -> None:
+    """Refuse output path ``out`` (given as ``option``) when it is one of ``inputs`` (``(what,
+    path)``: :func:`model_files`, input files of the command) by :func:`same_file` (resolved
+    path or inode), before anything is written.
+
+    Raises
+    ------
+    OutputError
+        Naming the option, the path and the input it would overwrite.
+    """
+    for what, path in inputs:
+        if same_file(out, path):
+            raise OutputError(f"{option} {str(out)!r} would overwrite {what} {str(path)!r}: "
+                              "refusing, nothing was written (choose another path)")
 
 
 def as_model(model) -> Model:
