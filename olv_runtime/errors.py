@@ -51,6 +51,11 @@ class ContextLengthError(InvalidArgument):
     numbers. Raised before any prefill."""
 
 
+class MissingDependencyError(OlvError, ImportError):
+    """An optional package a feature needs is not installed (the message names the extra to
+    install, e.g. ``pip install 'olv_runtime[reference]'``)."""
+
+
 class StateError(OlvError, RuntimeError):
     """Misuse of a persistent state (closed, concurrent call, overriding a retained input, ...)."""
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from olv_runtime.errors import InvalidArgument
+from olv_runtime.errors import InvalidArgument, MissingDependencyError
 from olv_runtime.io import read_npy_header
 
 
@@ -79,9 +79,15 @@ class TransformersLogits:
     """
 
     def __init__(self, checkpoint):
-        import torch
-        import transformers
-
+        try:  # optional: the 'reference' extra
+            import torch
+            import transformers
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"reference {checkpoint}: a Hugging Face checkpoint reference runs through "
+                f"transformers on torch, which are not installed ({exc.name or exc}); install "
+                "them with: pip install 'olv_runtime[reference]' (or pass an olv .onnx model "
+                "as the reference)") from None
         self.torch = torch
         if isinstance(checkpoint, (str, pathlib.Path)):
             self.model = transformers.AutoModelForCausalLM.from_pretrained(
