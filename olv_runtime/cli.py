@@ -52,6 +52,21 @@ def _check_vocab(ids, model, what: str) -> None:
                        f"got {bad}{hint}")
 
 
+def _zero_tokens_hint(tokenizer, text: str, path) -> str:
+    """Why a prompt can encode to zero tokens, with what the tokenizer holds: an empty or
+    whitespace-only prompt, or a vocabulary with no token for any of its text (such as the
+    placeholder vocabulary of a GGUF written without a real tokenizer)."""
+    if not text.strip():
+        return "the prompt encodes to zero tokens: it is empty or only whitespace"
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    by_id = sorted(vocab, key=vocab.get)
+    sample = ", ".join(repr(t) for t in by_id[:4])
+    return (f"the prompt encodes to zero tokens: tokenizer.json beside the model "
+            f"({path.parent}) has {len(vocab)} tokens ({sample}, ...) and none of them covers "
+            "the prompt's text -- a placeholder vocabulary (e.g. a GGUF written without its "
+            "real tokenizer.ggml.tokens) or another model's tokenizer; use --prompt-ids")
+
+
 def _check_positions(n_prompt: int, max_new: int, model, context_limit="model") -> None:
     """The prompt against the context before any work (CliError with the numbers); a note
     when the new tokens will stop at the context (generate's finish reason ``length``)."""
@@ -281,9 +296,13 @@ def cmd_generate(args) -> int:
     if args.output == "ids" and args.stop:
         raise CliError("--stop matches text: it cannot be used with --output ids")
     if args.prompt is not None:
-        ids = tokenizer.encode(args.prompt).ids
+        try:
+            ids = tokenizer.encode(args.prompt).ids
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
+            raise CliError(f"--prompt cannot be encoded with tokenizer.json beside the model "
+                           f"({path.parent}): {str(exc)[:200]}; use --prompt-ids") from None
         if not ids:
-            raise CliError("the prompt encodes to zero tokens")
+            raise CliError(_zero_tokens_hint(tokenizer, args.prompt, path))
     _check_vocab(ids, model, "--prompt" if args.prompt is not None else "--prompt-ids")
     _check_positions(len(ids), args.max_new_tokens, model, args.context_limit)
     if args.output == "ids":  # the tokenizer only encoded --prompt: print ids, no echo

@@ -2,14 +2,18 @@
 README)."""
 from __future__ import annotations
 
+import shutil
 import sys
 import tomllib
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from olv_runtime.cli import main as cli_main
 from olv_runtime.errors import MissingDependencyError
 from olv_runtime.evaluate import logit_source
+from olv_runtime.proto import ModelProto
+from olv_runtime.sidecars import record
 
 from hostile import ROOT
 
@@ -36,3 +40,44 @@ def test_the_reference_extra_is_declared():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     extra = meta["project"]["optional-dependencies"]["reference"]
     assert {d.split(">")[0].split("=")[0] for d in extra} == {"torch", "transformers"}
+
+
+def test_prompt_that_encodes_to_zero_tokens_says_why(tiny_chat_models, tmp_path, capsys):
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_chat_models["int4"].parent, model_dir)
+    # a placeholder vocabulary (word-level, tokens nobody types), as a GGUF written without its
+    # real tokenizer gives; recorded as the model's own tokenizer.json
+    tok = Tokenizer(models.BPE({f"<t{i}>": i for i in range(8)}, []))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(model_dir / "tokenizer.json"))
+    model = model_dir / "model.onnx"
+    _record_sidecar(model, "tokenizer.json")
+    assert cli_main(["generate", str(model), "--prompt", "hello world"]) == 2
+    err = capsys.readouterr().err
+    assert "the prompt encodes to zero tokens: tokenizer.json beside the model" in err
+    assert "has 8 tokens ('<t0>', '<t1>', '<t2>', '<t3>', ...)" in err
+    assert "placeholder vocabulary" in err and "--prompt-ids" in err
+    assert cli_main(["generate", str(model), "--prompt", "   "]) == 2
+    assert "empty or only whitespace" in capsys.readouterr().err
+
+
+def _record_sidecar(model, name):
+    """Record the current bytes of sidecar ``name`` in the model (as olv convert does)."""
+    proto = ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    listed = {p.value for p in proto.metadata_props if p.key == "olv.sidecars"}
+    names = set(next(iter(listed)).split(",")) if listed else set()
+    record(proto, {n: (model.parent / n).read_bytes() for n in names | {name}})
+    model.write_bytes(proto.SerializeToString())
+
+
+def test_a_tokenizer_that_raises_is_a_cli_error(tiny_chat_models, tmp_path, capsys):
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_chat_models["int4"].parent, model_dir)
+    tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(8)}))  # no unk token
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(model_dir / "tokenizer.json"))
+    _record_sidecar(model_dir / "model.onnx", "tokenizer.json")
+    assert cli_main(["generate", str(model_dir / "model.onnx"), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt cannot be encoded with tokenizer.json" in err and "Traceback" not in err
