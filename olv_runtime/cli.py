@@ -18,6 +18,7 @@ import numpy as np
 from olv_runtime.cli_chat import add_context_option
 from olv_runtime.errors import OlvError
 from olv_runtime.io import check_output_not_input, load, model_files
+from olv_runtime.proto import TensorProto
 
 
 class CliError(Exception):
@@ -453,7 +454,31 @@ def cmd_inspect(args) -> int:
             print(f"  {name}: {desc}, payload {n} bytes{recs}, logical {logical}")
             if args.verbose and isinstance(v, StructValue) and v.type_id is None:
                 show_layout(v.layout, "      ")
+            if args.verbose and isinstance(v, AffineValue):
+                zp = (f"zero_point {np.asarray(v.zero_point).dtype}"
+                      f"{list(np.shape(v.zero_point))}" if v.zero_point is not None
+                      else "no zero_point")
+                print(f"      scale {np.asarray(v.scale).dtype}{list(np.shape(v.scale))}, {zp}")
     print(f"encoded payload bytes: {total}")
+    if args.verbose:  # -v: also the dense initializers, where every payload is stored, the ops
+        print("dense initializers:")
+        for t in g.initializer:
+            ext = {x.key: x.value for x in t.external_data}
+            where = (f"external {ext.get('location')!r} offset {ext.get('offset', '0')} length "
+                     f"{ext.get('length', '?')}" if t.data_location == TensorProto.EXTERNAL
+                     else f"inline {len(t.raw_data)} bytes" if t.raw_data
+                     else "inline (typed fields)")
+            print(f"  {t.name}: {dtype_name(t.data_type)}{list(t.dims)}, {where}")
+        for ev in g.encoded_initializer:
+            if ev.data_location == TensorProto.EXTERNAL:
+                ext = {x.key: x.value for x in ev.external_data}
+                print(f"  (encoded) {ev.name}: external {ext.get('location')!r} offset "
+                      f"{ext.get('offset', '0')} length {ext.get('length', '?')}")
+        ops: dict = {}
+        for nd in g.node:
+            key = f"{nd.domain + '::' if nd.domain else ''}{nd.op_type}"
+            ops[key] = ops.get(key, 0) + 1
+        print("operators: " + ", ".join(f"{k} x{c}" for k, c in sorted(ops.items())))
     _print_compiled(model, args)
     return 0
 
@@ -702,7 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="list a model's struct types, encoded values, bindings "
                                        "and compiled entries (with their hit/miss status)")
     i.add_argument("model", help=".onnx model")
-    i.add_argument("-v", "--verbose", action="store_true", help="one line per encoded value")
+    i.add_argument("-v", "--verbose", action="store_true",
+                   help="also: every encoded value (with its scale / zero point), every dense "
+                        "initializer and where each payload is stored, the operator counts")
     add_run_opts(i)
     i.set_defaults(func=cmd_inspect)
 

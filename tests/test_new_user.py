@@ -81,3 +81,26 @@ def test_a_tokenizer_that_raises_is_a_cli_error(tiny_chat_models, tmp_path, caps
     assert cli_main(["generate", str(model_dir / "model.onnx"), "--prompt", "hello"]) == 2
     err = capsys.readouterr().err
     assert "--prompt cannot be encoded with tokenizer.json" in err and "Traceback" not in err
+
+
+def test_convert_float32_reports_the_bytes_written(tiny_qwen2_dir, tmp_path, capsys):
+    out = tmp_path / "f32" / "model.onnx"
+    assert cli_main(["convert", str(tiny_qwen2_dir), str(out), "--weights", "float32",
+                     "--external-data", "yes"]) == 0
+    printed = capsys.readouterr().out
+    data = out.with_name("model.onnx.data")
+    assert data.stat().st_size > 100_000  # the float32 weights are in the data file
+    total = out.stat().st_size + data.stat().st_size
+    assert f"({total / 1e6:.1f} MB, weights float32)" in printed, printed
+
+
+def test_inspect_verbose_says_more(tiny_chat_models, capsys):
+    model = str(tiny_chat_models["int4"])
+    assert cli_main(["inspect", model]) == 0
+    plain = capsys.readouterr().out
+    assert cli_main(["inspect", model, "-v"]) == 0
+    verbose = capsys.readouterr().out
+    assert verbose != plain and len(verbose.splitlines()) > len(plain.splitlines())
+    assert "dense initializers:" in verbose and "dense initializers:" not in plain
+    assert "scale float16[" in verbose and "operators: " in verbose and "olv::Decode x" in verbose
+    assert all(line in verbose.splitlines() for line in plain.splitlines())

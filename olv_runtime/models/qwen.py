@@ -20,7 +20,7 @@ import numpy as np
 from olv_runtime.builder import GraphBuilder
 from olv_runtime.errors import ConversionError, OutputError
 from olv_runtime.helper import make_affine_encoded
-from olv_runtime.io import same_file, save
+from olv_runtime.io import _payload_messages, same_file, save
 from olv_runtime.models.checkpoint import Checkpoint
 from olv_runtime.proto import ModelProto, TensorProto
 from olv_runtime.quantize import quantize_int4_blockwise
@@ -720,9 +720,14 @@ class ConversionWarning(UserWarning):
 def _result(out: pathlib.Path, model: ModelProto, unused, weights) -> ConversionResult:
     meta = {e.key: e.value for e in model.metadata_props}
     data = out.with_name(out.name + ".data")
+    # what the written file references (``model`` may be the in-memory message, whose float32
+    # initializers save() externalized in a copy: it then names no data file)
+    written = model
+    if data.is_file():
+        written = ModelProto.FromString(out.read_bytes())
     has_data = data.is_file() and any(
-        e.value == data.name for m in list(model.graph.initializer)
-        + list(model.graph.encoded_initializer) for e in m.external_data if e.key == "location")
+        e.value == data.name for m in _payload_messages(written)
+        for e in m.external_data if e.key == "location")
     size = out.stat().st_size + (data.stat().st_size if has_data else 0)
 
     def num(key):
