@@ -78,7 +78,7 @@ def sampling_kwargs(args) -> dict:
                 penalty_last_n=args.penalty_last_n, seed=args.seed,
                 stop=list(args.stop) or None,
                 eos_token_id=None if args.ignore_eos else "auto",
-                context_limit=args.context_limit)
+                context_limit=getattr(args, "context_limit", "model"))
 
 
 def cmd_chat(args) -> int:
