@@ -105,8 +105,8 @@ class GenerationResult:
         when generation stopped on one).
     text : str or None
         The decoded continuation (needs ``tokenizer``), cut before a matched stop string. Special
-        tokens -- an eos such as ``<|endoftext|>`` included -- are kept unless
-        ``skip_special_tokens=True`` (``olv generate`` passes True unless ``--special``).
+        tokens -- an eos such as ``<|endoftext|>`` included -- are left out by default, as
+        ``olv generate`` prints it; ``skip_special_tokens=False`` keeps them (``--special``).
     finish_reason : {"length", "eos", "stop", "interrupted"}
         ``"interrupted"``: a KeyboardInterrupt stopped the loop (the state stays consistent).
     stop_string : str or None
@@ -383,7 +383,7 @@ def generate(
     eos_token_id: int | Sequence[int] | str | None = None,
     stop: str | Sequence[str] | None = None,
     tokenizer=None,
-    skip_special_tokens: bool = False,
+    skip_special_tokens: bool = True,
     logprobs: bool = False,
     top_logprobs: int = 0,
     callback: Callable[[int], object] | None = None,
@@ -423,8 +423,9 @@ def generate(
     tokenizer : tokenizers.Tokenizer, optional
         For ``stop``, ``text_callback`` and ``GenerationResult.text``.
     skip_special_tokens : bool
-        Leave special tokens (``<|im_end|>``, eos, ...) out of the decoded text
-        (``tokenizers.Tokenizer.decode``'s flag; stop strings match the text without them).
+        Leave special tokens (``<|im_end|>``, eos, ...) out of the decoded text (the default,
+        as ``olv generate`` prints it; False keeps them, as ``--special``):
+        ``tokenizers.Tokenizer.decode``'s flag; stop strings match the text without them.
         The ids always include them.
     logprobs, top_logprobs : bool, int
         Record each token's log-probability and the ``top_logprobs`` best alternatives

@@ -9,6 +9,7 @@ import tomllib
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import olv_runtime
 from olv_runtime.cli import main as cli_main
 from olv_runtime.errors import MissingDependencyError
 from olv_runtime.evaluate import logit_source
@@ -104,3 +105,37 @@ def test_inspect_verbose_says_more(tiny_chat_models, capsys):
     assert "dense initializers:" in verbose and "dense initializers:" not in plain
     assert "scale float16[" in verbose and "operators: " in verbose and "olv::Decode x" in verbose
     assert all(line in verbose.splitlines() for line in plain.splitlines())
+
+
+def test_result_text_and_cli_agree_on_special_tokens(tiny_chat_models, capsys, monkeypatch):
+    """One default for both: GenerationResult.text leaves special tokens out, as olv generate
+    prints the text; skip_special_tokens=False / --special keep them."""
+    model = tiny_chat_models["int4"]
+    real = Tokenizer.from_file(str(model.parent / "tokenizer.json"))
+    sess = olv_runtime.InferenceSession(olv_runtime.load(model))
+    prompt = real.encode("the lazy dog").ids
+    ids = olv_runtime.generate(sess, prompt, 4, eos_token_id=None).tolist()
+    special = ids[1]
+
+    class Marked:  # the real tokenizer, with the 2nd generated id treated as a special token
+        def decode(self, seq, skip_special_tokens=False):
+            return "".join("<SPECIAL>" if i == special and not skip_special_tokens
+                           else real.decode([i]) for i in seq)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    res = olv_runtime.generate(sess, prompt, 4, tokenizer=Marked(), eos_token_id=None,
+                               return_result=True)
+    assert res.ids.tolist() == ids and "<SPECIAL>" not in res.text
+    kept = olv_runtime.generate(sess, prompt, 4, tokenizer=Marked(), eos_token_id=None,
+                                return_result=True, skip_special_tokens=False)
+    assert "<SPECIAL>" in kept.text
+    monkeypatch.setattr(olv_runtime.cli, "_tokenizer_for", lambda path: Marked())
+    capsys.readouterr()
+    base = ["generate", str(model), "--prompt-ids", ",".join(map(str, prompt)),
+            "--max-new-tokens", "4", "--ignore-eos", "--output", "text"]
+    assert cli_main(base) == 0
+    assert capsys.readouterr().out.rstrip("\n").endswith(res.text)
+    assert cli_main(base + ["--special"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").endswith(kept.text)
