@@ -21,6 +21,7 @@ from olv_runtime.decoding import decode_value, to_decoded  # noqa: F401
 from olv_runtime.errors import (  # noqa: F401,E402  (the exceptions the README names)
     BindingError,
     CompiledTensorError,
+    ContextLengthError,
     ConversionError,
     EncodingError,
     EnvironmentVariableError,

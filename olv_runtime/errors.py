@@ -45,6 +45,17 @@ class InvalidArgument(OlvError, ValueError):
     """A feed or call argument has the wrong name, dtype, shape or memory layout."""
 
 
+class ContextLengthError(InvalidArgument):
+    """A prompt (with what a continued state already holds) does not fit the model's context
+    (``max_position_embeddings``, or the ``context_limit`` given); the message gives the
+    numbers. Raised before any prefill."""
+
+
+class MissingDependencyError(OlvError, ImportError):
+    """An optional package a feature needs is not installed (the message names the extra to
+    install, e.g. ``pip install 'olv_runtime[reference]'``)."""
+
+
 class StateError(OlvError, RuntimeError):
     """Misuse of a persistent state (closed, concurrent call, overriding a retained input, ...)."""
 

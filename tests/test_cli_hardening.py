@@ -257,6 +257,7 @@ def test_generate_arguments_positions_and_warm_up(model):
 def test_ctrl_c_during_generate(model):
     p = subprocess.Popen([sys.executable, "-m", "olv_runtime.cli", "generate", str(model),
                           "--prompt-ids", "1,2,3", "--max-new-tokens", "100000", "--output", "ids",
+                          "--context-limit", "none",  # a long run (the context stops it at 256)
                           "--threads", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=_env())
     first = p.stdout.read(8).decode()  # unbuffered: generation has started (ids are streamed)

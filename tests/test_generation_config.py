@@ -114,7 +114,7 @@ def test_defaults_are_the_keyword_defaults():
     params = inspect.signature(olv_runtime.generate).parameters
     cfg = GenerationConfig()
     fields = [f.name for f in dataclasses.fields(GenerationConfig) if f.init]
-    assert len(fields) == 15
+    assert len(fields) == 16  # the 15 selection/stopping/output settings and context_limit
     for name in fields:
         assert params[name].default == getattr(cfg, name) or (
             name == "stop" and params[name].default is None and cfg.stop == ())
@@ -135,7 +135,7 @@ def test_normalised_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.temperature = 1.0
     same = GenerationConfig(7, eos_token_id=[3], stop=("x",), seed=5, logprobs=True,
-                            temperature=0.5)
+                            temperature=0.5, skip_special_tokens=False)
     assert same == cfg and hash(same) == hash(cfg) and len({cfg, same}) == 1
     assert dataclasses.replace(cfg, temperature=0.0) != cfg
     assert GenerationConfig(**dataclasses.asdict(cfg)) == cfg
@@ -337,3 +337,15 @@ def test_prefill_and_decode_step_checks(sess):
         prefill(state, PROMPT)
     with pytest.raises(StateError, match="decode_step: the state is closed"):
         decode_step(state, 3)
+
+
+@pytest.mark.parametrize("bad", ["auto", 0, -1, 1.5, True, "4096"])
+def test_context_limit_is_checked(bad):
+    with pytest.raises(InvalidArgument, match="context_limit must be 'model', an integer >= 1 or None"):
+        GenerationConfig(context_limit=bad)
+
+
+def test_context_limit_values_kept():
+    assert GenerationConfig().context_limit == "model"
+    assert GenerationConfig(context_limit=None).context_limit is None
+    assert GenerationConfig(context_limit=np.int64(8)).context_limit == 8

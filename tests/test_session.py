@@ -311,7 +311,8 @@ def test_generate_leaves_special_tokens_out_of_the_text(tmp_path, capsys, monkey
                                skip_special_tokens=True)
     assert res.ids.tolist() == ids and "<SPECIAL>" not in res.text
     res = olv_runtime.generate(olv_runtime.load(tmp_path / "m.onnx"), prompt, 8,
-                               eos_token_id=None, tokenizer=Marked(), return_result=True)
+                               eos_token_id=None, tokenizer=Marked(), return_result=True,
+                               skip_special_tokens=False)  # (the default is True since issue 26)
     assert "<SPECIAL>" in res.text
 
     monkeypatch.setattr(cli, "_tokenizer_for", lambda path: Marked())

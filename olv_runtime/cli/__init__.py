@@ -21,7 +21,12 @@ import numpy as np
 import olv_runtime
 from olv_runtime import __version__
 from olv_runtime.builder.export import save_standard
-from olv_runtime.cli.chat import add_chat_parser, add_sampling_options, sampling_kwargs
+from olv_runtime.cli.chat import (
+    add_chat_parser,
+    add_context_option,
+    add_sampling_options,
+    sampling_kwargs,
+)
 from olv_runtime.cli.common import (  # noqa: F401
     CliError,
     _int,
@@ -34,10 +39,12 @@ from olv_runtime.cli.eval import add_eval_parser
 from olv_runtime.decoding import resolve
 from olv_runtime.errors import LayoutError, OlvError, OutputError, SidecarError
 from olv_runtime.executor.decoder_step import prestart_precompile
+from olv_runtime.io import check_output_not_input, load, model_files
 from olv_runtime.models.compile import CompileWarning, compile_model
 from olv_runtime.models.hf import ConversionWarning, convert
 from olv_runtime.models.random_checkpoint import write_random_qwen2
 from olv_runtime.progress import ConversionProgress, bar
+from olv_runtime.proto import TensorProto
 from olv_runtime.state.files import check_state_path
 from olv_runtime.state.restore import check_saveable, trim_state
 from olv_runtime.structs import StructValue
@@ -63,12 +70,46 @@ def _check_vocab(ids, model, what: str) -> None:
                        f"got {bad}{hint}")
 
 
-def _check_positions(n_prompt: int, max_new: int, model) -> None:
-    limit = model.metadata().get("olv.max_position_embeddings", "")
-    if limit.isdigit() and n_prompt + max_new > int(limit):
-        _warn(f"prompt ({n_prompt} tokens) + new tokens ({max_new}) exceeds the model's "
-              f"max_position_embeddings ({limit}): positions beyond it were not trained and the "
-              "output may degrade")
+def _zero_tokens_hint(tokenizer, text: str, path) -> str:
+    """Why a prompt can encode to zero tokens, with what the tokenizer holds: an empty or
+    whitespace-only prompt, or a vocabulary with no token for any of its text (such as the
+    placeholder vocabulary of a GGUF written without a real tokenizer)."""
+    if not text.strip():
+        return "the prompt encodes to zero tokens: it is empty or only whitespace"
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    by_id = sorted(vocab, key=vocab.get)
+    sample = ", ".join(repr(t) for t in by_id[:4])
+    return (f"the prompt encodes to zero tokens: tokenizer.json beside the model "
+            f"({path.parent}) has {len(vocab)} tokens ({sample}, ...) and none of them covers "
+            "the prompt's text -- a placeholder vocabulary (e.g. a GGUF written without its "
+            "real tokenizer.ggml.tokens) or another model's tokenizer; use --prompt-ids")
+
+
+def _check_positions(n_prompt: int, max_new: int, model, context_limit="model") -> None:
+    """The prompt against the context before any work (CliError with the numbers); a note
+    when the new tokens will stop at the context (generate's finish reason ``length``)."""
+    text = model.metadata().get("olv.max_position_embeddings", "")
+    if context_limit == "model":
+        limit, what = (int(text), "the model's max_position_embeddings") if text.isdigit() \
+            else (None, "")
+    else:
+        limit, what = context_limit, "--context-limit"
+    if limit is None:
+        if text.isdigit() and n_prompt + max_new > int(text):
+            _warn(f"prompt ({n_prompt} tokens) + new tokens ({max_new}) exceeds the model's "
+                  f"max_position_embeddings ({text}): positions beyond it were not trained and "
+                  "the output may degrade")
+        return
+    if n_prompt + 1 > limit:
+        raise CliError(f"the prompt of {n_prompt} tokens does not fit the context of {limit} "
+                       f"positions ({what}) with room for a new token: at most {limit - 1} "
+                       "prompt tokens (--context-limit N allows more for a model whose RoPE "
+                       "scaling does, 'none' turns the check off)")
+    if n_prompt + max_new > limit:
+        _warn(f"prompt ({n_prompt} tokens) + new tokens ({max_new}) exceeds "
+              + (f"the model's max_position_embeddings ({limit})" if context_limit == "model"
+                 else f"--context-limit ({limit})")
+              + f": generation stops at {limit - n_prompt} new tokens (finish reason length)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -224,6 +265,8 @@ def cmd_generate(args) -> int:
     if cache:  # a target that cannot be written: refused before any work
         check_state_path(cache)
     model = olv_runtime.load(path)
+    if cache:  # read and rewritten: never one of the model's files
+        check_output_not_input(cache, model_files(model), "--prompt-cache")
     if cache:  # a paged KV cache cannot be saved: refused before generating
         check_saveable(model)
     tokenizer = None
@@ -241,11 +284,15 @@ def cmd_generate(args) -> int:
     if args.output == "ids" and args.stop:
         raise CliError("--stop matches text: it cannot be used with --output ids")
     if args.prompt is not None:
-        ids = tokenizer.encode(args.prompt).ids
+        try:
+            ids = tokenizer.encode(args.prompt).ids
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
+            raise CliError(f"--prompt cannot be encoded with tokenizer.json beside the model "
+                           f"({path.parent}): {str(exc)[:200]}; use --prompt-ids") from None
         if not ids:
-            raise CliError("the prompt encodes to zero tokens")
+            raise CliError(_zero_tokens_hint(tokenizer, args.prompt, path))
     _check_vocab(ids, model, "--prompt" if args.prompt is not None else "--prompt-ids")
-    _check_positions(len(ids), args.max_new_tokens, model)
+    _check_positions(len(ids), args.max_new_tokens, model, args.context_limit)
     if args.output == "ids":  # the tokenizer only encoded --prompt: print ids, no echo
         tokenizer = None
     if tokenizer is not None and args.prompt is not None:
@@ -257,11 +304,11 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     model = olv_runtime.load(args.model)
+    _check_positions(args.prompt_len, args.new_tokens, model, args.context_limit)
     sess = olv_runtime.InferenceSession(model, _session_options(args))
     vocab = int(model.metadata().get("olv.vocab_size", "100"))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, size=args.prompt_len).tolist()
-    _check_positions(args.prompt_len, args.new_tokens, model)
     print(f"bench {args.model}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"{args.runs} runs (+1 warm-up), threads={args.threads or 'default'}, "
           f"activations {'int8' if args.quantize_activations else 'float32 (exact)'}",
@@ -270,7 +317,8 @@ def cmd_bench(args) -> int:
     with bar(args.runs + 1, "bench", "run") as progress:  # a bar on a terminal only
         for r in range(args.runs + 1):
             st = olv_runtime.GenerationStats()
-            olv_runtime.generate(sess, prompt, args.new_tokens, stats=st)
+            olv_runtime.generate(sess, prompt, args.new_tokens, stats=st,
+                                 context_limit=args.context_limit)
             progress.update(1)
             if r == 0:
                 continue
@@ -378,7 +426,31 @@ def cmd_inspect(args) -> int:
             print(f"  {name}: {desc}, payload {n} bytes{recs}, logical {logical}")
             if args.verbose and isinstance(v, StructValue) and v.type_id is None:
                 show_layout(v.layout, "      ")
+            if args.verbose and isinstance(v, AffineValue):
+                zp = (f"zero_point {np.asarray(v.zero_point).dtype}"
+                      f"{list(np.shape(v.zero_point))}" if v.zero_point is not None
+                      else "no zero_point")
+                print(f"      scale {np.asarray(v.scale).dtype}{list(np.shape(v.scale))}, {zp}")
     print(f"encoded payload bytes: {total}")
+    if args.verbose:  # -v: also the dense initializers, where every payload is stored, the ops
+        print("dense initializers:")
+        for t in g.initializer:
+            ext = {x.key: x.value for x in t.external_data}
+            where = (f"external {ext.get('location')!r} offset {ext.get('offset', '0')} length "
+                     f"{ext.get('length', '?')}" if t.data_location == TensorProto.EXTERNAL
+                     else f"inline {len(t.raw_data)} bytes" if t.raw_data
+                     else "inline (typed fields)")
+            print(f"  {t.name}: {dtype_name(t.data_type)}{list(t.dims)}, {where}")
+        for ev in g.encoded_initializer:
+            if ev.data_location == TensorProto.EXTERNAL:
+                ext = {x.key: x.value for x in ev.external_data}
+                print(f"  (encoded) {ev.name}: external {ext.get('location')!r} offset "
+                      f"{ext.get('offset', '0')} length {ext.get('length', '?')}")
+        ops: dict = {}
+        for nd in g.node:
+            key = f"{nd.domain + '::' if nd.domain else ''}{nd.op_type}"
+            ops[key] = ops.get(key, 0) + 1
+        print("operators: " + ", ".join(f"{k} x{c}" for k, c in sorted(ops.items())))
     _print_compiled(model, args)
     return 0
 
@@ -439,6 +511,10 @@ def _print_compiled(model, args) -> None:
 
 def cmd_export_standard(args) -> int:
     ext = {"auto": None, "yes": True, "no": False}[args.external_data]
+    inputs = model_files(load(args.model))
+    for target in (pathlib.Path(args.output), pathlib.Path(args.output + ".data")):
+        check_output_not_input(target, inputs, "output" if target.name == pathlib.Path(
+            args.output).name else "output's data file")
     out = save_standard(args.model, args.output, feedback=args.feedback, external_data=ext)
     note = " (persistent bindings lowered to caller-managed feedback, see metadata 'olv.feedback')" \
         if args.feedback else ""
@@ -564,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per run (default: 64)")
     b.add_argument("--runs", type=_positive, default=3,
                    help="measured runs after one warm-up; the median is printed (default: 3)")
+    add_context_option(b)
     add_run_opts(b)
     b.set_defaults(func=cmd_bench)
 
@@ -579,7 +656,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="list a model's struct types, encoded values, bindings "
                                        "and compiled entries (with their hit/miss status)")
     i.add_argument("model", help=".onnx model")
-    i.add_argument("-v", "--verbose", action="store_true", help="one line per encoded value")
+    i.add_argument("-v", "--verbose", action="store_true",
+                   help="also: every encoded value (with its scale / zero point), every dense "
+                        "initializer and where each payload is stored, the operator counts")
     add_run_opts(i)
     i.set_defaults(func=cmd_inspect)
 

@@ -26,9 +26,12 @@ from olv_runtime.generation.chat import (
     ChatTemplateError,
     Conversation,
     load_chat_template,
+    read_template_file,
 )
 from olv_runtime.generation.sampling import SamplingParams
 from olv_runtime.io.sidecars import sidecar_path
+from olv_runtime.errors import ContextLengthError
+from olv_runtime.io import check_output_not_input, model_files
 
 
 def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
@@ -58,6 +61,25 @@ def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
                    help="stop when the text contains TEXT (not printed); repeatable")
     q.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the eos ids (generation_config.json eos_token_id)")
+    add_context_option(q)
+
+
+def context_limit_arg(text: str):
+    """``--context-limit``: "model", "none" or an integer >= 1."""
+    if text in ("model", "none"):
+        return None if text == "none" else "model"
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected 'model', 'none' or an integer >= 1, got "
+                                         f"{text!r}")
+    return int(text)
+
+
+def add_context_option(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--context-limit", type=context_limit_arg, default="model", metavar="N",
+                   help="positions a sequence may use: a longer prompt is refused before the "
+                        "prefill, generation stops there (finish reason length); 'model' "
+                        "(default): the model's max_position_embeddings; N: more, for a model "
+                        "whose RoPE scaling allows it; 'none': no limit")
 
 
 def sampling_kwargs(args) -> dict:
@@ -67,7 +89,8 @@ def sampling_kwargs(args) -> dict:
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                 penalty_last_n=args.penalty_last_n, seed=args.seed,
                 stop=list(args.stop) or None,
-                eos_token_id=None if args.ignore_eos else "auto")
+                eos_token_id=None if args.ignore_eos else "auto",
+                context_limit=getattr(args, "context_limit", "model"))
 
 
 def cmd_chat(args) -> int:
@@ -79,7 +102,7 @@ def cmd_chat(args) -> int:
     if args.chat_template:
         if not pathlib.Path(args.chat_template).is_file():
             raise CliError(f"--chat-template {args.chat_template}: no such file")
-        template = pathlib.Path(args.chat_template).read_text(encoding="utf-8")
+        template = read_template_file(args.chat_template)
     if template is None:
         late = [n for n in ("chat_template.jinja", "tokenizer_config.json")
                 if (path.parent / n).is_file() and path.is_file()
@@ -97,7 +120,13 @@ def cmd_chat(args) -> int:
     SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"],
                    kw["repetition_penalty"], kw["presence_penalty"], kw["frequency_penalty"],
                    kw["penalty_last_n"])  # validate before loading the model
-    sess = olv_runtime.InferenceSession(olv_runtime.load(path), _session_options(args))
+    model = olv_runtime.load(path)
+    if args.transcript:  # appended to: never one of the files the model or chat reads
+        inputs = model_files(model)
+        if args.chat_template:
+            inputs.append(("the --chat-template file", pathlib.Path(args.chat_template)))
+        check_output_not_input(args.transcript, inputs, "--transcript")
+    sess = olv_runtime.InferenceSession(model, _session_options(args))
     conv = Conversation(sess, tokenizer, template, special, system=args.system,
                         generate_kwargs=kw)
     interactive = sys.stdin.isatty()
@@ -138,7 +167,7 @@ def cmd_chat(args) -> int:
             except KeyboardInterrupt:
                 print("\n[interrupted]", file=sys.stderr, flush=True)
                 continue
-            except ChatTemplateError as exc:
+            except (ChatTemplateError, ContextLengthError) as exc:
                 print(f"olv chat: error: {exc}", file=sys.stderr, flush=True)
                 continue
             print(flush=True)

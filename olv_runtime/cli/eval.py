@@ -12,6 +12,7 @@ import numpy as np
 
 from olv_runtime.cli.common import CliError, _positive, _session_options, _tokenizer_for
 from olv_runtime.generation.evaluate import evaluate, read_tokens
+from olv_runtime.io import check_output_not_input, load, model_files
 
 
 def cmd_eval(args) -> int:
@@ -21,6 +22,20 @@ def cmd_eval(args) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             raise CliError("--plot needs matplotlib (pip install matplotlib); nothing was run")
     path = pathlib.Path(args.model)
+    outputs = [(o, v) for o, v in (("--json", args.json), ("--per-token", args.per_token),
+                                   ("--plot", args.plot)) if v]
+    if outputs:  # never one of the files the evaluation reads, nor each other
+        inputs = model_files(load(path))
+        src_opt = "--file" if args.file is not None else "--token-ids"
+        inputs.append((f"the {src_opt} input", pathlib.Path(args.file or args.token_ids)))
+        if args.reference is not None:
+            ref = pathlib.Path(args.reference)
+            inputs += model_files(load(ref)) if ref.is_file() else \
+                [("a file of the --reference checkpoint", f) for f in
+                 (ref.iterdir() if ref.is_dir() else ())]
+        for i, (opt, value) in enumerate(outputs):
+            check_output_not_input(value, inputs + [(f"the {o} output", pathlib.Path(v))
+                                                    for o, v in outputs[:i]], opt)
     tokenizer = _tokenizer_for(path) if args.file is not None else None
     src = args.file if args.file is not None else args.token_ids
     tokens = read_tokens(src, tokenizer, token_ids=args.token_ids is not None)

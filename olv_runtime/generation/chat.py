@@ -26,7 +26,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import pathlib
+import re
+import sys
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -44,7 +48,135 @@ from olv_runtime.state.restore import trim_state
 
 
 class ChatTemplateError(OlvError, ValueError):
-    """A chat template is missing, does not compile, or raised while rendering."""
+    """A chat template is missing, does not compile, or raised while rendering (any exception
+    of the template, or a render budget exceeded); the message names the template's source."""
+
+
+class ChatTemplateText(str):
+    """A chat template's Jinja source that remembers where it came from (``source``: a file
+    path, ``tokenizer_config.json chat_template``, ...): error messages name it."""
+
+    source: str
+
+    def __new__(cls, text: str, source: str):
+        obj = super().__new__(cls, text)
+        obj.source = source
+        return obj
+
+
+#: Render budget of :func:`apply_chat_template` (issue 26): wall-clock seconds per render,
+#: characters of rendered text (and of any one string or list a template builds), and bits of
+#: any integer it computes. Real chat templates render in milliseconds into far less text than
+#: any model's context holds (2**22 characters is about a million tokens).
+RENDER_SECONDS = 3.0
+RENDER_MAX_CHARS = 1 << 22
+RENDER_MAX_INT_BITS = 1 << 16
+#: Largest template source and tokenizer_config.json read (characters / bytes).
+TEMPLATE_MAX_CHARS = 1 << 20
+CONFIG_MAX_BYTES = 64 << 20
+
+# a %-format conversion: flags, width, precision (each possibly '*')
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|[0-9]+)?(?:\.(\*|[0-9]+))?")
+# a str.format replacement field's spec: every number in it
+_BRACE_SPEC = re.compile(r"\{[^{}]*:([^{}]*)\}")
+
+
+class _RenderLimit(Exception):
+    """A render budget was exceeded (wrapped into ChatTemplateError naming the source)."""
+
+
+def _limit(n: int, what: str) -> None:
+    if n > RENDER_MAX_CHARS:
+        raise _RenderLimit(f"{what} would be {n} characters or items; the render budget is "
+                           f"{RENDER_MAX_CHARS}")
+
+
+def _size(v) -> int:
+    return len(v) if isinstance(v, (str, list, tuple, dict)) else 0
+
+
+def _check_int(v, what: str) -> None:
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > RENDER_MAX_INT_BITS:
+        raise _RenderLimit(f"{what}: an integer of {v.bit_length()} bits; the render budget is "
+                           f"{RENDER_MAX_INT_BITS} bits")
+
+
+def _check_format(fmt: str, args) -> None:
+    """Widths and precisions of a %-format or str.format string (and '*' arguments) within
+    the character budget."""
+    nums = []
+    for m in _PERCENT_SPEC.finditer(fmt):
+        nums += [g for g in m.groups() if g]
+    for m in _BRACE_SPEC.finditer(fmt):
+        nums += re.findall(r"[0-9]+", m.group(1))
+    if "*" in nums or re.search(r"\{[^{}]*:[^{}]*\{", fmt):  # widths taken from arguments
+        vals = args if isinstance(args, (tuple, list)) else (args,)
+        nums += [str(a) for a in vals if isinstance(a, int) and not isinstance(a, bool)
+                 and a > 0] + [s for a in vals if isinstance(a, str) for s in re.findall(
+                     r"[0-9]+", a)]
+    for n in nums:
+        if n != "*" and (len(n) > 12 or int(n) > RENDER_MAX_CHARS):
+            raise _RenderLimit(f"format width or precision {n[:20]} exceeds the render budget "
+                               f"of {RENDER_MAX_CHARS} characters")
+
+
+def _check_binop(op: str, left, right) -> None:
+    what = f"{type(left).__name__} {op} {type(right).__name__}"
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (left, right))
+    if op == "*":
+        if ints:
+            if left and right and left.bit_length() + right.bit_length() > RENDER_MAX_INT_BITS:
+                raise _RenderLimit(f"{what}: the product has more than {RENDER_MAX_INT_BITS} "
+                                   "bits")
+        elif isinstance(right, int) and _size(left):
+            _limit(_size(left) * max(right, 0), what)
+        elif isinstance(left, int) and _size(right):
+            _limit(_size(right) * max(left, 0), what)
+    elif op == "**" and ints:
+        if right > 0 and abs(left) > 1 and \
+                right * math.log2(abs(left)) > RENDER_MAX_INT_BITS:
+            raise _RenderLimit(f"{what}: {left} ** {right} has more than "
+                               f"{RENDER_MAX_INT_BITS} bits")
+    elif op == "**" and isinstance(left, float) and isinstance(right, int):
+        _check_int(right, what)
+    elif op == "+":
+        if _size(left) or _size(right):
+            _limit(_size(left) + _size(right), what)
+    elif op == "%" and isinstance(left, str):
+        _check_format(left, right)
+
+
+# str methods whose result size a template chooses: name -> checker(obj, args, kwargs)
+def _width_arg(obj, args, kwargs, key="width"):
+    w = args[0] if args else kwargs.get(key, 0)
+    if isinstance(w, int) and not isinstance(w, bool):
+        _limit(max(w, 0), f"str width {w}")
+
+
+def _str_method_check(name: str, obj: str, args, kwargs) -> None:
+    if name in ("center", "ljust", "rjust", "zfill"):
+        _width_arg(obj, args, kwargs)
+    elif name == "expandtabs":
+        t = args[0] if args else kwargs.get("tabsize", 8)
+        if isinstance(t, int):
+            _limit(obj.count("\t") * max(t, 0) + len(obj), "str.expandtabs")
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) \
+            and isinstance(args[1], str):
+        count = obj.count(args[0]) if args[0] else len(obj) + 1
+        if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
+            count = min(count, args[2])
+        _limit(len(obj) + count * max(len(args[1]) - len(args[0]), 0), "str.replace")
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        _limit(sum(_size(x) for x in args[0]) + len(obj) * len(args[0]), "str.join")
+    elif name in ("format", "format_map"):
+        _check_format(obj, list(args) + list(kwargs.values()))
+
+
+def _concat(parts) -> str:
+    """The template ``~`` operator (jinja's str_join) within the character budget."""
+    out = [str(x) for x in parts]
+    _limit(sum(len(x) for x in out), "the '~' concatenation")
+    return "".join(out)
 
 
 _ENV = None
@@ -56,7 +188,91 @@ def _environment():
         return _ENV
     import jinja2
     import jinja2.ext
+    from jinja2.compiler import CodeGenerator
+    from jinja2.filters import FILTERS
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import generate_lorem_ipsum
+
+    class BudgetCodeGenerator(CodeGenerator):
+        """Compiles ``a ~ b`` to the budgeted :func:`_concat` (jinja: ``str_join``)."""
+
+        def visit_Concat(self, node, frame):
+            self.write("environment.olv_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BudgetEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox with size checks before the operations whose result size a template
+        chooses (binary operators, str methods); the time budget is :func:`_render`'s."""
+
+        intercepted_binops = frozenset(["+", "*", "**", "%"])
+        code_generator_class = BudgetCodeGenerator
+
+        def call_binop(self, context, operator, left, right):
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            owner = getattr(__obj, "__self__", None)
+            if isinstance(owner, str):
+                _str_method_check(getattr(__obj, "__name__", ""), owner, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def wrap_str_format(self, value):
+            wrapped = super().wrap_str_format(value)  # str.format / format_map, sandboxed
+            if wrapped is None:
+                return None
+            fmt = value.__self__
+
+            def checked(*args, **kwargs):
+                _check_format(fmt, list(args) + list(kwargs.values()))
+                return wrapped(*args, **kwargs)
+
+            return checked
+
+    def checked_filter(name, check):
+        base = FILTERS[name]
+
+        skip = 1 if hasattr(base, "jinja_pass_arg") else 0  # the context jinja passes first
+
+        def run(*args, **kwargs):
+            check(*args[skip:], **kwargs)
+            return base(*args, **kwargs)
+
+        for attr in ("jinja_pass_arg",):
+            if hasattr(base, attr):
+                setattr(run, attr, getattr(base, attr))
+        return run
+
+    def f_center(value, width=80):
+        _limit(max(width, 0) if isinstance(width, int) else 0, f"center({width})")
+
+    def f_indent(s, width=4, first=False, blank=False):
+        w = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        _limit(len(str(s)) + (str(s).count("\n") + 1) * max(w, 0), f"indent({str(width)[:20]})")
+
+    def f_wordwrap(s, width=79, *args, **kwargs):
+        _limit(len(str(s)) * 2, "wordwrap")
+
+    def f_format(value, *args, **kwargs):
+        if isinstance(value, str):
+            _check_format(value, list(args) + list(kwargs.values()))
+
+    def f_replace(s, old, new, count=None):
+        _str_method_check("replace", str(s), (str(old), str(new)) +
+                          ((count,) if isinstance(count, int) else ()), {})
+
+    def f_join(value, d="", attribute=None):
+        if isinstance(value, (list, tuple)):
+            _limit(sum(_size(x) for x in value) + len(str(d)) * len(value), "join")
+
+    def f_batch(value, linecount, fill_with=None):
+        _limit(linecount if isinstance(linecount, int) else 0, f"batch({linecount})")
+
+    def f_slice(value, slices, fill_with=None):
+        _limit(slices if isinstance(slices, int) else 0, f"slice({slices})")
 
     class GenerationBlock(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}``: renders its body unchanged (transformers
@@ -76,19 +292,86 @@ def _environment():
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+        if isinstance(indent, int) and not isinstance(indent, bool):
+            _limit(max(indent, 0), f"tojson(indent={indent})")
+        elif isinstance(indent, str):
+            _limit(len(indent), "tojson(indent=...)")
+        text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
                           separators=separators, sort_keys=sort_keys)
+        _limit(len(text), "tojson")
+        return text
 
     def strftime_now(fmt):
+        _limit(len(str(fmt)) * 16, "strftime_now")
         return datetime.datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    def lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - jinja's parameter names
+        ints = [v for v in (n, min, max) if isinstance(v, int)]
+        if len(ints) != 3 or n < 0 or n * max > RENDER_MAX_CHARS // 8:
+            raise _RenderLimit(f"lipsum(n={n}, max={max}) exceeds the render budget")
+        return generate_lorem_ipsum(n=n, html=html, min=min, max=max)
+
+    env = BudgetEnvironment(trim_blocks=True, lstrip_blocks=True,
+                            extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env.olv_concat = _concat
     env.filters["tojson"] = tojson
+    for name, check in (("center", f_center), ("indent", f_indent), ("wordwrap", f_wordwrap),
+                        ("format", f_format), ("replace", f_replace), ("join", f_join),
+                        ("batch", f_batch), ("slice", f_slice)):
+        env.filters[name] = checked_filter(name, check)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["lipsum"] = lipsum
     _ENV = env
     return env
+
+
+def _render(compiled, where: str, variables: dict) -> str:
+    """Render with the budget: a trace function stops any Python-level loop (in the template
+    or in jinja's helpers) after :data:`RENDER_SECONDS`, the output stops at
+    :data:`RENDER_MAX_CHARS` characters, and every exception becomes a ChatTemplateError
+    naming ``where``. The caller's trace function (a debugger, coverage) is restored."""
+    import jinja2
+
+    deadline = time.perf_counter() + RENDER_SECONDS
+    ticks = 0
+
+    def tracer(frame, event, arg):
+        nonlocal ticks
+        ticks += 1
+        if not ticks & 1023 and time.perf_counter() > deadline:
+            raise _RenderLimit(f"rendering took more than {RENDER_SECONDS} s (the render "
+                               "budget)")
+        return tracer
+
+    old = sys.gettrace()
+    out, n = [], 0
+    try:
+        sys.settrace(tracer)
+        try:
+            for chunk in compiled.generate(**variables):
+                n += len(chunk)
+                if n > RENDER_MAX_CHARS:
+                    raise _RenderLimit(f"the rendered text exceeds {RENDER_MAX_CHARS} "
+                                       "characters (the render budget)")
+                out.append(chunk)
+        finally:
+            sys.settrace(old)
+        text = "".join(out)
+    except _RenderLimit as exc:
+        raise ChatTemplateError(f"{where}: the chat template exceeded its budget: {exc}") \
+            from None
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"{where}: the chat template raised: {exc}") from None
+    except (Exception, RecursionError, MemoryError) as exc:  # noqa: BLE001 - any template fault
+        raise ChatTemplateError(f"{where}: the chat template raised {type(exc).__name__}: "
+                                f"{str(exc)[:300]}") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ChatTemplateError(f"{where}: the rendered text is not valid Unicode (a lone "
+                                f"surrogate at character {exc.start})") from None
+    return text
 
 
 _COMPILED: dict[str, Any] = {}
@@ -148,7 +431,13 @@ def apply_chat_template(messages: Sequence[Mapping[str, Any]], template: str, *,
     Raises
     ------
     ChatTemplateError
-        The template does not compile or raises (``raise_exception``), naming the message.
+        The template does not compile, is longer than :data:`TEMPLATE_MAX_CHARS`, raises
+        (``raise_exception``, or any exception: OverflowError, RecursionError, TypeError, ...),
+        exceeds the render budget (:data:`RENDER_SECONDS`, :data:`RENDER_MAX_CHARS`,
+        :data:`RENDER_MAX_INT_BITS`: checked before a string, list or integer of that size is
+        built) or renders text with a lone surrogate; or a message / variable nested too deep.
+        The message names the template's source (``template.source`` of a
+        :class:`ChatTemplateText`, e.g. from :func:`load_chat_template`).
     InvalidArgument
         A message that is not a mapping.
     """
@@ -157,22 +446,32 @@ def apply_chat_template(messages: Sequence[Mapping[str, Any]], template: str, *,
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise InvalidArgument(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
+    where = getattr(template, "source", None) or "the chat template"
     if not isinstance(template, str) or not template:
-        raise ChatTemplateError("the chat template must be a non-empty string")
+        raise ChatTemplateError(f"{where}: the chat template must be a non-empty string")
+    if len(template) > TEMPLATE_MAX_CHARS:
+        raise ChatTemplateError(f"{where}: the chat template has {len(template)} characters; "
+                                f"at most {TEMPLATE_MAX_CHARS} are accepted")
     compiled = _COMPILED.get(template)
     if compiled is None:
         try:
-            compiled = _environment().from_string(template)
+            compiled = _environment().from_string(str(template))
         except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
+            raise ChatTemplateError(f"{where}: the chat template does not compile: {exc}") \
+                from None
+        except (Exception, RecursionError, MemoryError) as exc:  # noqa: BLE001 - parser faults
+            raise ChatTemplateError(f"{where}: the chat template does not compile "
+                                    f"({type(exc).__name__}: {str(exc)[:200]})") from None
         _COMPILED[template] = compiled
-    variables = {**_plain(dict(special_tokens or {})), **_plain(kwargs)}
     try:
-        return compiled.render(messages=_plain(list(messages)), tools=_plain(tools),
-                               documents=_plain(documents),
-                               add_generation_prompt=bool(add_generation_prompt), **variables)
-    except jinja2.TemplateError as exc:
-        raise ChatTemplateError(f"the chat template raised: {exc}") from None
+        variables = {**_plain(dict(special_tokens or {})), **_plain(kwargs)}
+        variables.update(messages=_plain(list(messages)), tools=_plain(tools),
+                         documents=_plain(documents),
+                         add_generation_prompt=bool(add_generation_prompt))
+    except RecursionError:
+        raise ChatTemplateError(f"{where}: a message or template variable is nested too deep "
+                                "to render") from None
+    return _render(compiled, where, variables)
 
 
 def _token_text(v):
@@ -208,17 +507,39 @@ def load_chat_template(model_path) -> tuple[str | None, dict[str, Any]]:
     if p.is_file():  # the model's own (olv_runtime.io.sidecars: digest recorded at conversion)
         cfg_path = sidecar_path(p, "tokenizer_config.json") or d / "-absent-"
     if cfg_path.is_file():
+        size = cfg_path.stat().st_size
+        if size > CONFIG_MAX_BYTES:
+            raise ChatTemplateError(f"{cfg_path}: {size} bytes; a tokenizer_config.json of at "
+                                    f"most {CONFIG_MAX_BYTES} bytes is read")
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise ChatTemplateError(f"{cfg_path}: not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise ChatTemplateError(f"{cfg_path}: not JSON ({type(exc).__name__}: "
+                                    f"{str(exc)[:200]})") from None
+        if not isinstance(cfg, dict):
+            raise ChatTemplateError(f"{cfg_path}: expected a JSON object, got "
+                                    f"{type(cfg).__name__}")
         for k, v in cfg.items():
-            # unset (null) tokens are not template variables (they render as undefined, "")
-            if k.endswith("_token") and isinstance(v, (str, Mapping)) and _token_text(v) is not None:
-                special[k] = _token_text(v)
-        if isinstance(cfg.get("additional_special_tokens"), list):
-            special["additional_special_tokens"] = [
-                _token_text(t) for t in cfg["additional_special_tokens"]]
+            # unset (null) tokens are not template variables (they render as undefined, "");
+            # booleans such as add_bos_token are settings, not tokens
+            if not k.endswith("_token") or v is None or isinstance(v, bool):
+                continue
+            text = _token_text(v)
+            if not isinstance(text, str) and (text is not None or not isinstance(v, Mapping)):
+                raise ChatTemplateError(
+                    f"{cfg_path}: {k} must be a string or {{\"content\": string}}, got "
+                    f"{type(text).__name__} {str(text)[:40]!r}")
+            if text is not None:
+                special[k] = text
+        extra = cfg.get("additional_special_tokens")
+        if isinstance(extra, list):
+            texts = [_token_text(t) for t in extra]
+            bad = next((t for t in texts if not isinstance(t, str)), 0)
+            if bad != 0:
+                raise ChatTemplateError(f"{cfg_path}: additional_special_tokens holds "
+                                        f"{type(bad).__name__} {str(bad)[:40]!r}, expected "
+                                        "strings")
+            special["additional_special_tokens"] = texts
         t = cfg.get("chat_template")
         if isinstance(t, list):
             named = {e.get("name"): e.get("template") for e in t if isinstance(e, Mapping)}
@@ -228,13 +549,45 @@ def load_chat_template(model_path) -> tuple[str | None, dict[str, Any]]:
                     f"(names: {sorted(n for n in named if n)})")
             t = named["default"]
         if isinstance(t, str) and t:
-            template = t
+            template = ChatTemplateText(t, f"{cfg_path} chat_template")
+        elif t is not None:
+            raise ChatTemplateError(f"{cfg_path}: chat_template must be a string, got "
+                                    f"{type(t).__name__}")
     jinja_file = d / "chat_template.jinja"
     if p.is_file():
         jinja_file = sidecar_path(p, "chat_template.jinja") or d / "-absent-"
     if jinja_file.is_file():
-        template = jinja_file.read_text(encoding="utf-8")
+        template = read_template_file(jinja_file)
     return template, special
+
+
+def read_template_file(path) -> ChatTemplateText:
+    """A Jinja chat template file (``chat_template.jinja``, ``olv chat --chat-template``),
+    at most :data:`TEMPLATE_MAX_CHARS` characters of UTF-8.
+
+    Raises
+    ------
+    ChatTemplateError
+        Not a readable file, too long, not UTF-8 (the message names the path).
+    """
+    path = pathlib.Path(path)
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise ChatTemplateError(f"{path}: not a regular file")
+        if size > 4 * TEMPLATE_MAX_CHARS:
+            raise ChatTemplateError(f"{path}: {size} bytes; a chat template of at most "
+                                    f"{TEMPLATE_MAX_CHARS} characters is read")
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(TEMPLATE_MAX_CHARS + 1)
+    except OSError as exc:
+        raise ChatTemplateError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(f"{path}: not UTF-8 (byte {exc.start}: {exc.reason})") from None
+    if len(text) > TEMPLATE_MAX_CHARS:
+        raise ChatTemplateError(f"{path}: more than {TEMPLATE_MAX_CHARS} characters; a chat "
+                                "template that long is not read")
+    return ChatTemplateText(text, str(path))
 
 
 @dataclasses.dataclass

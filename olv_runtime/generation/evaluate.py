@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from olv_runtime.errors import InvalidArgument
+from olv_runtime.errors import InvalidArgument, MissingDependencyError
 from olv_runtime.executor.session import InferenceSession
+from olv_runtime.io import read_npy_header
 from olv_runtime.progress import bar
 from olv_runtime.state import empty_cache, make_state
 
@@ -77,9 +78,15 @@ class TransformersLogits:
     """
 
     def __init__(self, checkpoint):
-        import torch
-        import transformers
-
+        try:  # optional: the 'reference' extra
+            import torch
+            import transformers
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"reference {checkpoint}: a Hugging Face checkpoint reference runs through "
+                f"transformers on torch, which are not installed ({exc.name or exc}); install "
+                "them with: pip install 'olv_runtime[reference]' (or pass an olv .onnx model "
+                "as the reference)") from None
         self.torch = torch
         if isinstance(checkpoint, (str, pathlib.Path)):
             self.model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -399,12 +406,24 @@ def read_tokens(path, tokenizer=None, token_ids: bool | None = None) -> np.ndarr
     if not p.is_file():
         raise InvalidArgument(f"{p}: no such file")
     if p.suffix == ".npy":
+        try:  # the header is checked against the file before numpy allocates anything
+            with open(p, "rb") as fh:
+                dtype, shape, nbytes = read_npy_header(fh, str(p), InvalidArgument)
+                left = p.stat().st_size - fh.tell()
+        except OSError as exc:
+            raise InvalidArgument(f"{p}: not a readable .npy array ({exc})") from None
+        except InvalidArgument as exc:
+            why = str(exc).removeprefix(f"{p}: ")
+            raise InvalidArgument(f"{p}: not a readable .npy array ({why})") from None
+        if dtype.kind not in "iu":
+            raise InvalidArgument(f"{p}: token ids must be integers, got dtype {dtype}")
+        if nbytes != left:
+            raise InvalidArgument(f"{p}: its .npy header declares {shape} {dtype} ({nbytes} "
+                                  f"bytes of data), the file holds {left} bytes of data")
         try:
             a = np.load(p, allow_pickle=False)
         except (ValueError, OSError, EOFError) as exc:
             raise InvalidArgument(f"{p}: not a readable .npy array ({exc})") from None
-        if a.dtype.kind not in "iu":
-            raise InvalidArgument(f"{p}: token ids must be integers, got dtype {a.dtype}")
         return a.reshape(-1).astype(np.int64)
     try:
         text = p.read_text(encoding="utf-8")

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from olv_runtime.errors import InvalidArgument, StateError
+from olv_runtime.errors import ContextLengthError, InvalidArgument, StateError
 from olv_runtime.executor.session import InferenceSession, SessionOptions
 from olv_runtime.generation.sampling import (
     SamplingParams,
@@ -119,8 +119,8 @@ class GenerationResult:
         when generation stopped on one).
     text : str or None
         The decoded continuation (needs ``tokenizer``), cut before a matched stop string. Special
-        tokens -- an eos such as ``<|endoftext|>`` included -- are kept unless
-        ``skip_special_tokens=True`` (``olv generate`` passes True unless ``--special``).
+        tokens -- an eos such as ``<|endoftext|>`` included -- are left out by default, as
+        ``olv generate`` prints it; ``skip_special_tokens=False`` keeps them (``--special``).
     finish_reason : {"length", "eos", "stop", "interrupted"}
         ``"interrupted"``: a KeyboardInterrupt stopped the loop (the state stays consistent).
     stop_string : str or None
@@ -162,6 +162,65 @@ def sample_token(logits: np.ndarray, temperature: float = 0.0, top_k: int = 0, t
     """
     return select_token(logits, None, SamplingParams(float(temperature), int(top_k), float(top_p)),
                         rng)
+
+
+def context_limit_of(session, context_limit="model") -> int | None:
+    """The number of positions a sequence may use (prompt, continued state and generated
+    tokens together).
+
+    Parameters
+    ----------
+    session : InferenceSession
+    context_limit : "model", int or None
+        ``"model"``: the model's ``max_position_embeddings`` (metadata
+        ``olv.max_position_embeddings``; no limit when the model does not record one, e.g. an
+        onnxruntime-genai folder); an int >= 1: that many positions (a model whose RoPE
+        scaling allows more than it was trained on); None: no limit (the explicit opt-out).
+
+    Raises
+    ------
+    InvalidArgument
+        Any other value.
+    """
+    if context_limit is None:
+        return None
+    if isinstance(context_limit, str):
+        if context_limit != "model":
+            raise InvalidArgument(f"context_limit must be 'model', an integer >= 1 or None, got "
+                                  f"{context_limit!r}")
+        text = session.get_modelmeta().get("olv.max_position_embeddings", "")
+        return int(text) if text.isdigit() and int(text) > 0 else None
+    if isinstance(context_limit, bool) or not isinstance(context_limit, (int, np.integer)) \
+            or context_limit < 1:
+        raise InvalidArgument(f"context_limit must be 'model', an integer >= 1 or None, got "
+                              f"{context_limit!r}")
+    return int(context_limit)
+
+
+def _check_context(session, ids: np.ndarray, config: GenerationConfig, state) -> GenerationConfig:
+    """Refuse a prompt that does not fit the context (before its ids are read: a 10M-token prompt
+    stops here); returns ``config`` with ``max_new_tokens`` capped so generation stops at the
+    limit (finish reason "length", as llama.cpp)."""
+    limit = context_limit_of(session, config.context_limit)
+    if limit is None:
+        return config
+    held_tokens = len(state.tokens) if state is not None else 0
+    total = held_tokens + int(ids.size)
+    room = 1 if config.max_new_tokens > 0 else 0
+    if total + room > limit:
+        held = f" after the {held_tokens} tokens the state holds" if held_tokens else ""
+        source = ("the model's max_position_embeddings" if config.context_limit == "model"
+                  else "context_limit")
+        raise ContextLengthError(
+            f"the prompt of {int(ids.size)} tokens{held} does not fit the context of {limit} "
+            f"positions ({source})"
+            + (f" with room for a new token (at most {limit - held_tokens - room} prompt "
+               "tokens)" if room else "")
+            + "; shorten it, or pass context_limit=N (olv --context-limit N) for a model "
+              "whose RoPE scaling allows more, or None to turn the check off")
+    if config.max_new_tokens > limit - total:
+        config = dataclasses.replace(config, max_new_tokens=limit - total)
+    return config
 
 
 def eos_token_ids(model) -> list[int]:
@@ -641,6 +700,7 @@ def _generate(model, prompt_ids, config: GenerationConfig, *, tokenizer, callbac
     ids = _as_ids(prompt_ids)
     _check_callers(config, tokenizer, callback, text_callback, stats, state)
     session = _session_for(model, state, session_options)
+    config = _check_context(session, ids, config, state)
     eos = _check_against_model(session, ids, config, state)
     rng = _generator(state, config.seed)
 
@@ -735,6 +795,8 @@ def generate_result(
 
     Raises
     ------
+    ContextLengthError
+        The prompt does not fit ``config.context_limit`` (before the state is touched).
     InvalidArgument
         Empty prompt with nothing pending, non-integer or out-of-vocabulary ids (only
         ``[0, vocab)``), ``config`` not a GenerationConfig, eos ids or ``top_logprobs`` beyond
@@ -772,7 +834,7 @@ def generate(
     eos_token_id: int | Sequence[int] | str | None = None,
     stop: str | Sequence[str] | None = None,
     tokenizer=None,
-    skip_special_tokens: bool = False,
+    skip_special_tokens: bool = True,
     logprobs: bool = False,
     top_logprobs: int = 0,
     callback: Callable[[int], object] | None = None,
@@ -782,6 +844,7 @@ def generate(
     state=None,
     return_state: bool = False,
     return_result: bool = False,
+    context_limit: int | str | None = "model",
 ):
     """Generate tokens after a prompt (batch 1), optionally continuing a state: the keyword
     compatibility form.
@@ -797,7 +860,7 @@ def generate(
         As :func:`generate_result` (None when ``state`` is given).
     prompt_ids : sequence of int
         Token ids to append (at least one, unless a continued state has a pending token).
-    max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, penalty_last_n, seed, eos_token_id, stop, skip_special_tokens, logprobs, top_logprobs
+    max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, penalty_last_n, seed, eos_token_id, stop, skip_special_tokens, logprobs, top_logprobs, context_limit
         The fields of :class:`GenerationConfig` (same names, defaults, meaning and checks):
         length, selection (transformers' definitions; temperature 0 is greedy; penalties see
         the whole sequence), sampling seed (a continued state keeps its generator when None),
@@ -824,6 +887,9 @@ def generate(
 
     Raises
     ------
+    ContextLengthError
+        The prompt does not fit the context (``context_limit``: by default the model's
+        ``max_position_embeddings``); raised before the state is touched.
     InvalidArgument
         As :func:`generate_result` and :class:`GenerationConfig` (a bad setting, id, callback,
         tokenizer, state or stats; every argument is checked before the state is touched).
@@ -839,7 +905,7 @@ def generate(
     config = GenerationConfig(
         max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
         frequency_penalty, penalty_last_n, seed, eos_token_id, stop, skip_special_tokens,
-        logprobs, top_logprobs)
+        logprobs, top_logprobs, context_limit)
     res = _generate(model, prompt_ids, config, tokenizer=tokenizer, callback=callback,
                     text_callback=text_callback, session_options=session_options, stats=stats,
                     state=state, keep_state=return_state, raise_interrupt=not return_result)

@@ -119,8 +119,9 @@ class GenerationConfig:
         non-empty strings), matched on the decoded continuation (needs a tokenizer); the text
         returned stops before the match, the ids include the token that completed it.
     skip_special_tokens : bool
-        Leave special tokens (``<|im_end|>``, eos, ...) out of the decoded text
-        (``tokenizers.Tokenizer.decode``'s flag; stop strings match the text without them).
+        Leave special tokens (``<|im_end|>``, eos, ...) out of the decoded text (the default,
+        as ``olv generate`` prints it; False keeps them, as ``--special``):
+        ``tokenizers.Tokenizer.decode``'s flag; stop strings match the text without them.
         The ids always include them. Stored as ``bool(value)``.
     logprobs : bool
         Record each generated token's log-probability (raw logits,
@@ -128,6 +129,13 @@ class GenerationConfig:
     top_logprobs : int
         >= 0: with ``logprobs``, also record this many best alternatives per token (at most the
         model's vocabulary size, checked by the generate front).
+    context_limit : "model", int or None
+        Positions the whole sequence may use (prompt, continued state and generated tokens;
+        :func:`olv_runtime.generation.generate.context_limit_of`): ``"model"`` (default) the
+        model's ``max_position_embeddings``; an int >= 1 allows more (RoPE scaling); None turns
+        the check off. A prompt that does not fit is refused before any prefill
+        (:class:`~olv_runtime.errors.ContextLengthError`); generation stops at the limit with
+        finish reason ``"length"``.
     sampling : SamplingParams
         Derived (a property, not a field): the selection fields above as the
         :class:`~olv_runtime.generation.sampling.SamplingParams` the selection reads.
@@ -151,9 +159,10 @@ class GenerationConfig:
     seed: int | None = None
     eos_token_id: tuple[int, ...] | str | None = None
     stop: tuple[str, ...] = ()
-    skip_special_tokens: bool = False
+    skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
+    context_limit: int | str | None = "model"
 
     def __post_init__(self):
         _count("max_new_tokens", self.max_new_tokens)
@@ -161,6 +170,11 @@ class GenerationConfig:
         seed = check_seed(self.seed)
         stop = _stop_strings(self.stop)
         _count("top_logprobs", self.top_logprobs)
+        limit = self.context_limit
+        if not (limit is None or limit == "model" or (
+                isinstance(limit, (int, np.integer)) and not isinstance(limit, bool) and limit >= 1)):
+            raise InvalidArgument(f"context_limit must be 'model', an integer >= 1 or None, got "
+                                  f"{limit!r}")
         eos = _eos_entries(self.eos_token_id)
         setattr_ = object.__setattr__  # frozen: the normalised values are set once, here
         setattr_(self, "seed", seed)

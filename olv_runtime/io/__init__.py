@@ -36,6 +36,9 @@ EXTERNAL_THRESHOLD = 1024
 #: limit for one message is 2 GiB).
 AUTO_EXTERNAL_BYTES = 256 << 20
 _ALIGN = 64
+#: Files beside a converted model that belong to it (olv_runtime.io.sidecars)
+SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "chat_template.jinja")
 _DECIMAL = re.compile(r"[0-9]+")  # ASCII digits only (no sign, spaces, '_' or other scripts)
 
 
@@ -278,6 +281,83 @@ class Model:
         )
 
 
+#: Longest ``.npy`` header accepted by :func:`read_npy_header` (numpy writes 118-128 bytes).
+NPY_HEADER_MAX = 4096
+#: The header numpy writes (format 1.0-3.0): descr, fortran_order, shape; nothing else.
+_NPY_HEADER = re.compile(
+    r"\{'descr': '([<>|=][A-Za-z][0-9]{0,3})', 'fortran_order': (False|True), "
+    r"'shape': \(((?:[0-9]{1,19}, )*[0-9]{1,19},?|)\), \} *\n?")
+
+
+def read_npy_header(fh, what: str, error=ValueError) -> tuple:
+    """Read and check the header of a ``.npy`` stream (``fh`` at its first byte) without
+    numpy's parser: the magic, a header of at most :data:`NPY_HEADER_MAX` bytes matching the
+    form numpy writes exactly (no nesting to recurse into), a fixed-size, non-object dtype,
+    C order, and a shape of non-negative integers. Nothing is allocated from the header.
+
+    Parameters
+    ----------
+    fh : binary file object
+    what : str
+        Names the stream in messages (a path, an archive member).
+    error : type
+        The exception class raised (an :class:`~olv_runtime.errors.OlvError` subclass).
+
+    Returns
+    -------
+    (numpy.dtype, tuple of int, int)
+        The dtype, the shape and the data size in bytes (checked: it fits in an int64).
+
+    Raises
+    ------
+    error
+        Not a ``.npy`` stream, an unknown version, a header too long or not of numpy's form,
+        an object/structured/unsized dtype, Fortran order, or a size beyond 2**63 bytes.
+    """
+    head = fh.read(8)
+    if len(head) < 8 or head[:6] != b"\x93NUMPY":
+        raise error(f"{what}: not a .npy array (no \\x93NUMPY magic)")
+    major = head[6]
+    if major == 1:
+        raw = fh.read(2)
+        n = int.from_bytes(raw, "little") if len(raw) == 2 else -1
+    elif major in (2, 3):
+        raw = fh.read(4)
+        n = int.from_bytes(raw, "little") if len(raw) == 4 else -1
+    else:
+        raise error(f"{what}: .npy format version {major}.{head[7]} is not supported "
+                    "(1.0-3.0)")
+    if not 0 < n <= NPY_HEADER_MAX:
+        raise error(f"{what}: .npy header length {n} is not in [1, {NPY_HEADER_MAX}] bytes")
+    text = fh.read(n)
+    if len(text) != n:
+        raise error(f"{what}: truncated .npy header ({len(text)} of {n} bytes)")
+    try:
+        got = _NPY_HEADER.fullmatch(text.decode("latin-1"))
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
+        got = None
+    if got is None:
+        raise error(f"{what}: the .npy header is not numpy's form "
+                    f"({text[:80].decode('latin-1')!r})")
+    descr, fortran, dims = got.groups()
+    try:
+        dtype = np.dtype(descr)
+    except TypeError:
+        raise error(f"{what}: .npy dtype {descr!r} is not a dtype") from None
+    if dtype.hasobject or dtype.itemsize == 0 or dtype.fields is not None:
+        raise error(f"{what}: .npy dtype {descr!r} is not a fixed-size numeric dtype")
+    if fortran == "True":
+        raise error(f"{what}: .npy array in Fortran order; expected C order")
+    shape = tuple(int(d) for d in dims.replace(",", " ").split())
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+        if nbytes >= 1 << 63:
+            raise error(f"{what}: .npy shape {shape} of {descr} is {nbytes} bytes or more, "
+                        "beyond any file")
+    return dtype, shape, nbytes
+
+
 def same_file(a, b) -> bool:
     """Whether paths ``a`` and ``b`` name one file: the same resolved path, or (both existing)
     the same inode (a hard link). Unresolvable paths are not the same file."""
@@ -288,6 +368,61 @@ def same_file(a, b) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except (OSError, RuntimeError, ValueError):
         return False
+
+
+def model_files(model: "Model") -> list:
+    """``(what, path)`` of every file a loaded model reads: the model file, its external data
+    files (every external location of its payloads, and any file already mapped), the payload
+    files of its compiled entries and the sidecars beside it (tokenizer.json, ...). Used to
+    refuse an output that would overwrite one of them (:func:`check_output_not_input`)."""
+    if model.path is None:
+        return []
+    out = [("the model file", model.path)]
+    base = model.base_dir
+
+    def add(what, loc):
+        try:
+            out.append((what, (base / pathlib.PurePosixPath(loc.replace("\\", "/"))).resolve()))
+        except (OSError, RuntimeError, ValueError):
+            pass
+
+    for msg in _payload_messages(model.proto):
+        if msg.data_location == TensorProto.EXTERNAL:
+            loc = next((x.value for x in msg.external_data if x.key == "location"), None)
+            if loc:
+                add("an external data file", loc)
+    for e in model.proto.compiled_tensors:
+        if e.value.data_location == TensorProto.EXTERNAL:
+            loc = next((x.value for x in e.value.external_data if x.key == "location"), None)
+            if loc:
+                add("the compiled payload file", loc)
+    out += [("an external data file", pathlib.Path(p)) for p in model._maps]
+    out += [("the compiled payload file", pathlib.Path(p))
+            for p in model.__dict__.get("_compiled_maps", {})]
+    out += [(f"the model's {n}", model.path.parent / n) for n in SIDECAR_FILES
+            if (model.path.parent / n).exists()]
+    seen, unique = set(), []
+    for what, path in out:
+        if path not in seen:
+            seen.add(path)
+            unique.append((what, path))
+    return unique
+
+
+def check_output_not_input(out, inputs, option: str) -> None:
+    """Refuse output path ``out`` (given as ``option``) when it is one of ``inputs`` (``(what,
+    path)``: :func:`model_files`, input files of the command) by :func:`same_file` (resolved
+    path or inode), before anything is written.
+
+    Raises
+    ------
+    OutputError
+        Naming the option, the path and the input it would overwrite.
+    """
+    for what, path in inputs:
+        if same_file(out, path):
+            raise OutputError(f"{option} {str(out)!r} would overwrite {what} {str(path)!r}: "
+                              "refusing, nothing was written (choose another path)")
 
 
 def as_model(model) -> Model:

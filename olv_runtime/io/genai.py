@@ -31,21 +31,65 @@ from olv_runtime.proto import NodeProto, TensorProto
 GENAI_CONFIG = "genai_config.json"
 #: metadata key recording that the model was adapted (value: the config path)
 ADAPTED_KEY = "olv.genai_config"
+#: Largest genai_config.json read (the builder writes a few KB), bytes.
+CONFIG_MAX_BYTES = 16 << 20
+#: Longest KV name pattern (``past_key_values.%d.key``) accepted, characters.
+NAME_MAX_CHARS = 1024
 
 
 def genai_config_for(path: pathlib.Path) -> dict | None:
-    """The parsed ``genai_config.json`` beside ``path`` when its decoder file is ``path``."""
+    """The parsed ``genai_config.json`` beside ``path`` when its decoder file is ``path``.
+
+    Raises
+    ------
+    ModelFormatError
+        A config over :data:`CONFIG_MAX_BYTES`, not JSON (nesting too deep included), or whose
+        ``model`` / ``model.decoder`` is not an object.
+    """
     cfg_path = path.parent / GENAI_CONFIG
     if not cfg_path.is_file():
         return None
+    size = cfg_path.stat().st_size
+    if size > CONFIG_MAX_BYTES:
+        raise ModelFormatError(f"{cfg_path}: {size} bytes; an onnxruntime-genai config of at "
+                               f"most {CONFIG_MAX_BYTES} bytes is read")
     try:
-        cfg = json.loads(cfg_path.read_text())
-        decoder = cfg["model"]["decoder"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ModelFormatError(f"{cfg_path}: not an onnxruntime-genai config ({exc!r})") from None
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ModelFormatError(f"{cfg_path}: not an onnxruntime-genai config (not JSON: "
+                               f"{type(exc).__name__}: {str(exc)[:200]})") from None
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    decoder = model.get("decoder") if isinstance(model, dict) else None
+    if not isinstance(decoder, dict):
+        raise ModelFormatError(
+            f"{cfg_path}: not an onnxruntime-genai config (expected an object with an object "
+            f"'model' holding an object 'decoder', got "
+            f"{type(cfg).__name__} / {type(model).__name__} / {type(decoder).__name__})")
     if decoder.get("filename", "model.onnx") != path.name:
         return None
     return cfg
+
+
+def _count(dec: dict, key: str, where: str, lo: int, hi: int, default=None) -> int:
+    """Integer ``decoder.key`` in [lo, hi] (ModelFormatError naming it otherwise)."""
+    v = dec.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ModelFormatError(f"{where}: decoder.{key} must be an integer in [{lo}, {hi}], got "
+                               f"{type(v).__name__} {str(v)[:40]}")
+    return v
+
+
+def _pattern(table, key: str, where: str, side: str) -> str:
+    """A KV name pattern such as ``past_key_values.%d.key``: a string of at most
+    :data:`NAME_MAX_CHARS` characters with exactly one ``%d`` and no other conversion."""
+    v = table.get(key) if isinstance(table, dict) else None
+    if not isinstance(v, str) or len(v) > NAME_MAX_CHARS or v.replace("%%", "").count("%") != 1 \
+            or "%d" not in v.replace("%%", ""):
+        raise ModelFormatError(
+            f"{where}: decoder.{side}.{key} must be a name pattern of at most {NAME_MAX_CHARS} "
+            f"characters with one %d, got {type(v).__name__} {str(v)[:60]!r}"
+            + (f" ({len(v)} characters)" if isinstance(v, str) else ""))
+    return v
 
 
 def adapt(model, cfg: dict | None = None) -> bool:
@@ -78,17 +122,21 @@ def adapt(model, cfg: dict | None = None) -> bool:
         return False
     dec = cfg["model"]["decoder"]
     where = f"{model.path.parent / GENAI_CONFIG}"
-    try:
-        layers = int(dec["num_hidden_layers"])
-        head = int(dec["head_size"])
-        kvh = int(dec.get("num_key_value_heads", dec.get("num_attention_heads")))
-        ins, outs = dec["inputs"], dec["outputs"]
-        pairs = []
-        for side in ("key", "value"):
-            for i in range(layers):
-                pairs.append((ins[f"past_{side}_names"] % i, outs[f"present_{side}_names"] % i))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelFormatError(f"{where}: missing or malformed decoder entry ({exc!r})") from None
+    # every layer needs a past key and value input: the graph bounds the layer count
+    layers = _count(dec, "num_hidden_layers", where, 1, max(len(g.input) // 2, 1))
+    head = _count(dec, "head_size", where, 1, 1 << 16)
+    kvh = _count(dec, "num_key_value_heads", where, 1, 1 << 16,
+                 dec.get("num_attention_heads"))
+    ins, outs = dec.get("inputs"), dec.get("outputs")
+    if not isinstance(ins, dict) or not isinstance(outs, dict):
+        raise ModelFormatError(f"{where}: decoder.inputs and decoder.outputs must be objects, "
+                               f"got {type(ins).__name__} / {type(outs).__name__}")
+    pairs = []
+    for side in ("key", "value"):
+        past = _pattern(ins, f"past_{side}_names", where, "inputs")
+        present = _pattern(outs, f"present_{side}_names", where, "outputs")
+        for i in range(layers):
+            pairs.append((past % i, present % i))
     inputs = {vi.name: vi for vi in g.input}
     outputs = {vi.name for vi in g.output}
     for past, present in pairs:
@@ -110,6 +158,12 @@ def adapt(model, cfg: dict | None = None) -> bool:
     ids_name = ins.get("input_ids", "input_ids")
     mask_name = ins.get("attention_mask")
     pos_name = ins.get("position_ids")
+    for key, v in (("input_ids", ids_name), ("attention_mask", mask_name),
+                   ("position_ids", pos_name)):
+        if v is not None and (not isinstance(v, str) or len(v) > NAME_MAX_CHARS):
+            raise ModelFormatError(f"{where}: decoder.inputs.{key} must be a name of at most "
+                                   f"{NAME_MAX_CHARS} characters, got {type(v).__name__} "
+                                   f"{str(v)[:60]!r}")
     first_past = pairs[0][0]
     synth = [n for n in (mask_name, pos_name) if n and n in inputs]
     if synth:
@@ -124,7 +178,8 @@ def adapt(model, cfg: dict | None = None) -> bool:
     eos = cfg["model"].get("eos_token_id")
     if isinstance(eos, list) and eos:
         eos = eos[0]
-    if isinstance(eos, int) and "olv.eos_token_id" not in {p.key for p in model.proto.metadata_props}:
+    if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < 1 << 31 \
+            and "olv.eos_token_id" not in {p.key for p in model.proto.metadata_props}:
         m = model.proto.metadata_props.add()
         m.key = "olv.eos_token_id"
         m.value = str(eos)

@@ -15,12 +15,9 @@ import hashlib
 import pathlib
 
 from olv_runtime.errors import OutputError, SidecarError
-from olv_runtime.io import Model, load
+from olv_runtime.io import SIDECAR_FILES, Model, load  # noqa: F401  (SIDECAR_FILES re-exported)
 from olv_runtime.proto import ModelProto
 
-#: Files the converters write beside a model.
-SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                 "chat_template.jinja")
 _LIST_KEY = "olv.sidecars"
 
 

@@ -36,7 +36,9 @@ __all__ = ["PACKED_LAYOUT_VERSION", "PackedLayout", "LAYOUTS", "layout_of", "lay
 #: Version of every packed layout below (DeviceProto.runtime_version of compiled entries).
 #: Bump on any layout change.
 #: "2": the 8-row layout keeps float16 block scales as their uint16 bits (was float32 only).
-PACKED_LAYOUT_VERSION = "2"
+#: "3": an entry's ``olv.payload_digest`` also covers its source name, source digest and name
+#: (olv_runtime.structs.compiled.payload_parts); version-2 entries are misses by version, not digest.
+PACKED_LAYOUT_VERSION = "3"
 
 
 @dataclasses.dataclass(frozen=True)

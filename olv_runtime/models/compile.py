@@ -45,6 +45,7 @@ from olv_runtime.structs.compiled import (
     _device_key,
     _find_initializer,
     _hash_parts,
+    payload_parts,
     canonical_parts,
     source_name_of,
     this_device,
@@ -519,10 +520,11 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
                     e = CompiledTensorProto(source_name=snames[j], device=dev_index,
                                             digest_algorithm=DEFAULT_DIGEST_ALGORITHM)
                     e.source_digest = sdigests[j]
-                    pdig = _hash_parts(hashed, DEFAULT_DIGEST_ALGORITHM)[0]
-                    e.metadata_props.add(key=PAYLOAD_DIGEST_KEY, value=pdig.hex())
                     v = e.value
                     v.name = f"{snames[j]}/compiled"
+                    pdig = _hash_parts(payload_parts(snames[j], sdigests[j], v.name, hashed),
+                                       DEFAULT_DIGEST_ALGORITHM)[0]
+                    e.metadata_props.add(key=PAYLOAD_DIGEST_KEY, value=pdig.hex())
                     v.struct_type.CopyFrom(st)
                     v.data_location = TensorProto.EXTERNAL
                     v.external_data.add(key="location", value=cname)

@@ -150,53 +150,85 @@ class GGUFCheckpoint:
         def opt(key, default=None):
             return g.get(f"{arch}.{key}", default)
 
-        hidden = int(req("embedding_length"))
-        heads = int(req("attention.head_count"))
+        def integer(key, v, lo, hi):
+            """Metadata integer ``key`` in [lo, hi] (ConversionError naming it otherwise)."""
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConversionError(f"{self.path}: GGUF {key} must be an integer in [{lo}, "
+                                      f"{hi}], got {type(v).__name__} {str(v)[:40]}")
+            return v
+
+        def number(key, v):
+            """Metadata float ``key``: finite and > 0."""
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ConversionError(f"{self.path}: GGUF {key} must be a finite number > 0, "
+                                      f"got {type(v).__name__} {str(v)[:40]}")
+            return float(v)
+
+        hidden = integer(f"{arch}.embedding_length", req("embedding_length"), 1, 1 << 20)
+        heads = integer(f"{arch}.attention.head_count", req("attention.head_count"), 1, hidden)
         kv_heads = opt("attention.head_count_kv", heads)
         if not isinstance(kv_heads, int):  # per-layer arrays (hybrid models) are not supported
             raise ConversionError(f"{self.path}: {arch}.attention.head_count_kv must be one "
                                   f"integer, got {type(kv_heads).__name__}")
-        head_dim = int(opt("attention.key_length", hidden // heads))
-        if int(opt("attention.value_length", head_dim)) != head_dim:
+        kv_heads = integer(f"{arch}.attention.head_count_kv", kv_heads, 1, heads)
+        if heads % kv_heads:
+            raise ConversionError(f"{self.path}: {arch}.attention.head_count {heads} is not a "
+                                  f"multiple of head_count_kv {kv_heads}")
+        head_dim = integer(f"{arch}.attention.key_length",
+                           opt("attention.key_length", hidden // heads), 1, 1 << 16)
+        if opt("attention.value_length", head_dim) != head_dim:
             raise ConversionError(f"{self.path}: key_length != value_length is not supported")
         rot = opt("rope.dimension_count")
-        if rot is not None and int(rot) != head_dim:
-            raise ConversionError(f"{self.path}: {arch}.rope.dimension_count={rot} != head_dim "
-                                  f"{head_dim} (partial rotary) is not supported")
+        if rot is not None and rot != head_dim:
+            raise ConversionError(f"{self.path}: {arch}.rope.dimension_count={str(rot)[:40]} != "
+                                  f"head_dim {head_dim} (partial rotary) is not supported")
         scaling = opt("rope.scaling.type")
         if scaling not in (None, "none"):
-            raise ConversionError(f"{self.path}: {arch}.rope.scaling.type={scaling!r} is not "
-                                  "supported (only plain RoPE)")
+            raise ConversionError(f"{self.path}: {arch}.rope.scaling.type={str(scaling)[:40]!r} "
+                                  "is not supported (only plain RoPE)")
         emb = self._names.get("model.embed_tokens.weight")
         if emb is None:
             raise ConversionError(f"{self.path}: no token_embd.weight tensor")
+        # the layers the file has tensors for: block_count must name exactly those (a count of
+        # 10**9 over 2 layers of tensors would otherwise build a graph layer by layer)
+        have = {int(m.group(1)) for n in self._names
+                if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+        blocks = integer(f"{arch}.block_count", req("block_count"), 1, 1 << 16)
+        if have != set(range(blocks)):
+            raise ConversionError(
+                f"{self.path}: GGUF {arch}.block_count is {blocks}, but the file has tensors "
+                f"for {len(have)} layers ({sorted(have)[:8]}{'...' if len(have) > 8 else ''})")
         vocab = opt("vocab_size")
         if vocab is None:
             tokens = g.get("tokenizer.ggml.tokens")
-            vocab = len(tokens) if tokens is not None else emb.shape[0]
+            vocab = len(tokens) if isinstance(tokens, list) else emb.shape[0]
+        vocab = integer(f"{arch}.vocab_size", vocab, 1, 1 << 24)
         cfg = {
             "architectures": [ARCHITECTURES[arch]],
             "model_type": arch,
             "hidden_size": hidden,
-            "num_hidden_layers": int(req("block_count")),
+            "num_hidden_layers": blocks,
             "num_attention_heads": heads,
-            "num_key_value_heads": int(kv_heads),
-            "intermediate_size": int(req("feed_forward_length")),
-            "vocab_size": int(vocab),
+            "num_key_value_heads": kv_heads,
+            "intermediate_size": integer(f"{arch}.feed_forward_length",
+                                         req("feed_forward_length"), 1, 1 << 24),
+            "vocab_size": vocab,
             "head_dim": head_dim,
-            "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
-            "rope_theta": float(opt("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(opt("context_length", 4096)),
+            "rms_norm_eps": number(f"{arch}.attention.layer_norm_rms_epsilon",
+                                   req("attention.layer_norm_rms_epsilon")),
+            "rope_theta": number(f"{arch}.rope.freq_base", opt("rope.freq_base", 10000.0)),
+            "max_position_embeddings": integer(f"{arch}.context_length",
+                                               opt("context_length", 4096), 1, 1 << 31),
             "tie_word_embeddings": "lm_head.weight" not in self._names,
             "hidden_act": "silu",
             "rope_interleaved": arch == "llama",
         }
         eos = g.get("tokenizer.ggml.eos_token_id")
         if eos is not None:
-            cfg["eos_token_id"] = int(eos)
+            cfg["eos_token_id"] = integer("tokenizer.ggml.eos_token_id", eos, 0, vocab - 1)
         bos = g.get("tokenizer.ggml.bos_token_id")
         if bos is not None:
-            cfg["bos_token_id"] = int(bos)
+            cfg["bos_token_id"] = integer("tokenizer.ggml.bos_token_id", bos, 0, vocab - 1)
         return cfg
 
     # -- the checkpoint interface of models/qwen.py ------------------------------------------------

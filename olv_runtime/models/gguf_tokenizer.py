@@ -37,6 +37,11 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPLITS = {"qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
           "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3}
+#: ``tokenizer.ggml.pre`` values that mean GPT-2's own split (ByteLevel's built-in regex), as
+#: in llama.cpp (absent: "default", with a warning there). Any value neither here nor in
+#: :data:`SPLITS` is refused, as llama.cpp refuses an unknown pre-tokenizer type: a silent
+#: GPT-2 fallback would tokenize (e.g. digits, CJK) differently from the model's training.
+GPT2_SPLIT = (None, "", "default", "gpt-2", "gpt2")
 
 
 def has_tokenizer(g) -> bool:
@@ -136,7 +141,14 @@ def build_tokenizer(g):
     if kind == "gpt2":
         alphabet = set(_byte_alphabet().values())
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges or [], fuse_unk=False))
-        split = SPLITS.get(g.get(_T + "pre"))
+        pre = g.get(_T + "pre")
+        if pre not in GPT2_SPLIT and pre not in SPLITS:
+            raise ConversionError(
+                f"{g.path}: tokenizer.ggml.pre {str(pre)[:80]!r} is not a pre-tokenizer this "
+                "importer knows (as llama.cpp, an unknown one is refused rather than replaced by "
+                f"GPT-2's); known: {', '.join(sorted(SPLITS))}, {', '.join(GPT2_SPLIT[2:])} "
+                "(or none, or empty)")
+        split = SPLITS.get(pre)
         if split is not None:
             tok.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(Regex(split), behavior="isolated"),

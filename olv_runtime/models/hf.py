@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 
 from olv_runtime.errors import ConversionError, OutputError
-from olv_runtime.io import same_file, save
+from olv_runtime.io import _payload_messages, same_file, save
 from olv_runtime.io.sidecars import SIDECAR_FILES
 from olv_runtime.io.sidecars import check_replacements as check_sidecar_replacements
 from olv_runtime.io.sidecars import record as record_sidecars
@@ -234,9 +234,14 @@ class ConversionWarning(UserWarning):
 def _result(out: pathlib.Path, model: ModelProto, unused, weights) -> ConversionResult:
     meta = {e.key: e.value for e in model.metadata_props}
     data = out.with_name(out.name + ".data")
+    # what the written file references (``model`` may be the in-memory message, whose float32
+    # initializers save() externalized in a copy: it then names no data file)
+    written = model
+    if data.is_file():
+        written = ModelProto.FromString(out.read_bytes())
     has_data = data.is_file() and any(
-        e.value == data.name for m in list(model.graph.initializer)
-        + list(model.graph.encoded_initializer) for e in m.external_data if e.key == "location")
+        e.value == data.name for m in _payload_messages(written)
+        for e in m.external_data if e.key == "location")
     size = out.stat().st_size + (data.stat().st_size if has_data else 0)
 
     def num(key):

@@ -12,6 +12,13 @@ A state file is a numpy ``.npz`` archive (``allow_pickle=False``) holding
 Only tensor state values are supported (the contiguous KV cache); a paged cache (struct
 values) is refused with a clear error. Files are written to a temporary name and renamed, so a
 failed save leaves an existing file as it was.
+
+Loading never trusts the file's sizes (issue 26): numpy's loader is not used. The archive must
+be a regular file (opened without blocking: a FIFO is refused) and a zip archive whose members
+are stored uncompressed (so no declared size can exceed the file's); each ``.npy`` header is
+parsed by :func:`olv_runtime.io.read_npy_header` (numpy's exact form, no recursion) and checked
+against the model's bound inputs (dtype, rank, fixed dims, one KV length equal to
+``cached_tokens``) before its array is allocated.
 """
 from __future__ import annotations
 
@@ -31,6 +38,11 @@ from olv_runtime.proto import TensorProto
 
 FORMAT = "olv-state"
 VERSION = 1
+#: Largest ``__header__`` member accepted (its JSON: token ids, rng, value names), bytes.
+HEADER_MAX_BYTES = 64 << 20
+#: Most members an archive may list (save_state writes one per bound input plus the header).
+MEMBERS_MAX = 4096
+_READ_CHUNK = 1 << 24
 _digests: "weakref.WeakKeyDictionary[Model, str]" = weakref.WeakKeyDictionary()
 
 

@@ -68,6 +68,21 @@ not be re-hashed. ``OLV_VERIFY_DIGESTS=full`` disables the cache (every load has
 ``olv_runtime.models.compile.compile_model`` records the keys of what it wrote, so the first load is already cheap. The
 digest of the compiled bytes (entry metadata ``olv.payload_digest``) is verified the same way.
 
+What the digests protect against, and what not
+----------------------------------------------
+``olv.payload_digest`` covers a header (``b"olv-payload/2\0"``), the entry's ``source_name``,
+``source_digest`` and value ``name``, then the compiled field bytes (:func:`payload_parts`). A
+compiled entry is thereby bound to the source it was made from: an entry whose payload was made
+for another weight of the same shape (``source_name`` / ``source_digest`` swapped between the
+k_proj and v_proj entries of a layer, an entry copied from another model) is a miss, never a hit
+with the wrong weights. Together with ``source_digest`` this detects accidental corruption
+(a bit flip, truncation, a stale ``.compiled`` file after the source changed, mixed-up entries).
+It is **not** an authenticity check: nothing is secret, so whoever can edit the ``.onnx`` can
+recompute every digest -- and could as well change the source weights themselves, which are the
+model. Trust a compiled model exactly as far as you trust its ``.onnx`` file. Entries written
+before version 2 of this cover (``runtime_version`` ``"2"``) are misses by the device's
+``runtime_version`` (:data:`~olv_runtime.kernels.layouts.PACKED_LAYOUT_VERSION` ``"3"``).
+
 Source: seed 004 "CompiledTensorProto" (stable contract, DeviceProto, loading rules,
 validation); seed 000 "Payload and lifetime contract" (external data).
 """
@@ -116,6 +131,9 @@ DIGEST_ALGORITHMS = {"blake2b-256": 32}
 PAYLOAD_DIGEST_KEY = "olv.payload_digest"
 _ALIGN = 64
 _CANON = b"olv-canonical/1\0"
+#: Header of what ``olv.payload_digest`` covers (:func:`payload_parts`). Version 1 (no header)
+#: covered the compiled bytes alone; 2 adds the entry's source name, source digest and name.
+_PAYLOAD = b"olv-payload/2\0"
 
 __all__ = ["check_compiled", "CompiledEntries", "source_digest",
            "canonical_parts", "this_device", "DEFAULT_DIGEST_ALGORITHM"]
@@ -276,6 +294,23 @@ def _hash_parts(parts: Iterable, algorithm: str) -> tuple[bytes, int]:
                 h.update(mv[i:i + step])
             n += len(mv)
     return h.digest(), n
+
+
+def payload_parts(source_name: str, source_digest: bytes, value_name: str, parts: list) -> list:
+    """What an entry's ``olv.payload_digest`` covers: the header :data:`_PAYLOAD` (format
+    version), the entry's ``source_name``, its ``source_digest`` and its value's ``name`` (each
+    as ``u64 length`` + bytes), then the compiled field bytes (``parts``).
+
+    The entry's identity is folded in so that an entry made for one weight is a miss for any
+    other, even one of the same shape whose ``source_name`` / ``source_digest`` were swapped
+    in (issue 26): the payload digest then no longer matches. Not a signature: whoever edits
+    the ``.onnx`` can rewrite every digest (and the weights themselves)."""
+    def field(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    head = (_PAYLOAD + field(source_name.encode("utf-8", "surrogatepass"))
+            + field(bytes(source_digest)) + field(value_name.encode("utf-8", "surrogatepass")))
+    return [head] + list(parts)
 
 
 def source_digest(model, name: str, algorithm: str = DEFAULT_DIGEST_ALGORITHM) -> bytes:
@@ -838,10 +873,13 @@ class CompiledEntries:
             except ValueError:
                 self._miss(i, f"{PAYLOAD_DIGEST_KEY!r} is not a hex digest")
                 continue
-            if not verify_digest(self.model, parts, e.digest_algorithm, want, self.counters,
+            covered = payload_parts(e.source_name, e.source_digest, e.value.name, parts)
+            if not verify_digest(self.model, covered, e.digest_algorithm, want, self.counters,
                                  self._stat, self._mapped(), self._dir):
                 self._miss(i, "the digest of the compiled bytes does not match "
-                              f"{PAYLOAD_DIGEST_KEY} (corrupted payload)")
+                              f"{PAYLOAD_DIGEST_KEY} (corrupted payload, or an entry made for "
+                              "another source: the digest covers the entry's source name, "
+                              "source digest and name)")
                 continue
             try:
                 sparts = canonical_parts(self.model, sname, source)
