@@ -20,7 +20,6 @@ import numpy as np
 
 import olv_runtime
 from olv_runtime import __version__
-from olv_runtime.builder.export import save_standard
 from olv_runtime.cli.chat import (
     add_chat_parser,
     add_context_option,
@@ -40,9 +39,7 @@ from olv_runtime.decoding import resolve
 from olv_runtime.errors import LayoutError, OlvError, OutputError, SidecarError
 from olv_runtime.executor.decoder_step import prestart_precompile
 from olv_runtime.io import check_output_not_input, load, model_files
-from olv_runtime.models.compile import CompileWarning, compile_model
-from olv_runtime.models.hf import ConversionWarning, convert
-from olv_runtime.models.random_checkpoint import write_random_qwen2
+from olv_runtime.lazy import lazy_module
 from olv_runtime.progress import ConversionProgress, bar
 from olv_runtime.proto import TensorProto
 from olv_runtime.state.files import check_state_path
@@ -50,6 +47,13 @@ from olv_runtime.state.restore import check_saveable, trim_state
 from olv_runtime.structs import StructValue
 from olv_runtime.structs.catalogue import describe
 from olv_runtime.structs.initializers import AffineValue, dtype_name
+
+# the converters and the graph builder (onnx) only for the commands that use them: `olv generate`
+# and `olv chat` start without them (warm start)
+compile_ = lazy_module("olv_runtime.models.compile")
+export = lazy_module("olv_runtime.builder.export")
+hf = lazy_module("olv_runtime.models.hf")
+random_checkpoint = lazy_module("olv_runtime.models.random_checkpoint")
 
 
 def _warn(msg: str) -> None:
@@ -132,8 +136,8 @@ def cmd_convert(args) -> int:
     ext = {"auto": None, "yes": True, "no": False}[args.external_data]
     t0 = time.perf_counter()
     with ConversionProgress() as progress, warnings.catch_warnings():  # a bar on a terminal
-        warnings.simplefilter("ignore", ConversionWarning)  # listed below instead
-        res = convert(args.checkpoint_dir, args.output, weights=args.weights,
+        warnings.simplefilter("ignore", hf.ConversionWarning)  # listed below instead
+        res = hf.convert(args.checkpoint_dir, args.output, weights=args.weights,
                       external_data=ext, progress=progress, kv=args.kv,
                       scale_dtype=args.scale_dtype)
     kind = (f"weights {args.weights}" if not os.path.isfile(args.checkpoint_dir)
@@ -338,10 +342,10 @@ def cmd_demo(args) -> int:
     work = pathlib.Path(args.workdir) if args.workdir else pathlib.Path(tempfile.mkdtemp(prefix="olv-demo-"))
     ckpt = work / "checkpoint"
     print(f"[1/3] building a small random Qwen2 checkpoint in {ckpt} (no download)", flush=True)
-    write_random_qwen2(ckpt, seed=args.seed)
+    random_checkpoint.write_random_qwen2(ckpt, seed=args.seed)
     out = work / "model.onnx"
     print(f"[2/3] converting to {out} (weights int4-block32)", flush=True)
-    convert(ckpt, out, weights="int4-block32")
+    hf.convert(ckpt, out, weights="int4-block32")
     print(f"[3/3] generating {args.max_new_tokens} tokens (random weights: the text is noise; "
           "the first run also compiles the numba kernels, cached afterwards)", flush=True)
     tokenizer = _tokenizer_for(out)
@@ -459,8 +463,8 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CompileWarning)
-            rep = compile_model(args.model, args.output, options=_session_options(args),
+            warnings.simplefilter("always", compile_.CompileWarning)
+            rep = compile_.compile_model(args.model, args.output, options=_session_options(args),
                                 progress=(lambda msg: print(msg, file=sys.stderr, flush=True))
                                 if args.verbose else None)
     except OutputError:  # names the file; nothing is left half-written
@@ -468,7 +472,7 @@ def cmd_compile(args) -> int:
     except OSError as exc:  # unwritable directory, disk full: nothing is left half-written
         raise CliError(f"cannot write {args.output!r}: {exc.strerror or exc}") from None
     for w in caught:
-        if issubclass(w.category, CompileWarning):
+        if issubclass(w.category, compile_.CompileWarning):
             print(f"warning: {w.message}", file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
@@ -515,7 +519,7 @@ def cmd_export_standard(args) -> int:
     for target in (pathlib.Path(args.output), pathlib.Path(args.output + ".data")):
         check_output_not_input(target, inputs, "output" if target.name == pathlib.Path(
             args.output).name else "output's data file")
-    out = save_standard(args.model, args.output, feedback=args.feedback, external_data=ext)
+    out = export.save_standard(args.model, args.output, feedback=args.feedback, external_data=ext)
     note = " (persistent bindings lowered to caller-managed feedback, see metadata 'olv.feedback')" \
         if args.feedback else ""
     print(f"wrote standard ONNX {out}{note}")

@@ -22,6 +22,7 @@ from olv_runtime.cli.common import (
     _session_options,
     _tokenizer_for,
 )
+from olv_runtime.errors import ContextLengthError
 from olv_runtime.generation.chat import (
     ChatTemplateError,
     Conversation,
@@ -29,9 +30,8 @@ from olv_runtime.generation.chat import (
     read_template_file,
 )
 from olv_runtime.generation.sampling import SamplingParams
-from olv_runtime.io.sidecars import sidecar_path
-from olv_runtime.errors import ContextLengthError
 from olv_runtime.io import check_output_not_input, model_files
+from olv_runtime.io.sidecars import sidecar_path
 
 
 def add_sampling_options(q: argparse.ArgumentParser, basic: bool) -> None:
