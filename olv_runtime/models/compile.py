@@ -33,6 +33,7 @@ from olv_runtime.kernels.layouts import layout_of
 from olv_runtime.models.hf import check_output_path
 from olv_runtime.proto import (
     CompiledTensorProto,
+    DeviceProto,
     ModelProto,
     StructTypeProto,
     TensorProto,
@@ -347,6 +348,165 @@ def _entry_type(lay, arrays: list, gaps: list, ints: dict) -> StructTypeProto:
     return st
 
 
+class _PayloadFile:
+    """The payload file being written: its current offset, alignment padding, array bytes."""
+
+    def __init__(self, fh):
+        self.fh = fh
+        self.offset = 0
+
+    def pad_to(self, align: int) -> None:
+        p = (-self.offset) % align
+        if p:
+            self.fh.write(b"\0" * p)
+            self.offset += p
+
+    def write(self, part: np.ndarray) -> None:
+        b = part.reshape(-1).view(np.uint8) if part.size else b""
+        self.fh.write(memoryview(b) if part.size else b"")
+        self.offset += part.nbytes
+
+
+def _other_devices(m: Model, here: DeviceProto) -> tuple:
+    """A copy of the model's proto keeping other devices' entries' devices (this device added
+    last) and no compiled tensors; the kept entries (device indices remapped) and this
+    device's index."""
+    proto = ModelProto()
+    proto.CopyFrom(m.proto)
+    old_devices = list(proto.devices)
+    keep = [e for e in proto.compiled_tensors
+            if _device_key(old_devices[e.device]) != _device_key(here)]
+    devices = [d for d in old_devices if _device_key(d) != _device_key(here)]
+    remap = {_device_key(d): i for i, d in enumerate(devices)}
+    del proto.devices[:]
+    proto.devices.extend(devices)
+    kept = []
+    for e in keep:
+        e2 = CompiledTensorProto()
+        e2.CopyFrom(e)
+        e2.device = remap[_device_key(old_devices[e.device])]
+        kept.append(e2)
+    dev_index = len(devices)
+    proto.devices.add().CopyFrom(here)
+    del proto.compiled_tensors[:]
+    return proto, kept, dev_index
+
+
+def _compile_step(m: Model, step, pw: _PayloadFile, used_sources: set, skipped: list,
+                  dev_index: int, cname: str) -> list:
+    """The compiled entries of one plan step's packed weights, their bytes written to ``pw``;
+    [] (with the reason appended to ``skipped`` where there is one) for a step that has none."""
+    lin = step.impl
+    if not isinstance(lin, LinearStep):
+        if step.kind.endswith("Linear"):
+            skipped.append((step.name, f"{step.kind} weights are repacked at session "
+                                       "creation and have no persisted layout"))
+        return []
+    if lin.packed is None:
+        return []
+    lay = layout_of(lin.packed)
+    if lay is None:
+        skipped.append((step.name, f"packed class {type(lin.packed).__name__} has "
+                                   "no persisted layout"))
+        return []
+    ws = lin.weights
+    if any(w.shape[0] % lay.rows_per_group for w in ws[:-1]):
+        skipped.append((step.name, f"merged rows not multiples of "
+                                   f"{lay.rows_per_group}"))
+        return []
+    snames = [source_name_of(w) for w in ws]
+    bad = [n for n in snames if n in used_sources
+           or len(_find_initializer(m.proto, n)) != 1]
+    if bad:
+        skipped.append((step.name, f"source {bad[0]!r} is not exactly one "
+                                   "initializer of the root graph, or is the source "
+                                   "of another compiled weight"))
+        return []
+    try:
+        sdigests = [_hash_parts(canonical_parts(m, sn, w), DEFAULT_DIGEST_ALGORITHM)[0]
+                    for sn, w in zip(snames, ws)]
+    except CompiledTensorError as exc:
+        skipped.append((step.name, str(exc)))
+        return []
+    used_sources.update(snames)
+    arrays, _ints = lay.parts(lin.packed)
+    if (arrays.get("scale") is not None and arrays["scale"].dtype == np.uint16
+            and all(np.asarray(w.scale).dtype == np.float32 for w in ws)):
+        # float32 scales the session stored as float16 (all exact, see
+        # decoder_stack._narrow_scales): persisted as the source's float32 values
+        arrays["scale"] = arrays["scale"].view(np.float16).astype(np.float32)
+    # per-weight parts: slices along the row-group axis
+    bounds, g0 = [], 0
+    for w in ws:
+        g1 = g0 + -(-w.shape[0] // lay.rows_per_group)
+        bounds.append((g0, g1))
+        g0 = g1
+    starts = {}  # (array, weight index) -> file offset
+    for name in lay.arrays:
+        a = arrays[name]
+        pw.pad_to(_ALIGN)
+        for j, (a0, a1) in enumerate(bounds):
+            part = np.ascontiguousarray(a[a0:a1]) if a.shape[0] else a
+            starts[(name, j)] = (pw.offset, part)
+            pw.write(part)
+    entries = []
+    for j, w in enumerate(ws):
+        fields, gaps, pos, hashed = [], [], None, []
+        for name in lay.arrays:
+            o, part = starts[(name, j)]
+            if pos is None:
+                first, pos = o, o
+            gaps.append(o - pos)
+            fields.append((name, part))
+            hashed.append(part)
+            pos = o + part.nbytes
+        length = pos - first
+        st = _entry_type(lay, fields, gaps, {"n": w.shape[0], "k": w.shape[1]})
+        e = CompiledTensorProto(source_name=snames[j], device=dev_index,
+                                digest_algorithm=DEFAULT_DIGEST_ALGORITHM)
+        e.source_digest = sdigests[j]
+        v = e.value
+        v.name = f"{snames[j]}/compiled"
+        pdig = _hash_parts(payload_parts(snames[j], sdigests[j], v.name, hashed),
+                           DEFAULT_DIGEST_ALGORITHM)[0]
+        e.metadata_props.add(key=PAYLOAD_DIGEST_KEY, value=pdig.hex())
+        v.struct_type.CopyFrom(st)
+        v.data_location = TensorProto.EXTERNAL
+        v.external_data.add(key="location", value=cname)
+        v.external_data.add(key="offset", value=str(first))
+        v.external_data.add(key="length", value=str(length))
+        entries.append(e)
+    return entries
+
+
+def _make_parent(out: pathlib.Path) -> list:
+    """Create ``out``'s folder; returns the folders made, innermost first (OutputError when it
+    cannot be made)."""
+    created = []
+    parent = out.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
+    return created
+
+
+def _stage_sidecars(sidecars: dict, out: pathlib.Path, staged: list) -> None:
+    """Write each sidecar's bytes to a temporary file beside ``out`` (mode as the umask allows),
+    staged for renaming into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name, data in sidecars.items():
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".sidecar")
+        staged.append((tmp, out.parent / name))
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, 0o666 & ~umask)
+
+
 def compile_model(model, out_path, *, options=None, progress=None) -> CompileReport:
     """Write ``out_path``: the model plus a device entry for this CPU and one compiled entry per
     prepacked initializer (seed 004), payloads in ``<out name>.compiled`` beside it.
@@ -401,141 +561,28 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
     sidecars = _plan_sidecars(m, out, warn)
     opts = dataclasses.replace(options or SessionOptions(), use_compiled=False)
     sess = InferenceSession(m, opts)
-    created = []  # folders made for the output (removed again on failure)
-    parent = out.parent
-    while not parent.exists():
-        created.append(parent)
-        parent = parent.parent
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
+    created = _make_parent(out)  # folders made for the output (removed again on failure)
     cname = out.name + ".compiled"
     here = this_device()
-    proto = ModelProto()
-    proto.CopyFrom(m.proto)
-    # keep other devices' entries, drop this device's
-    old_devices = list(proto.devices)
-    keep = [e for e in proto.compiled_tensors
-            if _device_key(old_devices[e.device]) != _device_key(here)]
-    devices = [d for d in old_devices if _device_key(d) != _device_key(here)]
-    remap = {_device_key(d): i for i, d in enumerate(devices)}
-    del proto.devices[:]
-    proto.devices.extend(devices)
-    kept = []
-    for e in keep:
-        e2 = CompiledTensorProto()
-        e2.CopyFrom(e)
-        e2.device = remap[_device_key(old_devices[e.device])]
-        kept.append(e2)
-    dev_index = len(devices)
-    proto.devices.add().CopyFrom(here)
-    del proto.compiled_tensors[:]
+    proto, kept, dev_index = _other_devices(m, here)
     skipped, dropped, carried = [], [], []
     written = 0
     staged: list = []
-    pending = []
     used_sources: set = set()
     try:
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".compiled")
         staged.append((tmp, out.parent / cname))
         with _HugePageWriter(os.fdopen(fd, "wb", buffering=0)) as fh:
-            offset = 0
-
-            def pad_to(align):
-                nonlocal offset
-                p = (-offset) % align
-                if p:
-                    fh.write(b"\0" * p)
-                    offset += p
-
+            pw = _PayloadFile(fh)
             for step in sess.all_steps():
-                lin = step.impl
-                if not isinstance(lin, LinearStep):
-                    if step.kind.endswith("Linear"):
-                        skipped.append((step.name, f"{step.kind} weights are repacked at session "
-                                                   "creation and have no persisted layout"))
-                    continue
-                if lin.packed is None:
-                    continue
-                lay = layout_of(lin.packed)
-                if lay is None:
-                    skipped.append((step.name, f"packed class {type(lin.packed).__name__} has "
-                                               "no persisted layout"))
-                    continue
-                ws = lin.weights
-                if any(w.shape[0] % lay.rows_per_group for w in ws[:-1]):
-                    skipped.append((step.name, f"merged rows not multiples of "
-                                               f"{lay.rows_per_group}"))
-                    continue
-                snames = [source_name_of(w) for w in ws]
-                bad = [n for n in snames if n in used_sources
-                       or len(_find_initializer(m.proto, n)) != 1]
-                if bad:
-                    skipped.append((step.name, f"source {bad[0]!r} is not exactly one "
-                                               "initializer of the root graph, or is the source "
-                                               "of another compiled weight"))
-                    continue
-                try:
-                    sdigests = [_hash_parts(canonical_parts(m, sn, w), DEFAULT_DIGEST_ALGORITHM)[0]
-                                for sn, w in zip(snames, ws)]
-                except CompiledTensorError as exc:
-                    skipped.append((step.name, str(exc)))
-                    continue
-                used_sources.update(snames)
-                arrays, _ints = lay.parts(lin.packed)
-                if (arrays.get("scale") is not None and arrays["scale"].dtype == np.uint16
-                        and all(np.asarray(w.scale).dtype == np.float32 for w in ws)):
-                    # float32 scales the session stored as float16 (all exact, see
-                    # decoder_stack._narrow_scales): persisted as the source's float32 values
-                    arrays["scale"] = arrays["scale"].view(np.float16).astype(np.float32)
-                # per-weight parts: slices along the row-group axis
-                bounds, g0 = [], 0
-                for w in ws:
-                    g1 = g0 + -(-w.shape[0] // lay.rows_per_group)
-                    bounds.append((g0, g1))
-                    g0 = g1
-                starts = {}  # (array, weight index) -> file offset
-                for name in lay.arrays:
-                    a = arrays[name]
-                    pad_to(_ALIGN)
-                    for j, (a0, a1) in enumerate(bounds):
-                        part = np.ascontiguousarray(a[a0:a1]) if a.shape[0] else a
-                        starts[(name, j)] = (offset, part)
-                        b = part.reshape(-1).view(np.uint8) if part.size else b""
-                        fh.write(memoryview(b) if part.size else b"")
-                        offset += part.nbytes
-                for j, w in enumerate(ws):
-                    fields, gaps, pos, hashed = [], [], None, []
-                    for name in lay.arrays:
-                        o, part = starts[(name, j)]
-                        if pos is None:
-                            first, pos = o, o
-                        gaps.append(o - pos)
-                        fields.append((name, part))
-                        hashed.append(part)
-                        pos = o + part.nbytes
-                    length = pos - first
-                    st = _entry_type(lay, fields, gaps, {"n": w.shape[0], "k": w.shape[1]})
-                    e = CompiledTensorProto(source_name=snames[j], device=dev_index,
-                                            digest_algorithm=DEFAULT_DIGEST_ALGORITHM)
-                    e.source_digest = sdigests[j]
-                    v = e.value
-                    v.name = f"{snames[j]}/compiled"
-                    pdig = _hash_parts(payload_parts(snames[j], sdigests[j], v.name, hashed),
-                                       DEFAULT_DIGEST_ALGORITHM)[0]
-                    e.metadata_props.add(key=PAYLOAD_DIGEST_KEY, value=pdig.hex())
-                    v.struct_type.CopyFrom(st)
-                    v.data_location = TensorProto.EXTERNAL
-                    v.external_data.add(key="location", value=cname)
-                    v.external_data.add(key="offset", value=str(first))
-                    v.external_data.add(key="length", value=str(length))
-                    proto.compiled_tensors.append(e)
-                    pending.append(snames[j])
-                    written += 1
-                if progress is not None:
-                    progress(f"compiled {step.name}: {lay.name}, {len(ws)} entr"
-                             f"{'y' if len(ws) == 1 else 'ies'}")
+                entries = _compile_step(m, step, pw, used_sources, skipped, dev_index, cname)
+                proto.compiled_tensors.extend(entries)
+                written += len(entries)
+                if entries and progress is not None:
+                    lay = layout_of(step.impl.packed)
+                    progress(f"compiled {step.name}: {lay.name}, {len(entries)} entr"
+                             f"{'y' if len(entries) == 1 else 'ies'}")
+            offset = pw.offset
             # other devices' entries: their payload bytes follow, at the same offset modulo
             # the alignment (their fields' alignment holds), in the new payload file
             carried, dropped, offset = _carry_kept(m, kept, fh, offset, cname, proto.devices)
@@ -547,14 +594,7 @@ def compile_model(model, out_path, *, options=None, progress=None) -> CompileRep
         # payloads resolved as in m; scales external too (views of the file, never parsed)
         staged += stage_save(Model(proto, m.path), out, external_data=True,
                              external_params=True, keep_external=gguf_here)
-        umask = os.umask(0)
-        os.umask(umask)
-        for name, data in sidecars.items():
-            fd2, tmp2 = tempfile.mkstemp(dir=out.parent, prefix=".olv-", suffix=".sidecar")
-            staged.append((tmp2, out.parent / name))
-            with os.fdopen(fd2, "wb") as fh2:
-                fh2.write(data)
-            os.chmod(tmp2, 0o666 & ~umask)
+        _stage_sidecars(sidecars, out, staged)
         # the model file last: a reader never sees the new model with old payload files
         staged.sort(key=lambda st: pathlib.Path(st[1]) == out)
         commit_staged(staged)
