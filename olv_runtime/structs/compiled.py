@@ -466,6 +466,57 @@ def physical_type(entry: CompiledTensorProto) -> tuple:
     return ("inline", st.name)
 
 
+def _check_devices(devices: list) -> None:
+    """Device descriptors: unique metadata keys, no descriptor twice (CompiledTensorError)."""
+    seen_dev: dict = {}
+    for i, d in enumerate(devices):
+        _unique_keys(d.metadata_props, f"device {i} ({d.type!r}, {d.architecture!r})")
+        key = _device_key(d)
+        if key in seen_dev:
+            raise CompiledTensorError(
+                f"devices {seen_dev[key]} and {i} are the same descriptor ({d.type!r}, "
+                f"{d.architecture!r}, {d.runtime!r} {d.runtime_version!r}); device descriptors "
+                "must be unique"
+            )
+        seen_dev[key] = i
+
+
+def _check_digest_fields(e: CompiledTensorProto, what: str) -> None:
+    """A non-empty digest algorithm and source digest, of the known algorithm's length."""
+    if not e.digest_algorithm:
+        raise CompiledTensorError(f"{what}: digest_algorithm is empty")
+    if not e.source_digest:
+        raise CompiledTensorError(f"{what}: source_digest is empty")
+    size = DIGEST_ALGORITHMS.get(e.digest_algorithm)
+    if size is not None and len(e.source_digest) != size:
+        raise CompiledTensorError(
+            f"{what}: source_digest has {len(e.source_digest)} bytes, {e.digest_algorithm} "
+            f"digests have {size}"
+        )
+
+
+def _payload_bytes(v, what: str) -> int:
+    """The byte length of a compiled value's payload: its external ``length`` (with a
+    ``location`` and an integer ``offset``) or its inline raw_data (CompiledTensorError when the
+    external fields are missing or both forms are set)."""
+    if v.data_location == TensorProto.EXTERNAL:
+        ext = {x.key: x.value for x in v.external_data}
+        if v.HasField("raw_data"):
+            raise CompiledTensorError(f"{what}: raw_data and external_data are both set")
+        try:
+            nbytes = int(ext["length"])
+            int(ext.get("offset", "0"))
+        except (KeyError, ValueError):
+            raise CompiledTensorError(
+                f"{what}: an external compiled payload needs 'location' and an integer "
+                f"'length' (got {sorted(ext)})"
+            ) from None
+        if not ext.get("location"):
+            raise CompiledTensorError(f"{what}: external payload without 'location'")
+        return nbytes
+    return len(v.raw_data)
+
+
 def check_compiled(model: Model, catalogue=None) -> dict:
     """Apply the seed 004 checker rules to ``ModelProto.devices`` / ``compiled_tensors``.
 
@@ -497,17 +548,7 @@ def check_compiled(model: Model, catalogue=None) -> dict:
         return {}
     if catalogue is None:
         catalogue = Catalogue(proto.struct_types)
-    seen_dev: dict = {}
-    for i, d in enumerate(devices):
-        _unique_keys(d.metadata_props, f"device {i} ({d.type!r}, {d.architecture!r})")
-        key = _device_key(d)
-        if key in seen_dev:
-            raise CompiledTensorError(
-                f"devices {seen_dev[key]} and {i} are the same descriptor ({d.type!r}, "
-                f"{d.architecture!r}, {d.runtime!r} {d.runtime_version!r}); device descriptors "
-                "must be unique"
-            )
-        seen_dev[key] = i
+    _check_devices(devices)
     names = {}
     g = proto.graph
     for t in g.initializer:
@@ -533,16 +574,7 @@ def check_compiled(model: Model, catalogue=None) -> dict:
                 f"{what}: source_name resolves to {count} initializers of the root graph, "
                 "expected exactly one"
             )
-        if not e.digest_algorithm:
-            raise CompiledTensorError(f"{what}: digest_algorithm is empty")
-        if not e.source_digest:
-            raise CompiledTensorError(f"{what}: source_digest is empty")
-        size = DIGEST_ALGORITHMS.get(e.digest_algorithm)
-        if size is not None and len(e.source_digest) != size:
-            raise CompiledTensorError(
-                f"{what}: source_digest has {len(e.source_digest)} bytes, {e.digest_algorithm} "
-                f"digests have {size}"
-            )
+        _check_digest_fields(e, what)
         if not e.HasField("value"):
             raise CompiledTensorError(f"{what}: value is missing")
         v = e.value
@@ -567,22 +599,7 @@ def check_compiled(model: Model, catalogue=None) -> dict:
             resolved_types[key_bytes] = root
         _unique_keys(root.declaration.metadata_props, f"{what} value type")
         rb = root.record_bytes
-        if v.data_location == TensorProto.EXTERNAL:
-            ext = {x.key: x.value for x in v.external_data}
-            if v.HasField("raw_data"):
-                raise CompiledTensorError(f"{what}: raw_data and external_data are both set")
-            try:
-                nbytes = int(ext["length"])
-                int(ext.get("offset", "0"))
-            except (KeyError, ValueError):
-                raise CompiledTensorError(
-                    f"{what}: an external compiled payload needs 'location' and an integer "
-                    f"'length' (got {sorted(ext)})"
-                ) from None
-            if not ext.get("location"):
-                raise CompiledTensorError(f"{what}: external payload without 'location'")
-        else:
-            nbytes = len(v.raw_data)
+        nbytes = _payload_bytes(v, what)
         if nbytes <= 0 or nbytes % rb:
             raise CompiledTensorError(
                 f"{what}: payload of {nbytes} bytes is not a whole positive number of "
