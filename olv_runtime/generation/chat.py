@@ -182,6 +182,66 @@ def _concat(parts) -> str:
 _ENV = None
 
 
+# -- budget checks of the filters and globals a template can call (used by _environment) ----
+def _f_center(value, width=80):
+    _limit(max(width, 0) if isinstance(width, int) else 0, f"center({width})")
+
+def _f_indent(s, width=4, first=False, blank=False):
+    w = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+    _limit(len(str(s)) + (str(s).count("\n") + 1) * max(w, 0), f"indent({str(width)[:20]})")
+
+def _f_wordwrap(s, width=79, *args, **kwargs):
+    _limit(len(str(s)) * 2, "wordwrap")
+
+def _f_format(value, *args, **kwargs):
+    if isinstance(value, str):
+        _check_format(value, list(args) + list(kwargs.values()))
+
+def _f_replace(s, old, new, count=None):
+    _str_method_check("replace", str(s), (str(old), str(new)) +
+                      ((count,) if isinstance(count, int) else ()), {})
+
+def _f_join(value, d="", attribute=None):
+    if isinstance(value, (list, tuple)):
+        _limit(sum(_size(x) for x in value) + len(str(d)) * len(value), "join")
+
+def _f_batch(value, linecount, fill_with=None):
+    _limit(linecount if isinstance(linecount, int) else 0, f"batch({linecount})")
+
+def _f_slice(value, slices, fill_with=None):
+    _limit(slices if isinstance(slices, int) else 0, f"slice({slices})")
+
+
+def _checked_filter(base, check):
+    """``base`` (a jinja filter) after ``check`` saw its arguments (the context jinja passes first
+    skipped)."""
+    skip = 1 if hasattr(base, "jinja_pass_arg") else 0  # the context jinja passes first
+
+    def run(*args, **kwargs):
+        check(*args[skip:], **kwargs)
+        return base(*args, **kwargs)
+
+    for attr in ("jinja_pass_arg",):
+        if hasattr(base, attr):
+            setattr(run, attr, getattr(base, attr))
+    return run
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    if isinstance(indent, int) and not isinstance(indent, bool):
+        _limit(max(indent, 0), f"tojson(indent={indent})")
+    elif isinstance(indent, str):
+        _limit(len(indent), "tojson(indent=...)")
+    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+    _limit(len(text), "tojson")
+    return text
+
+def _strftime_now(fmt):
+    _limit(len(str(fmt)) * 16, "strftime_now")
+    return datetime.datetime.now().strftime(fmt)
+
+
 def _environment():
     global _ENV
     if _ENV is not None:
@@ -232,48 +292,6 @@ def _environment():
 
             return checked
 
-    def checked_filter(name, check):
-        base = FILTERS[name]
-
-        skip = 1 if hasattr(base, "jinja_pass_arg") else 0  # the context jinja passes first
-
-        def run(*args, **kwargs):
-            check(*args[skip:], **kwargs)
-            return base(*args, **kwargs)
-
-        for attr in ("jinja_pass_arg",):
-            if hasattr(base, attr):
-                setattr(run, attr, getattr(base, attr))
-        return run
-
-    def f_center(value, width=80):
-        _limit(max(width, 0) if isinstance(width, int) else 0, f"center({width})")
-
-    def f_indent(s, width=4, first=False, blank=False):
-        w = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
-        _limit(len(str(s)) + (str(s).count("\n") + 1) * max(w, 0), f"indent({str(width)[:20]})")
-
-    def f_wordwrap(s, width=79, *args, **kwargs):
-        _limit(len(str(s)) * 2, "wordwrap")
-
-    def f_format(value, *args, **kwargs):
-        if isinstance(value, str):
-            _check_format(value, list(args) + list(kwargs.values()))
-
-    def f_replace(s, old, new, count=None):
-        _str_method_check("replace", str(s), (str(old), str(new)) +
-                          ((count,) if isinstance(count, int) else ()), {})
-
-    def f_join(value, d="", attribute=None):
-        if isinstance(value, (list, tuple)):
-            _limit(sum(_size(x) for x in value) + len(str(d)) * len(value), "join")
-
-    def f_batch(value, linecount, fill_with=None):
-        _limit(linecount if isinstance(linecount, int) else 0, f"batch({linecount})")
-
-    def f_slice(value, slices, fill_with=None):
-        _limit(slices if isinstance(slices, int) else 0, f"slice({slices})")
-
     class GenerationBlock(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}``: renders its body unchanged (transformers
         uses the tag to mark assistant tokens)."""
@@ -291,20 +309,6 @@ def _environment():
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        if isinstance(indent, int) and not isinstance(indent, bool):
-            _limit(max(indent, 0), f"tojson(indent={indent})")
-        elif isinstance(indent, str):
-            _limit(len(indent), "tojson(indent=...)")
-        text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-        _limit(len(text), "tojson")
-        return text
-
-    def strftime_now(fmt):
-        _limit(len(str(fmt)) * 16, "strftime_now")
-        return datetime.datetime.now().strftime(fmt)
-
     def lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - jinja's parameter names
         ints = [v for v in (n, min, max) if isinstance(v, int)]
         if len(ints) != 3 or n < 0 or n * max > RENDER_MAX_CHARS // 8:
@@ -314,13 +318,13 @@ def _environment():
     env = BudgetEnvironment(trim_blocks=True, lstrip_blocks=True,
                             extensions=[GenerationBlock, jinja2.ext.loopcontrols])
     env.olv_concat = _concat
-    env.filters["tojson"] = tojson
-    for name, check in (("center", f_center), ("indent", f_indent), ("wordwrap", f_wordwrap),
-                        ("format", f_format), ("replace", f_replace), ("join", f_join),
-                        ("batch", f_batch), ("slice", f_slice)):
-        env.filters[name] = checked_filter(name, check)
+    env.filters["tojson"] = _tojson
+    for name, check in (("center", _f_center), ("indent", _f_indent), ("wordwrap", _f_wordwrap),
+                        ("format", _f_format), ("replace", _f_replace), ("join", _f_join),
+                        ("batch", _f_batch), ("slice", _f_slice)):
+        env.filters[name] = _checked_filter(FILTERS[name], check)
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    env.globals["strftime_now"] = _strftime_now
     env.globals["lipsum"] = lipsum
     _ENV = env
     return env

@@ -339,6 +339,85 @@ def _qk_norm(b: _QwenBuilder, x: str, weight: str, heads: int, cfg: QwenConfig, 
     return b.node("Reshape", [n4, merge], [f"{prefix}/flat"], f"{prefix}/Reshape_merge")
 
 
+def _decoder_layer(b: _QwenBuilder, cfg: QwenConfig, h: str, i: int, cos: str, sin: str) -> str:
+    """Layer ``i``: pre-norm attention (q/k/v projections, optional q/k norms, RoPE, Attention
+    with the layer's past/present KV) and pre-norm SwiGLU MLP, each added to the residual ``h``;
+    returns the new residual's name."""
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    c = f"model.layers.{i}"   # checkpoint prefix
+    p = f"layers.{i}"         # graph name prefix
+    x = b.rms_norm(h, f"{c}.input_layernorm.weight", hidden, f"{p}/input_layernorm", cfg.rms_norm_eps)
+    qkv_b = f"{cfg.architecture} attention (q/k/v biases)" if cfg.qkv_bias else None
+    o_b = f"{cfg.architecture} attention_bias (o_proj bias)" if cfg.o_bias else None
+    mlp_b = f"{cfg.architecture} mlp_bias" if cfg.mlp_bias else None
+    q = b.linear(x, f"{c}.self_attn.q_proj", f"{p}/self_attn/q_proj", H * D, hidden, qkv_b)
+    k = b.linear(x, f"{c}.self_attn.k_proj", f"{p}/self_attn/k_proj", KVH * D, hidden, qkv_b)
+    v = b.linear(x, f"{c}.self_attn.v_proj", f"{p}/self_attn/v_proj", KVH * D, hidden, qkv_b)
+    if cfg.has_qk_norm:
+        q = _qk_norm(b, q, f"{c}.self_attn.q_norm.weight", H, cfg, f"{p}/self_attn/q_norm")
+        k = _qk_norm(b, k, f"{c}.self_attn.k_norm.weight", KVH, cfg, f"{p}/self_attn/k_norm")
+    q = b.node("RotaryEmbedding", [q, cos, sin], [f"{p}/self_attn/q_rotary"],
+               f"{p}/self_attn/RotaryEmbedding_q", num_heads=H,
+               interleaved=int(cfg.rope_interleaved))
+    k = b.node("RotaryEmbedding", [k, cos, sin], [f"{p}/self_attn/k_rotary"],
+               f"{p}/self_attn/RotaryEmbedding_k", num_heads=KVH,
+               interleaved=int(cfg.rope_interleaved))
+    a, _, _ = b.node(
+        "Attention",
+        [q, k, v, "", f"past_key.{i}", f"past_value.{i}"],
+        [f"{p}/self_attn/attention", f"present_key.{i}", f"present_value.{i}"],
+        f"{p}/self_attn/Attention",
+        is_causal=1, q_num_heads=H, kv_num_heads=KVH, scale=1.0 / math.sqrt(D),
+    )
+    o = b.linear(a, f"{c}.self_attn.o_proj", f"{p}/self_attn/o_proj", hidden, H * D, o_b)
+    h = b.node("Add", [h, o], [f"{p}/attn_residual"], f"{p}/Add_attn_residual")
+    x = b.rms_norm(h, f"{c}.post_attention_layernorm.weight", hidden,
+                   f"{p}/post_attention_layernorm", cfg.rms_norm_eps)
+    gt = b.linear(x, f"{c}.mlp.gate_proj", f"{p}/mlp/gate_proj", inter, hidden, mlp_b)
+    up = b.linear(x, f"{c}.mlp.up_proj", f"{p}/mlp/up_proj", inter, hidden, mlp_b)
+    sg = b.node("Sigmoid", [gt], [f"{p}/mlp/gate_sigmoid"], f"{p}/mlp/Sigmoid")
+    act = b.node("Mul", [gt, sg], [f"{p}/mlp/gate_silu"], f"{p}/mlp/Mul_silu")
+    gu = b.node("Mul", [act, up], [f"{p}/mlp/gate_up"], f"{p}/mlp/Mul_up")
+    dn = b.linear(gu, f"{c}.mlp.down_proj", f"{p}/mlp/down_proj", hidden, inter, mlp_b)
+    h = b.node("Add", [h, dn], [f"{p}/mlp_residual"], f"{p}/Add_mlp_residual")
+    return h
+
+
+def _metadata(cfg: QwenConfig, ckpt, weights: str, in_place: bool) -> dict:
+    """The model's ``olv.*`` metadata_props (architecture, sizes, weights format, RoPE, eos, the
+    GGUF source's own keys for an in-place import)."""
+    L, H, KVH, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    hidden, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    meta = {
+        "olv.architecture": cfg.architecture,
+        "olv.num_layers": L,
+        "olv.num_heads": H,
+        "olv.num_kv_heads": KVH,
+        "olv.head_dim": D,
+        "olv.hidden_size": hidden,
+        "olv.vocab_size": vocab,
+        "olv.weights": weights,
+        "olv.intermediate_size": inter,
+        "olv.rope_theta": repr(cfg.rope_theta),
+        "olv.rms_norm_eps": repr(cfg.rms_norm_eps),
+        "olv.tie_word_embeddings": int(cfg.tie_word_embeddings),
+    }
+    maxpos = ckpt.config.get("max_position_embeddings")
+    if isinstance(maxpos, int) and not isinstance(maxpos, bool) and maxpos > 0:
+        meta["olv.max_position_embeddings"] = maxpos  # generate/CLI warn beyond it
+    eos = ckpt.config.get("eos_token_id")
+    if isinstance(eos, list) and eos:
+        eos = eos[0]
+    if isinstance(eos, int):
+        meta["olv.eos_token_id"] = eos
+    if cfg.rope_interleaved:
+        meta["olv.rope_interleaved"] = 1
+    if in_place:
+        meta.update(ckpt.metadata_props())
+    return meta
+
+
 def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4-block32",
                 *, progress: Callable[[str], None] | None = None,
                 kv: str = "contiguous", scale_dtype: str = "float16",
@@ -390,8 +469,8 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         gb.add_struct_types(ckpt.struct_types())
     b = _QwenBuilder(gb, weights, ckpt, scale_dtype)
 
-    L, H, KVH, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    hidden, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    L, KVH, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    hidden, vocab = cfg.hidden_size, cfg.vocab_size
 
     # Inputs (outputs and bindings are declared once their producers exist, at the end).
     gb.add_input("input_ids", TensorProto.INT64, ["batch", "sequence"])
@@ -409,42 +488,7 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
 
     for i in range(L):
         report(f"layer {i + 1}/{L}")
-        c = f"model.layers.{i}"   # checkpoint prefix
-        p = f"layers.{i}"         # graph name prefix
-        x = b.rms_norm(h, f"{c}.input_layernorm.weight", hidden, f"{p}/input_layernorm", cfg.rms_norm_eps)
-        qkv_b = f"{cfg.architecture} attention (q/k/v biases)" if cfg.qkv_bias else None
-        o_b = f"{cfg.architecture} attention_bias (o_proj bias)" if cfg.o_bias else None
-        mlp_b = f"{cfg.architecture} mlp_bias" if cfg.mlp_bias else None
-        q = b.linear(x, f"{c}.self_attn.q_proj", f"{p}/self_attn/q_proj", H * D, hidden, qkv_b)
-        k = b.linear(x, f"{c}.self_attn.k_proj", f"{p}/self_attn/k_proj", KVH * D, hidden, qkv_b)
-        v = b.linear(x, f"{c}.self_attn.v_proj", f"{p}/self_attn/v_proj", KVH * D, hidden, qkv_b)
-        if cfg.has_qk_norm:
-            q = _qk_norm(b, q, f"{c}.self_attn.q_norm.weight", H, cfg, f"{p}/self_attn/q_norm")
-            k = _qk_norm(b, k, f"{c}.self_attn.k_norm.weight", KVH, cfg, f"{p}/self_attn/k_norm")
-        q = b.node("RotaryEmbedding", [q, cos, sin], [f"{p}/self_attn/q_rotary"],
-                   f"{p}/self_attn/RotaryEmbedding_q", num_heads=H,
-                   interleaved=int(cfg.rope_interleaved))
-        k = b.node("RotaryEmbedding", [k, cos, sin], [f"{p}/self_attn/k_rotary"],
-                   f"{p}/self_attn/RotaryEmbedding_k", num_heads=KVH,
-                   interleaved=int(cfg.rope_interleaved))
-        a, _, _ = b.node(
-            "Attention",
-            [q, k, v, "", f"past_key.{i}", f"past_value.{i}"],
-            [f"{p}/self_attn/attention", f"present_key.{i}", f"present_value.{i}"],
-            f"{p}/self_attn/Attention",
-            is_causal=1, q_num_heads=H, kv_num_heads=KVH, scale=1.0 / math.sqrt(D),
-        )
-        o = b.linear(a, f"{c}.self_attn.o_proj", f"{p}/self_attn/o_proj", hidden, H * D, o_b)
-        h = b.node("Add", [h, o], [f"{p}/attn_residual"], f"{p}/Add_attn_residual")
-        x = b.rms_norm(h, f"{c}.post_attention_layernorm.weight", hidden,
-                       f"{p}/post_attention_layernorm", cfg.rms_norm_eps)
-        gt = b.linear(x, f"{c}.mlp.gate_proj", f"{p}/mlp/gate_proj", inter, hidden, mlp_b)
-        up = b.linear(x, f"{c}.mlp.up_proj", f"{p}/mlp/up_proj", inter, hidden, mlp_b)
-        sg = b.node("Sigmoid", [gt], [f"{p}/mlp/gate_sigmoid"], f"{p}/mlp/Sigmoid")
-        act = b.node("Mul", [gt, sg], [f"{p}/mlp/gate_silu"], f"{p}/mlp/Mul_silu")
-        gu = b.node("Mul", [act, up], [f"{p}/mlp/gate_up"], f"{p}/mlp/Mul_up")
-        dn = b.linear(gu, f"{c}.mlp.down_proj", f"{p}/mlp/down_proj", hidden, inter, mlp_b)
-        h = b.node("Add", [h, dn], [f"{p}/mlp_residual"], f"{p}/Add_mlp_residual")
+        h = _decoder_layer(b, cfg, h, i, cos, sin)
 
     report("final norm and lm_head" + (" (tied to embed_tokens)" if cfg.tie_word_embeddings else ""))
     x = b.rms_norm(h, "model.norm.weight", hidden, "model/norm", cfg.rms_norm_eps)
@@ -475,32 +519,7 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
     model.producer_name = "olv_runtime"
     model.producer_version = "0.1.0"
 
-    meta = {
-        "olv.architecture": cfg.architecture,
-        "olv.num_layers": L,
-        "olv.num_heads": H,
-        "olv.num_kv_heads": KVH,
-        "olv.head_dim": D,
-        "olv.hidden_size": hidden,
-        "olv.vocab_size": vocab,
-        "olv.weights": weights,
-        "olv.intermediate_size": inter,
-        "olv.rope_theta": repr(cfg.rope_theta),
-        "olv.rms_norm_eps": repr(cfg.rms_norm_eps),
-        "olv.tie_word_embeddings": int(cfg.tie_word_embeddings),
-    }
-    maxpos = ckpt.config.get("max_position_embeddings")
-    if isinstance(maxpos, int) and not isinstance(maxpos, bool) and maxpos > 0:
-        meta["olv.max_position_embeddings"] = maxpos  # generate/CLI warn beyond it
-    eos = ckpt.config.get("eos_token_id")
-    if isinstance(eos, list) and eos:
-        eos = eos[0]
-    if isinstance(eos, int):
-        meta["olv.eos_token_id"] = eos
-    if cfg.rope_interleaved:
-        meta["olv.rope_interleaved"] = 1
-    if in_place:
-        meta.update(ckpt.metadata_props())
+    meta = _metadata(cfg, ckpt, weights, in_place)
     for key, value in meta.items():
         entry = model.metadata_props.add()
         entry.key = key
