@@ -38,6 +38,71 @@ def _attr(node, name, default=None):
     return default
 
 
+def _attention_layers(g) -> tuple:
+    """The graph's Attention nodes with their past/present KV names, ``(node, past_key,
+    past_value, present_key, present_value)`` each, and the KV geometry ``(kv heads, head_dim)``
+    all of them share (ConversionError otherwise)."""
+    inputs = {vi.name: vi for vi in g.input}
+    attn = [n for n in g.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+    if not attn:
+        raise ConversionError("the graph has no Attention node to page")
+    layers = []
+    geom = None
+    for node in attn:
+        if len(node.input) < 6 or len(node.output) < 3 or not node.input[4]:
+            raise ConversionError(f"Attention node {node.name!r} has no past_key/past_value")
+        pk_name, pv_name = node.input[4], node.input[5]
+        vi = inputs.get(pk_name)
+        if vi is None:
+            raise ConversionError(f"Attention node {node.name!r}: {pk_name!r} is not a graph input")
+        dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        kvh, d = int(dims[1]), int(dims[3])
+        if geom is not None and geom != (kvh, d):
+            raise ConversionError("layers with different KV geometries are not supported")
+        geom = (kvh, d)
+        layers.append((node, pk_name, pv_name, node.output[1], node.output[2]))
+    return layers, geom
+
+
+def _declare_types(model: ModelProto, spec: str, kvh: int, block_size: int, d: int) -> None:
+    """Declare the KV block and cache struct types (and the codebook types a codebook2 policy
+    needs) and the ``olv`` opset."""
+    have = {st.type_id for st in model.struct_types}
+    for tid in (paged.KV_CACHE_TYPE_ID, paged.KV_BLOCK_TYPE_ID):
+        if tid in have:
+            raise ConversionError(f"struct type_id {tid} is already declared")
+    model.struct_types.append(paged.kv_block_type(kvh, block_size, d))
+    model.struct_types.append(paged.kv_cache_type())
+    if "codebook2" in spec:
+        for st in (codebook2_1101(), scaled_codebook2_1102()):
+            if st.type_id not in have:
+                model.struct_types.append(st)
+    if not any(o.domain == "olv" for o in model.opset_import):
+        model.opset_import.add(domain="olv", version=1)
+
+
+def _rewire_io(g, n_layers: int, removed_in: set, removed_out: set) -> None:
+    """Replace the past/present KV inputs and outputs by one cache struct per layer and bind
+    ``cache.i`` to ``present_cache.i``."""
+    def cache_vi(name: str) -> ValueInfoProto:
+        vi = ValueInfoProto(name=name)
+        vi.type.struct_type.type_ref = paged.KV_CACHE_TYPE_ID
+        return vi
+
+    keep_in = [vi for vi in g.input if vi.name not in removed_in]
+    keep_out = [vi for vi in g.output if vi.name not in removed_out]
+    del g.input[:]
+    g.input.extend(keep_in + [cache_vi(f"cache.{i}") for i in range(n_layers)])
+    del g.output[:]
+    g.output.extend(keep_out + [cache_vi(f"present_cache.{i}") for i in range(n_layers)])
+    keep_vi = [vi for vi in g.value_info if vi.name not in removed_in | removed_out]
+    del g.value_info[:]
+    g.value_info.extend(keep_vi)
+    del g.persistent_bindings[:]
+    for i in range(n_layers):
+        g.persistent_bindings.add(input_name=f"cache.{i}", output_name=f"present_cache.{i}")
+
+
 def to_paged(model: ModelProto, kv: str, *, block_size: int = paged.DEFAULT_BLOCK_SIZE,
              policy: str | None = None, open_format: str = "float32",
              scales: str = "token") -> ModelProto:
@@ -66,44 +131,13 @@ def to_paged(model: ModelProto, kv: str, *, block_size: int = paged.DEFAULT_BLOC
     spec = policy or paged.PRESETS[kv]
     paged.SealPolicy(spec, spec, open_format, scales)  # validates the spec
     g = model.graph
-    inputs = {vi.name: vi for vi in g.input}
-    attn = [n for n in g.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
-    if not attn:
-        raise ConversionError("the graph has no Attention node to page")
-    layers = []
-    geom = None
-    for node in attn:
-        if len(node.input) < 6 or len(node.output) < 3 or not node.input[4]:
-            raise ConversionError(f"Attention node {node.name!r} has no past_key/past_value")
-        pk_name, pv_name = node.input[4], node.input[5]
-        vi = inputs.get(pk_name)
-        if vi is None:
-            raise ConversionError(f"Attention node {node.name!r}: {pk_name!r} is not a graph input")
-        dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
-        kvh, d = int(dims[1]), int(dims[3])
-        if geom is not None and geom != (kvh, d):
-            raise ConversionError("layers with different KV geometries are not supported")
-        geom = (kvh, d)
-        layers.append((node, pk_name, pv_name, node.output[1], node.output[2]))
-    kvh, d = geom
+    layers, (kvh, d) = _attention_layers(g)
     if "codebook2" in spec and d % 32:
         raise ConversionError(f"codebook2 KV blocks need head_dim % 32 == 0, got {d}")
     if "int4" in spec and d % 2:
         raise ConversionError(f"int4 KV blocks need an even head_dim, got {d}")
 
-    # struct types
-    have = {st.type_id for st in model.struct_types}
-    for tid in (paged.KV_CACHE_TYPE_ID, paged.KV_BLOCK_TYPE_ID):
-        if tid in have:
-            raise ConversionError(f"struct type_id {tid} is already declared")
-    model.struct_types.append(paged.kv_block_type(kvh, block_size, d))
-    model.struct_types.append(paged.kv_cache_type())
-    if "codebook2" in spec:
-        for st in (codebook2_1101(), scaled_codebook2_1102()):
-            if st.type_id not in have:
-                model.struct_types.append(st)
-    if not any(o.domain == "olv" for o in model.opset_import):
-        model.opset_import.add(domain="olv", version=1)
+    _declare_types(model, spec, kvh, block_size, d)
 
     removed_in, removed_out = set(), set()
     renames = {}  # past_key name -> cache name
@@ -158,23 +192,7 @@ def to_paged(model: ModelProto, kv: str, *, block_size: int = paged.DEFAULT_BLOC
     if not any(t.name == axes for t in g.initializer):
         g.initializer.append(make_tensor(axes, np.asarray([0], np.int64)))
 
-    def cache_vi(name: str) -> ValueInfoProto:
-        vi = ValueInfoProto(name=name)
-        vi.type.struct_type.type_ref = paged.KV_CACHE_TYPE_ID
-        return vi
-
-    keep_in = [vi for vi in g.input if vi.name not in removed_in]
-    keep_out = [vi for vi in g.output if vi.name not in removed_out]
-    del g.input[:]
-    g.input.extend(keep_in + [cache_vi(f"cache.{i}") for i in range(len(layers))])
-    del g.output[:]
-    g.output.extend(keep_out + [cache_vi(f"present_cache.{i}") for i in range(len(layers))])
-    keep_vi = [vi for vi in g.value_info if vi.name not in removed_in | removed_out]
-    del g.value_info[:]
-    g.value_info.extend(keep_vi)
-    del g.persistent_bindings[:]
-    for i in range(len(layers)):
-        g.persistent_bindings.add(input_name=f"cache.{i}", output_name=f"present_cache.{i}")
+    _rewire_io(g, len(layers), removed_in, removed_out)
     for key, value in (("olv.kv", kv), ("olv.kv_block_size", block_size), ("olv.kv_policy", spec)):
         entry = model.metadata_props.add()
         entry.key = key
