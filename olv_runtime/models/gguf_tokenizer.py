@@ -76,6 +76,54 @@ def _derived_merges(tokens: list[str], scores) -> list[tuple[str, str]]:
     return [(left, right) for _, left, right in cands]
 
 
+def _gpt2_tokenizer(g, vocab: dict, merges):
+    """A byte-level BPE tokenizer (``tokenizer.ggml.model`` gpt2) with the pre-tokenizer the file
+    names (``tokenizer.ggml.pre``; an unknown one is a ConversionError)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges or [], fuse_unk=False))
+    pre = g.get(_T + "pre")
+    if pre not in GPT2_SPLIT and pre not in SPLITS:
+        raise ConversionError(
+            f"{g.path}: tokenizer.ggml.pre {str(pre)[:80]!r} is not a pre-tokenizer this "
+            "importer knows (as llama.cpp, an unknown one is refused rather than replaced by "
+            f"GPT-2's); known: {', '.join(sorted(SPLITS))}, {', '.join(GPT2_SPLIT[2:])} "
+            "(or none, or empty)")
+    split = SPLITS.get(pre)
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _llama_tokenizer(g, tokens: list, vocab: dict, merges, unk):
+    """A SentencePiece-style BPE tokenizer (``tokenizer.ggml.model`` llama: byte fallback,
+    metaspace), merges derived from the scores when the file has none."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if merges is None:
+        scores = g.get(_T + "scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ConversionError(f"{g.path}: a llama vocabulary without merges needs "
+                                  "tokenizer.ggml.scores for every token")
+        merges = _derived_merges(tokens, scores)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                               unk_token=unk))
+    prefix = bool(g.get(_T + "add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    seq = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        seq.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(seq)
+    return tok
+
+
 def build_tokenizer(g):
     """The ``tokenizers.Tokenizer`` and the ``tokenizer_config.json`` dict of a GGUF file.
 
@@ -92,15 +140,7 @@ def build_tokenizer(g):
     ConversionError
         No vocabulary, an unsupported ``tokenizer.ggml.model``, malformed merges or ids.
     """
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import AddedToken, processors
 
     tokens = g.get(_T + "tokens")
     if not isinstance(tokens, list) or not tokens:
@@ -139,42 +179,11 @@ def build_tokenizer(g):
     bos, eos = token_of("bos_token_id"), token_of("eos_token_id")
     unk, pad = token_of("unknown_token_id"), token_of("padding_token_id")
     if kind == "gpt2":
-        alphabet = set(_byte_alphabet().values())
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges or [], fuse_unk=False))
-        pre = g.get(_T + "pre")
-        if pre not in GPT2_SPLIT and pre not in SPLITS:
-            raise ConversionError(
-                f"{g.path}: tokenizer.ggml.pre {str(pre)[:80]!r} is not a pre-tokenizer this "
-                "importer knows (as llama.cpp, an unknown one is refused rather than replaced by "
-                f"GPT-2's); known: {', '.join(sorted(SPLITS))}, {', '.join(GPT2_SPLIT[2:])} "
-                "(or none, or empty)")
-        split = SPLITS.get(pre)
-        if split is not None:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        else:
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        tok = _gpt2_tokenizer(g, vocab, merges)
         add_bos_default = False
-        spelled = alphabet
+        spelled = set(_byte_alphabet().values())
     elif kind == "llama":
-        if merges is None:
-            scores = g.get(_T + "scores")
-            if scores is None or len(scores) != len(tokens):
-                raise ConversionError(f"{g.path}: a llama vocabulary without merges needs "
-                                      "tokenizer.ggml.scores for every token")
-            merges = _derived_merges(tokens, scores)
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
-                                   unk_token=unk))
-        prefix = bool(g.get(_T + "add_space_prefix", True))
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
-        seq = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if prefix:
-            seq.append(decoders.Strip(content=" ", left=1))
-        tok.decoder = decoders.Sequence(seq)
+        tok = _llama_tokenizer(g, tokens, vocab, merges, unk)
         add_bos_default = True
         spelled = None
     else:
