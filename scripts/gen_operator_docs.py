@@ -3,7 +3,7 @@ the registry (olv_runtime.ops.registry.registered_ranges). Run after adding an o
 
     python scripts/gen_operator_docs.py
 
-tests/test_ops_versions.py checks the committed file is current.
+tests/ops/test_ops_versions.py checks the committed file is current.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ Each operator runs for the opset versions listed (inclusive) of its domain; a mo
 an opset outside every range fails at session creation with `UnsupportedOperatorError` naming
 the ranges. The standard-domain ranges end at opset {max_opset}, the newest one the semantics
 were checked against (onnx 1.23). onnx's backend node tests for these operators run in
-`tests/test_onnx_conformance.py` (pass, or a listed rejection naming the unsupported attribute or
+`tests/ops/test_onnx_conformance.py` (pass, or a listed rejection naming the unsupported attribute or
 dtype; no wrong values).
 
 """

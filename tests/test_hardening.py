@@ -1,5 +1,5 @@
 """Issue 11: hostile or careless inputs get a clear OlvError, never a crash or a silent wrong
-result (library layer: validator, io, session, state). CLI items: tests/test_cli_hardening.py;
+result (library layer: validator, io, session, state). CLI items: tests/cli/test_cli_hardening.py;
 the fuzz test: tests/test_fuzz.py."""
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ Exact mode (:func:`linear_ggml_exact`, float32 activations): the codes are decod
 (integer ``u - offset`` converted to float32) and multiplied with the activations in 4 FMA
 chains per block, combined per block with the scales as above (Q4_K: ``(d sc_b) s - (dmin m_b)
 sum(x)``). Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
-``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |dmin m|) + 1e-6`` (tests/test_ggml_packed.py).
+``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |dmin m|) + 1e-6`` (tests/kernels/test_ggml_packed.py).
 
 Memory: each task streams one contiguous range of groups; ``prefetcht0`` :data:`PF_BYTES` ahead.
 Bytes read per call: ``packed.nbytes`` (= the GGUF tensor's bytes, rows padded to 8).

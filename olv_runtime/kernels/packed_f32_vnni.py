@@ -43,7 +43,7 @@ unless it underflows. The same operations in the same order for every variant (1
 at a time, 1, 2 or 4 activation rows sharing the decoded codes), so a row's result depends only
 on that row of ``x``: not on M, the thread count or the variant.
 
-Tolerance against a float64 ``x @ W.T`` of the dequantized weight (tests/test_kernels_packed_f32.py)::
+Tolerance against a float64 ``x @ W.T`` of the dequantized weight (tests/kernels/test_kernels_packed_f32.py)::
 
     |y - y_ref| <= 1e-5 * sum_k |x_k W_nk| + 2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk| + 1e-6
 

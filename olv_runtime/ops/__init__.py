@@ -2,7 +2,7 @@
 
 Importing this package registers the standard, nn and olv operators; the operator families most
 models do not use are declared here and imported on the first lookup of one of their operators
-(:func:`olv_runtime.ops.registry.register_lazy`; tests/test_ops_versions.py checks each
+(:func:`olv_runtime.ops.registry.register_lazy`; tests/ops/test_ops_versions.py checks each
 declaration against what the module registers). See :mod:`olv_runtime.ops.registry`.
 """
 from olv_runtime.ops import nn, olv, standard  # noqa: F401

@@ -6,7 +6,7 @@ A standard node may declare no more and no fewer outputs than its operator schem
 schema registry costs 30-90 ms, a third of a warm session creation: this table holds the same
 figures for every operator of the standard domain, generated from onnx 1.23.2 (opset
 28) by :func:`table_from_onnx` (``python -m olv_runtime.ops.schema_outputs``
-prints it). tests/test_ops_versions.py checks it against ``onnx.defs`` for every operator and
+prints it). tests/ops/test_ops_versions.py checks it against ``onnx.defs`` for every operator and
 opset version, so it cannot drift from the onnx the tests run with. Operators not in the table
 are looked up in ``onnx.defs`` (a newer onnx).
 

@@ -12,7 +12,7 @@ import numpy as np
 from olv_runtime.cli import main as cli_main
 from olv_runtime.progress import ConversionProgress
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_convert_bar_counts_layers(tiny_chat_dir, tmp_path, capsys):

@@ -94,7 +94,7 @@ def test_operator_docs_are_generated_from_the_registry():
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     res = subprocess.run([sys.executable, str(root / "scripts" / "gen_operator_docs.py"), "--check"],
                          capture_output=True, text=True)
     assert res.returncode == 0, (

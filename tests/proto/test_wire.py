@@ -15,7 +15,7 @@ import olv_runtime
 from olv_runtime import proto as pb
 from olv_runtime.errors import ModelFormatError, PayloadError
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_generated_bindings_are_fresh():

@@ -17,7 +17,7 @@ import olv_runtime
 from olv_runtime import proto as pb
 from olv_runtime.errors import OutputError
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # this module's own verified-digest cache (never the user's): conftest.module_digest_cache

@@ -18,7 +18,7 @@ import pytest
 import olv_runtime
 from olv_runtime.errors import ConversionError, OutputError
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _env():

@@ -12,7 +12,7 @@ soon as all the operators of their bodies are registered). Each case either
   attribute or operator) — at session creation or at the first run.
 
 A listed case that starts passing fails :func:`test_rejection_table_is_exact` so the table only
-ever shrinks honestly. Run ``python tests/test_onnx_conformance.py`` for the pass/total table
+ever shrinks honestly. Run ``python tests/ops/test_onnx_conformance.py`` for the pass/total table
 per operator.
 """
 from __future__ import annotations

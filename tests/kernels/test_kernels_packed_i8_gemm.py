@@ -1,6 +1,6 @@
 """Tests of olv_runtime.kernels.packed_i8_gemm (the register-blocked VNNI GEMM of prefill).
 
-Oracles: the numpy model of tests/test_kernels_packed_i8.py (same activation quantization, exact
+Oracles: the numpy model of tests/kernels/test_kernels_packed_i8.py (same activation quantization, exact
 integer block sums, block float math in order) and the AVX2 fallback forced with set_isa: all
 three bitwise equal (integer sums are exact; the float operations per row and block are the
 same). Shapes cover odd group counts (an unpaired last group), a partly filled last group pair

@@ -17,7 +17,7 @@ from olv_runtime.generation.chat import ChatTemplateError, apply_chat_template, 
 
 import transformers
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
