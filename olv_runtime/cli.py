@@ -18,6 +18,7 @@ import numpy as np
 from olv_runtime.cli_chat import add_context_option
 from olv_runtime.errors import OlvError
 from olv_runtime.io import check_output_not_input, load, model_files
+from olv_runtime.models.random_checkpoint import write_chat_checkpoint
 from olv_runtime.proto import TensorProto
 
 
@@ -346,6 +347,19 @@ def cmd_bench(args) -> int:
     c = sess.counters.snapshot()
     print(f"prefill {statistics.median(prefill):.1f} tok/s, decode {statistics.median(decode):.1f} "
           f"tok/s (median of {args.runs}); bytes dequantized {c['bytes_dequantized']}")
+    return 0
+
+
+def cmd_make_checkpoint(args) -> int:
+    out = pathlib.Path(args.directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CliError(f"{str(out)!r} exists and is not an empty directory: make-checkpoint "
+                       "writes a new checkpoint folder (choose another path)")
+    write_chat_checkpoint(out, seed=args.seed, num_hidden_layers=args.layers)
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"wrote a random Qwen2 checkpoint ({args.layers} layers, random weights: the text it "
+          f"generates is noise) with a tokenizer and a ChatML chat template to {out}: {files}")
+    print(f"next: olv convert {out} model.onnx && olv chat model.onnx")
     return 0
 
 
@@ -714,6 +728,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_context_option(b)
     add_run_opts(b)
     b.set_defaults(func=cmd_bench)
+
+    mk = sub.add_parser("make-checkpoint",
+                        help="write a small random Qwen2 checkpoint folder with a real tokenizer "
+                             "and a chat template (no download, no torch)")
+    mk.add_argument("directory", help="new (or empty) folder to write")
+    mk.add_argument("--seed", type=_non_negative, default=0, help="weights seed (default: 0)")
+    mk.add_argument("--layers", type=_positive, default=4, help="decoder layers (default: 4)")
+    mk.set_defaults(func=cmd_make_checkpoint)
 
     d = sub.add_parser("demo", help="build a small random Qwen2 model locally, convert it, generate")
     d.add_argument("--workdir", help="where to write the checkpoint and model (default: a temp dir)")

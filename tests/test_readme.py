@@ -1,0 +1,65 @@
+"""Issue 26 item 7: the README's new-user recipe runs as written.
+
+The fenced block after ``<!-- readme-test: tiny -->`` in README.md is extracted and each line
+run, in order, in a fresh folder: ``olv ...`` through the CLI's ``main`` (the console script's
+entry point), ``echo TEXT | olv ...`` with TEXT as stdin. Every command must exit 0; the files
+the recipe names must exist afterwards.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+import shlex
+import sys
+
+from olv_runtime.cli import main as cli_main
+
+from hostile import ROOT
+
+
+def readme_block(marker: str) -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(re.escape(f"<!-- readme-test: {marker} -->") + r"\s*```[^\n]*\n(.*?)```",
+                  text, re.S)
+    assert m is not None, f"README.md has no block marked readme-test: {marker}"
+    return [ln for ln in m.group(1).splitlines() if ln.strip()]
+
+
+def run_line(line: str, monkeypatch) -> int:
+    stdin = ""
+    if "|" in line:
+        left, line = (part.strip() for part in line.split("|", 1))
+        words = shlex.split(left)
+        assert words[0] == "echo", left
+        stdin = " ".join(words[1:]) + "\n"
+    words = shlex.split(line, comments=True)
+    assert words[0] == "olv", line
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    return cli_main(words[1:])
+
+
+def test_tiny_checkpoint_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    lines = readme_block("tiny")
+    assert lines[0].startswith("olv make-checkpoint") and len(lines) >= 5
+    for line in lines:
+        rc = run_line(line, monkeypatch)
+        out, err = capsys.readouterr()
+        assert rc == 0, (line, err[-2000:])
+        assert "Traceback" not in err, (line, err)
+    for name in ("tiny-ckpt/config.json", "tiny-ckpt/tokenizer.json",
+                 "tiny-ckpt/tokenizer_config.json", "tiny.onnx", "tokenizer.json",
+                 "chat.jsonl", "tiny-fast.onnx"):
+        assert (tmp_path / name).is_file(), name
+    turns = (tmp_path / "chat.jsonl").read_text().splitlines()
+    assert len(turns) == 1
+    assert "<|im_start|>user\nhello there<|im_end|>" in json.loads(turns[0])["rendered"]
+
+
+def test_make_checkpoint_refuses_a_non_empty_folder(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep.txt").write_text("mine")
+    assert cli_main(["make-checkpoint", str(tmp_path / "x")]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
