@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -33,8 +32,10 @@ def readme_block(marker: str) -> list[str]:
 def run_line(line: str, monkeypatch) -> int:
     if line.startswith("python "):  # a repository script, run from the checkout
         words = shlex.split(line, comments=True)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        r = subprocess.run([sys.executable, str(ROOT / words[1]), *words[2:]], env=env,
+        script = str(ROOT / words[1])
+        boot = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); "  # this checkout's package
+                "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+        r = subprocess.run([sys.executable, "-c", boot, str(ROOT), script, *words[2:]],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, (line, r.stderr[-2000:])
         return 0
