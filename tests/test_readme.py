@@ -90,3 +90,19 @@ def test_tiny_gguf_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
     assert back.encode(text).ids == ours.encode(text).ids
     assert "chat_template" in json.loads(
         (tmp_path / "tiny-gguf" / "tokenizer_config.json").read_text())
+
+
+def test_python_snippets_run_as_written(tmp_path, monkeypatch, capsys):
+    """The README's Python quickstart and continuation blocks, on olv make-checkpoint's model
+    converted to qwen.onnx (tokenizer.json and the chat template beside it)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["make-checkpoint", "ckpt"]) == 0
+    assert cli_main(["convert", "ckpt", "qwen.onnx"]) == 0
+    capsys.readouterr()
+    for marker in ("python-quickstart", "python-continue"):
+        code = "\n".join(readme_block(marker))
+        namespace: dict = {"__name__": "__readme__"}
+        exec(compile(code, f"README.md:{marker}", "exec"), namespace)  # noqa: S102 - our README
+    assert len(namespace["ids"]) == 32 and namespace["res"].finish_reason in ("length", "eos",
+                                                                               "stop")
+    assert namespace["conv"].state is not None
