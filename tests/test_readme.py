@@ -106,3 +106,28 @@ def test_python_snippets_run_as_written(tmp_path, monkeypatch, capsys):
     assert len(namespace["ids"]) == 32 and namespace["res"].finish_reason in ("length", "eos",
                                                                                "stop")
     assert namespace["conv"].state is not None
+
+
+def test_cli_sampling_lines_run_in_bash(tmp_path, monkeypatch, capsys):
+    """The README's stopping and sampling lines, each run by bash as written (its quoting,
+    $'\\n' and $(cat long.txt) included), with ``olv`` this checkout's CLI and qwen.onnx the
+    tiny model."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["make-checkpoint", "ckpt"]) == 0
+    assert cli_main(["convert", "ckpt", "qwen.onnx"]) == 0
+    capsys.readouterr()
+    (tmp_path / "long.txt").write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    shim = bindir / "olv"
+    shim.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                    "from olv_runtime.cli import main\nsys.exit(main())\n")
+    shim.chmod(0o755)
+    lines = readme_block("cli-sampling")
+    assert len(lines) >= 6
+    for line in lines:
+        r = subprocess.run(["bash", "-c", f'PATH={shlex.quote(str(bindir))}:"$PATH"; {line}'],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (line, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr, (line, r.stderr)
+    assert (tmp_path / "long.npz").is_file()  # the prompt-cache line wrote its state
