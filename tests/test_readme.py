@@ -131,3 +131,14 @@ def test_cli_sampling_lines_run_in_bash(tmp_path, monkeypatch, capsys):
         assert r.returncode == 0, (line, r.stderr[-2000:])
         assert "Traceback" not in r.stderr, (line, r.stderr)
     assert (tmp_path / "long.npz").is_file()  # the prompt-cache line wrote its state
+
+
+def test_compile_lines_run_as_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["make-checkpoint", "ckpt"]) == 0
+    assert cli_main(["convert", "ckpt", "out.onnx"]) == 0
+    capsys.readouterr()
+    for line in readme_block("compile"):
+        assert run_line(line, monkeypatch) == 0, (line, capsys.readouterr().err[-2000:])
+    out = capsys.readouterr().out
+    assert (tmp_path / "fast.onnx.compiled").is_file() and "hit" in out
