@@ -9,8 +9,10 @@ Q4_0 nibbles ``q + 8`` (llama.cpp order: byte j of a block holds elements j and 
 float32 block scale becomes Q4_0's float16 ``d`` — the only possible difference from the olv
 values is that scale rounding (relative error <= 2^-11; none for models from ``olv convert`` of a
 bf16 checkpoint, whose scales are float16-exact: ``--check`` reports 0). Norm weights and q/k/v biases stay float32.
-Architecture ``qwen2``; the random checkpoint has no tokenizer, so a placeholder BPE vocabulary of
-``vocab_size`` tokens is written (the benchmark feeds token ids, never text). ``--check`` reads
+Architecture ``qwen2``. The model's byte-level BPE ``tokenizer.json`` (recorded beside it, e.g.
+``olv make-checkpoint`` + ``olv convert``) and its chat template are written as the GGUF's
+tokenizer; without one (the benchmark's random checkpoint) a placeholder BPE vocabulary of
+``vocab_size`` tokens is written (token ids only: text prompts encode to nothing). ``--check`` reads
 the file back with gguf's reader and compares the dequantized weights with the olv values.
 
 Untested against llama.cpp itself here (llama-cpp-python is not installed on the benchmark
@@ -19,11 +21,14 @@ machine); decode.py only runs it when ``llama_cpp`` imports.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 import time
 
 import numpy as np
+
+from olv_runtime.io.sidecars import sidecar_path
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -76,6 +81,43 @@ NAMES = {  # olv (checkpoint) name suffix -> GGUF name suffix
 }
 
 
+def _tokenizer_metadata(model, V: int):
+    """(pre, tokens, token types, merges, chat template) for the GGUF from the byte-level BPE
+    ``tokenizer.json`` recorded beside ``model`` (``olv make-checkpoint`` / a Qwen2 checkpoint),
+    or None when there is none or it is of another kind (a placeholder is written then).
+    Ids beyond the tokenizer (an embedding padded past the vocabulary) get unused placeholders."""
+    import gguf
+
+    path = sidecar_path(model, "tokenizer.json")
+    if path is None:
+        return None
+    tj = json.loads(path.read_text(encoding="utf-8"))
+    m, pre_tok = tj.get("model") or {}, tj.get("pre_tokenizer") or {}
+    if m.get("type") != "BPE":
+        return None
+    if pre_tok.get("type") == "ByteLevel" and pre_tok.get("use_regex", True):
+        pre = "default"  # GPT-2's split (ByteLevel's own regex)
+    else:
+        return None
+    by_id = {i: t for t, i in m["vocab"].items()}
+    types = {i: gguf.TokenType.NORMAL for i in by_id}
+    for a in tj.get("added_tokens", []):
+        by_id[a["id"]] = a["content"]
+        types[a["id"]] = gguf.TokenType.CONTROL if a.get("special") else \
+            gguf.TokenType.USER_DEFINED
+    if max(by_id) >= V:
+        return None
+    tokens = [by_id.get(i, f"<unused{i}>") for i in range(V)]
+    ttypes = [types.get(i, gguf.TokenType.UNUSED) for i in range(V)]
+    merges = [mg if isinstance(mg, str) else " ".join(mg) for mg in m.get("merges", [])]
+    template = None
+    cfg = sidecar_path(model, "tokenizer_config.json")
+    if cfg is not None:
+        t = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+        template = t if isinstance(t, str) else None
+    return pre, tokens, ttypes, merges or ["<unused0> <unused1>"], template
+
+
 def export(olv_model, out_path, progress=print) -> pathlib.Path:
     import gguf
 
@@ -98,11 +140,25 @@ def export(olv_model, out_path, progress=print) -> pathlib.Path:
     w.add_layer_norm_rms_eps(float(md["olv.rms_norm_eps"]))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([f"<t{i}>" for i in range(V)])
-    w.add_token_types([gguf.TokenType.NORMAL] * V)
-    w.add_token_merges(["<t1> <t2>"])  # llama.cpp refuses a BPE vocabulary without merges
     eos = int(md.get("olv.eos_token_id", V - 1))
+    real = _tokenizer_metadata(model, V)
+    if real is not None:  # the model's own byte-level BPE tokenizer.json (and chat template)
+        pre, tokens, types, merges, template = real
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        if template:
+            w.add_chat_template(template)
+        progress(f"tokenizer: {len(tokens)} tokens, {len(merges)} merges, pre {pre!r} "
+                 f"(from tokenizer.json beside {olv_model})")
+    else:
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list([f"<t{i}>" for i in range(V)])
+        w.add_token_types([gguf.TokenType.NORMAL] * V)
+        w.add_token_merges(["<t1> <t2>"])  # llama.cpp refuses a BPE vocabulary without merges
+        progress("tokenizer: a placeholder vocabulary (no usable tokenizer.json beside the "
+                 "model): feed token ids, text prompts encode to nothing")
     w.add_eos_token_id(eos)
     w.add_bos_token_id(eos)
     Q4 = gguf.GGMLQuantizationType.Q4_0

@@ -11,7 +11,6 @@ failures the caller's asserts see, never a stuck or swapped test run.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import resource
 import subprocess
@@ -22,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _RUNNER = r'''
 import json, sys, time, traceback
+sys.path.insert(0, __ROOT__)  # this checkout's olv_runtime, not an installed one
 from olv_runtime.errors import OlvError
 __SETUP__
 for __name, __expr in __CASES__:
@@ -52,12 +52,10 @@ def run_cases(setup: str, cases: list, *, timeout: float = 180.0,
     missing, and ``"__exit__"`` holds the child's return code and the tail of its stderr.
     """
     code = _RUNNER.replace("__SETUP__", textwrap.dedent(setup)).replace(
-        "__CASES__", repr(list(cases)))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OLV_COMPILE_WORKERS="0",
-               NUMBA_NUM_THREADS="1")
+        "__CASES__", repr(list(cases))).replace("__ROOT__", repr(str(ROOT)))
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, env=env, preexec_fn=_limit(mem_bytes))
+                              timeout=timeout, preexec_fn=_limit(mem_bytes))
         out, err, rc = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")

@@ -226,18 +226,29 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer, model=N
         print(f"stopped: {res.finish_reason}"
               + (f" ({res.stop_string!r})" if res.stop_string else "")
               + (" (Ctrl-C)" if res.finish_reason == "interrupted" else ""), file=sys.stderr)
+    timings = getattr(args, "timings", False)
+    steps = max(stats.new_tokens - 1, 0)  # decode steps timed (the first token: the prefill)
+    if steps < MIN_RATE_STEPS or stats.decode_seconds < MIN_RATE_SECONDS:
+        # a few milliseconds (a tiny model, a short run, the steps left after a cold start's
+        # wait for kernels) give a number, not a rate
+        decode = (f"decode rate n/a ({steps} steps in {stats.decode_seconds * 1e3:.1f} ms: too "
+                  "short to measure; olv bench measures it)")
+    else:
+        decode = f"decode {stats.decode_tokens_per_second:.1f} tok/s"
     print(
         (f"prefill {stats.prefill_tokens} tokens ({stats.cached_tokens} from the prompt "
          f"cache); " if cache else "") +
         f"prompt {stats.prompt_tokens} tokens: prefill {stats.prefill_tokens_per_second:.1f} tok/s; "
-        f"generated {stats.new_tokens} tokens: decode {stats.decode_tokens_per_second:.1f} tok/s "
-        f"(after a {t_warm:.2f} s warm-up prefill that compiled or loaded the prefill kernels)",
+        f"generated {stats.new_tokens} tokens: {decode}"
+        + (f" (after a {t_warm:.2f} s warm-up prefill that compiled or loaded the prefill "
+           "kernels)" if timings else ""),
         file=sys.stderr,
     )
-    _print_compile_wait(stats)
+    if timings:  # kernel diagnostics: --timings (olv demo always), not on every warm run
+        _print_compile_wait(stats)
     if res.finish_reason == "interrupted":
         raise _Interrupted()
-    if first:
+    if first and getattr(args, "timings", False):
         c = sess.counters.snapshot()
         hits = (f", compiled entries {c['compiled_hits']} hits / {c['compiled_misses']} misses"
                 if model.proto.compiled_tensors else "")
@@ -245,6 +256,12 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer, model=N
                   if len(first) > 1 else "")
         print(f"first token {first[0] - olv_runtime.IMPORT_TIME:.2f} s after import olv_runtime"
               f"{second} (session creation {t_sess:.3f} s{hits})", file=sys.stderr)
+
+
+#: A decode rate is printed when at least this many steps over at least this many seconds
+#: were timed (compile and kernel-wait time excluded).
+MIN_RATE_STEPS = 3
+MIN_RATE_SECONDS = 0.05
 
 
 def _print_compile_wait(stats) -> None:
@@ -336,6 +353,19 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_make_checkpoint(args) -> int:
+    out = pathlib.Path(args.directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CliError(f"{str(out)!r} exists and is not an empty directory: make-checkpoint "
+                       "writes a new checkpoint folder (choose another path)")
+    random_checkpoint.write_chat_checkpoint(out, seed=args.seed, num_hidden_layers=args.layers)
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"wrote a random Qwen2 checkpoint ({args.layers} layers, random weights: the text it "
+          f"generates is noise) with a tokenizer and a ChatML chat template to {out}: {files}")
+    print(f"next: olv convert {out} model.onnx && olv chat model.onnx")
+    return 0
+
+
 def cmd_demo(args) -> int:
     _session_options(args)  # validate --threads before building anything
     prestart_precompile()  # empty numba cache: the compile worker starts up during the build
@@ -357,7 +387,7 @@ def cmd_demo(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
         threads=args.threads, stop_at_eos=False, quantize_activations=args.quantize_activations,
         min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-        penalty_last_n=0, stop=[], ignore_eos=True, logprobs=0,
+        penalty_last_n=0, stop=[], ignore_eos=True, logprobs=0, timings=True,
     )
     _run_generate(out, ids, gen_args, tokenizer)
     if not args.workdir:
@@ -630,6 +660,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and save the state there afterwards (refused for another model)")
     g.add_argument("--logprobs", type=_non_negative, default=0, metavar="N",
                    help="print each token's logprob and the N best alternatives (stderr)")
+    g.add_argument("--timings", action="store_true",
+                   help="also print the kernel diagnostics: the warm-up prefill, the seconds "
+                        "spent compiling or waiting for kernels, the time from import to the "
+                        "first and second token (olv demo always prints them)")
     add_run_opts(g)
     g.set_defaults(func=cmd_generate)
 
@@ -647,6 +681,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_context_option(b)
     add_run_opts(b)
     b.set_defaults(func=cmd_bench)
+
+    mk = sub.add_parser("make-checkpoint",
+                        help="write a small random Qwen2 checkpoint folder with a real tokenizer "
+                             "and a chat template (no download, no torch)")
+    mk.add_argument("directory", help="new (or empty) folder to write")
+    mk.add_argument("--seed", type=_non_negative, default=0, help="weights seed (default: 0)")
+    mk.add_argument("--layers", type=_positive, default=4, help="decoder layers (default: 4)")
+    mk.set_defaults(func=cmd_make_checkpoint)
 
     d = sub.add_parser("demo", help="build a small random Qwen2 model locally, convert it, generate")
     d.add_argument("--workdir", help="where to write the checkpoint and model (default: a temp dir)")

@@ -408,9 +408,9 @@ def read_tokens(path, tokenizer=None, token_ids: bool | None = None) -> np.ndarr
     if p.suffix == ".npy":
         try:  # the header is checked against the file before numpy allocates anything
             with open(p, "rb") as fh:
-                dtype, shape, nbytes = read_npy_header(fh, str(p), InvalidArgument)
+                dtype, shape, nbytes = read_npy_header(fh, "header", ValueError)
                 left = p.stat().st_size - fh.tell()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raise InvalidArgument(f"{p}: not a readable .npy array ({exc})") from None
         except InvalidArgument as exc:
             why = str(exc).removeprefix(f"{p}: ")

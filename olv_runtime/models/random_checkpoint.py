@@ -131,3 +131,48 @@ def write_random_qwen2(
         tensors["lm_head.weight"] = w(vocab_size, h)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+#: The ChatML template of Qwen2 instruct models (the subset without tools): what
+#: :func:`write_chat_checkpoint` puts in tokenizer_config.json.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_chat_checkpoint(out_dir, *, seed: int = 0, **geometry) -> pathlib.Path:
+    """Write a small random Qwen2 checkpoint with a real tokenizer and a chat template
+    (``olv make-checkpoint``): :func:`write_random_qwen2`'s ``config.json`` and
+    ``model.safetensors``, a byte-level BPE ``tokenizer.json`` with the special tokens
+    ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, a ``tokenizer_config.json`` carrying the
+    ChatML ``chat_template`` (:data:`CHATML_TEMPLATE`, eos ``<|im_end|>``) and a
+    ``generation_config.json`` with both eos ids. No torch, no download.
+
+    Parameters
+    ----------
+    out_dir : path-like
+        Created if missing.
+    seed : int
+        Weights seed.
+    **geometry
+        hidden_size, num_hidden_layers, ... (:func:`write_random_qwen2`).
+
+    Returns
+    -------
+    pathlib.Path
+    """
+    tok = build_tokenizer()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    out = write_random_qwen2(out_dir, seed=seed, with_tokenizer=False,
+                             vocab_size=tok.get_vocab_size(), **geometry)
+    tok.save(str(out / "tokenizer.json"))
+    end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": CHATML_TEMPLATE},
+        indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, eot]},
+                                                           indent=2))
+    return out

@@ -242,7 +242,7 @@ def test_generate_arguments_positions_and_warm_up(model):
     _one_error(olv("generate", model, "--prompt-ids", "1", "--max-new-tokens", "0"),
                "--max-new-tokens", "expected an integer >= 1, got 0")
     r = olv("generate", model, "--prompt-ids", ",".join(["5"] * 250), "--max-new-tokens", 10,
-            "--output", "ids")
+            "--output", "ids", "--timings")  # (the warm-up line is opt-in since issue 26)
     assert r.returncode == 0, r.stderr
     assert "exceeds the model's max_position_embeddings (256)" in r.stderr
     assert "warm-up" in r.stderr and "target" not in r.stderr + r.stdout

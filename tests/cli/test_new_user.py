@@ -139,3 +139,18 @@ def test_result_text_and_cli_agree_on_special_tokens(tiny_chat_models, capsys, m
     assert capsys.readouterr().out.rstrip("\n").endswith(res.text)
     assert cli_main(base + ["--special"]) == 0
     assert capsys.readouterr().out.rstrip("\n").endswith(kept.text)
+
+
+def test_warm_generate_prints_no_kernel_diagnostics_and_no_fake_rate(tiny_chat_models, capsys):
+    model = str(tiny_chat_models["int4"])
+    args = ["generate", model, "--prompt-ids", "5,17,99", "--max-new-tokens", "4",
+            "--output", "ids"]
+    assert cli_main(args) == 0
+    err = capsys.readouterr().err
+    for diag in ("warm-up prefill", "waited", "compiling or loading", "first token"):
+        assert diag not in err, err
+    # 3 decode steps of a tiny model take milliseconds: no tok/s figure for them
+    assert "decode rate n/a (3 steps in" in err and "too short to measure" in err
+    assert cli_main(args + ["--timings"]) == 0
+    err = capsys.readouterr().err
+    assert "warm-up prefill" in err and "first token" in err

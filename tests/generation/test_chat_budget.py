@@ -12,7 +12,9 @@ import io
 import json
 import sys
 
+import gguf
 import jinja2.sandbox
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
@@ -27,6 +29,8 @@ from olv_runtime.generation.chat import (
     read_template_file,
 )
 from olv_runtime.cli import main as cli_main
+from olv_runtime.models.gguf_reader import GGUFFile
+from olv_runtime.models.gguf_tokenizer import tokenizer_files
 
 from hostile import run_cases
 
@@ -202,3 +206,30 @@ def test_conversation_keeps_its_messages_after_a_budget_error(tiny_chat_models):
         conv.send("boom", 2)
     assert conv.messages == [] and conv.state.tokens == []
     conv.close()
+
+
+def test_gguf_embedded_template_is_budgeted(tmp_path):
+    """A GGUF's tokenizer.chat_template reaches the model folder's tokenizer_config.json
+    (the importer's tokenizer_files); rendering it is budgeted like any other template."""
+    tokens = ["<|endoftext|>"] + [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["\u0120"]
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] + [1] * (len(tokens) - 1))
+    w.add_token_merges(["! !"])
+    w.add_eos_token_id(0)
+    w.add_chat_template("{{ messages[0].content * 10**10 }}")
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with GGUFFile(tmp_path / "t.gguf") as g:
+        files = tokenizer_files(g)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    template, special = load_chat_template(tmp_path)
+    with pytest.raises(ChatTemplateError, match=r"tokenizer_config\.json chat_template: the "
+                                                r"chat template exceeded its budget"):
+        apply_chat_template(MSGS, template, special_tokens=special)

@@ -189,7 +189,8 @@ def test_cli_reports_the_second_token_and_the_wait(model):
         [os.path.dirname(os.path.dirname(os.path.abspath(olv_runtime.__file__)))]
         + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     r = subprocess.run([sys.executable, "-m", "olv_runtime.cli", "generate", str(model),
-                        "--prompt-ids", "5,17,99", "--max-new-tokens", "3", "--output", "ids"],
+                        "--prompt-ids", "5,17,99", "--max-new-tokens", "3", "--output", "ids",
+                        "--timings"],  # the kernel diagnostics are opt-in since issue 26
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     line = [ln for ln in r.stderr.splitlines() if ln.startswith("first token")]
