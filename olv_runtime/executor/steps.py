@@ -34,6 +34,7 @@ import numpy as np
 from olv_runtime import kernels
 from olv_runtime.decoding.ggml_native import release_pages
 from olv_runtime.errors import InvalidArgument
+from olv_runtime.kernels.dispatch import LinearMode
 from olv_runtime.kernels.packed import linear_packed, make_workspace
 from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact, make_workspace_f32
 from olv_runtime.kernels.packed_i8 import make_workspace_i8, prepack_int4_i8
@@ -175,7 +176,8 @@ class LinearStep:
         self.packed = None
         self.dense = None
         self.workspace: SharedWorkspace | None = None
-        self.i8 = False
+        #: how the step runs (set by prepare): FLOAT (no prepacked weight) or a packed mode
+        self.mode = LinearMode.FLOAT
         self.quantize = bool(getattr(options, "quantize_activations", False))
         self.compiled = None  # CompiledEntries of the session (seed 004), set before prepare()
         self._prepared = False
@@ -205,12 +207,12 @@ class LinearStep:
                     self._linear_packed = (
                         lambda x, p, out, quantize_activations, workspace:
                         packed_zp.linear_packed_i8_zp(x, p, out, workspace=workspace))
-                    self.i8, self.kernel = "int8", "packed_i8_zp"
+                    self.mode, self.kernel = LinearMode.INT8, "packed_i8_zp"
                 else:
                     self._linear_packed = (
                         lambda x, p, out, quantize_activations, workspace:
                         packed_zp.linear_packed_i8_exact_zp(x, p, out, workspace=workspace))
-                    self.i8, self.kernel = "f32", "packed_i8_exact_zp"
+                    self.mode, self.kernel = LinearMode.EXACT, "packed_i8_exact_zp"
             else:
                 # the 8-row group layout of kernels/packed_i8.py serves both modes: int8
                 # activations with vpmaddubsw (bitwise equal to linear_packed's quantized mode)
@@ -219,12 +221,12 @@ class LinearStep:
                     self._linear_packed = (
                         lambda x, p, out, quantize_activations, workspace:
                         linear_packed_i8(x, p, out, workspace=workspace))
-                    self.i8, self.kernel = "int8", "packed_i8"
+                    self.mode, self.kernel = LinearMode.INT8, "packed_i8"
                 else:
                     self._linear_packed = (
                         lambda x, p, out, quantize_activations, workspace:
                         linear_packed_i8_exact(x, p, out, workspace=workspace))
-                    self.i8, self.kernel = "f32", "packed_i8_exact"
+                    self.mode, self.kernel = LinearMode.EXACT, "packed_i8_exact"
         elif _ggml_kind(ws) is not None and prepack:
             self._prepare_ggml()
         elif len(ws) == 1 and isinstance(ws[0], np.ndarray):
@@ -257,7 +259,7 @@ class LinearStep:
         fn = gp.linear_ggml_i8 if self.quantize else gp.linear_ggml_exact
         self._linear_packed = (lambda x, p, out, quantize_activations, workspace:
                                fn(x, p, out, workspace=workspace))
-        self.i8 = "ggml-int8" if self.quantize else "ggml-f32"
+        self.mode = LinearMode.GGML_INT8 if self.quantize else LinearMode.GGML_EXACT
         self.kernel = "ggml_" + self.packed.type_name + ("_i8" if self.quantize else "_exact")
 
     def _repack(self, symmetric: bool):
@@ -571,15 +573,15 @@ def prepare_linears(steps: list[Step], counters=None, compiled=None) -> None:
         if not lin._prepared:
             lin.compiled = compiled
             lin.prepare()
-    for i8 in (False, "int8", "f32", "ggml-int8", "ggml-f32"):
-        packed = [lin for lin in linears if lin.packed is not None and lin.i8 == i8]
+    for mode in LinearMode:
+        packed = [lin for lin in linears if lin.packed is not None and lin.mode is mode]
         if packed:
             factory = None
-            if i8 in ("ggml-int8", "ggml-f32"):
+            if mode in (LinearMode.GGML_INT8, LinearMode.GGML_EXACT):
                 factory = gp.make_workspace_ggml
-            elif i8 == "int8":
+            elif mode is LinearMode.INT8:
                 factory = make_workspace_i8
-            elif i8 == "f32":
+            elif mode is LinearMode.EXACT:
                 factory = make_workspace_f32
             shared = SharedWorkspace(max(lin.packed.k_padded for lin in packed), counters, factory)
             for lin in packed:
