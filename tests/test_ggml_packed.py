@@ -61,7 +61,7 @@ def int8_model(name, blocks, x, n, k):
 def test_repack_equals_the_numpy_layout_definition(name, n):
     """The compiled one-pass repack writes exactly the records of the numpy formulation (random
     bytes in every field, rows padded to a group of 8 with zero blocks)."""
-    import naive
+    import reference as naive_ref
 
     kind = gp.KINDS[name]
     bs, ts = gp.BLOCKS[kind]
@@ -72,7 +72,7 @@ def test_repack_equals_the_numpy_layout_definition(name, n):
     ng = -(-n // 8)
     full = np.zeros((ng * 8, nb, ts), np.uint8)
     full[:n] = blocks
-    want = naive.ggml_records(kind, full.reshape(ng, 8, nb, ts))
+    want = naive_ref.ggml_records(kind, full.reshape(ng, 8, nb, ts))
     assert packed.data.shape == want.shape
     assert np.array_equal(packed.data, want)
 
@@ -147,7 +147,7 @@ def test_bad_arguments():
 
 def test_q4_0_to_int4_is_the_same_weight():
     """Q4_0 -> signed INT4 block-32 codes + float16 d: d * q equals gguf's dequantize bitwise."""
-    import naive
+    import reference as naive_ref
 
     rng = np.random.default_rng(5)
     n, nb = 5, 3
@@ -157,7 +157,7 @@ def test_q4_0_to_int4_is_the_same_weight():
     codes, scales = gp.q4_0_to_int4(blocks)
     assert codes.shape == (n * nb * 16,) and scales.dtype == np.float16
     assert np.array_equal(scales.view(np.uint16), d.view(np.uint16))
-    q = naive.unpack_codes(codes, 4, True, n * nb * 32).reshape(n, nb, 32)
+    q = naive_ref.unpack_codes(codes, 4, True, n * nb * 32).reshape(n, nb, 32)
     w = (scales.astype(np.float32)[..., None] * q.astype(np.float32)).reshape(n, -1)
     ref = np.asarray(gguf.quants.dequantize(blocks.reshape(n, -1), QT.Q4_0), np.float32)
     assert np.array_equal(w.view(np.uint32), ref.view(np.uint32))
