@@ -3,8 +3,8 @@
 Oracles: float64 ``x @ W.T`` of the dequantized weight (bound
 ``1e-5 * sum_k |x_k W_nk| + 1e-6``, the bound of the existing exact path, plus on the VNNI path
 (olv_runtime.kernels.packed_f32_vnni, 31-bit block fixed-point activations) the fixed-point term
-``2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk|``) and
-``linear_packed(quantize_activations=False)`` of olv_runtime.kernels.packed. Every test runs on
+``2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk|``); the int8 mode on the same packed
+copy: tests/reference.py's ``linear_int4_int8`` (bitwise). Every test runs on
 the instruction path the CPU chooses; ``isa`` parametrised tests also force the float fallback.
 """
 from __future__ import annotations
@@ -14,9 +14,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
+import reference
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels import get_num_threads, set_num_threads
-from olv_runtime.kernels.packed import linear_packed, prepack_int4
+from olv_runtime.kernels.ggml_packed import GGMLPacked
 from olv_runtime.kernels.packed_f32 import (
     PackedF32Workspace, linear_packed_i8_exact, make_workspace_f32,
 )
@@ -39,14 +40,9 @@ def isa(request):
 def _weight(n, k, rng, q=None):
     """Random symmetric INT4 weight: signed codes q [n, k], payload (row-major, low nibble
     first), scale [n, ceil(k/32)]."""
-    kb = -(-k // 32)
     if q is None:
         q = rng.integers(-8, 8, size=(n, k))
-    u = (q.reshape(-1) & 15).astype(np.uint8)
-    if u.size % 2:
-        u = np.append(u, np.uint8(0))
-    payload = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
-    scale = (rng.random((n, kb), dtype=np.float32) * 0.05 + 1e-3).astype(np.float32)
+    payload, scale, _ = reference.int4_weight(q, rng)
     return q, payload, scale
 
 
@@ -93,7 +89,7 @@ SHAPES = [(8, 32), (64, 64), (100, 40), (70, 80), (13, 33), (1, 32), (3, 7), (20
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 17])
-def test_matches_float64_and_linear_packed(n, k, m, isa):
+def test_matches_float64(n, k, m, isa):
     rng = np.random.default_rng(n * 1000 + k * 10 + m)
     q, payload, scale = _weight(n, k, rng)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -102,11 +98,6 @@ def test_matches_float64_and_linear_packed(n, k, m, isa):
     assert y.shape == (m, n) and y.dtype == np.float32
     w64 = _dequant64(q, scale)
     _check_bound(y, x, w64, "vs float64")
-    yo = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32))
-    _check_bound(yo, x, w64, "old vs float64", fixed_point=False)
-    # new vs old within the same bound (both are within it of the float64 reference)
-    x64 = x.astype(np.float64)
-    assert np.all(np.abs(y.astype(np.float64) - yo) <= _bound(x64, w64))
 
 
 @pytest.mark.parametrize("n,k", [(4864 // 4, 896), (160, 4864), (1152, 896)])
@@ -118,8 +109,6 @@ def test_qwen_shapes_parallel(n, k, m, isa):
     y = linear_packed_i8_exact(x, prepack_int4_i8(payload, scale, None, n, k, 32))
     w64 = _dequant64(q, scale)
     _check_bound(y, x, w64)
-    yo = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32))
-    assert np.all(np.abs(y.astype(np.float64) - yo) <= _bound(x.astype(np.float64), w64))
 
 
 def test_decode_exact_every_code(isa):
@@ -170,9 +159,7 @@ def test_one_packed_copy_serves_both_modes():
     x = rng.standard_normal((3, k)).astype(np.float32)
     ye = linear_packed_i8_exact(x, pk8)
     yq = linear_packed_i8(x, pk8)
-    np.testing.assert_array_equal(
-        yq, linear_packed(x, prepack_int4(payload, scale, None, n, k, 32),
-                          quantize_activations=True))
+    np.testing.assert_array_equal(yq, reference.linear_int4_int8(x, q, scale))
     _check_bound(ye, x, _dequant64(q, scale))
     assert np.abs(yq - ye).max() <= 0.02 * np.abs(ye).max()
 
@@ -243,7 +230,7 @@ def test_invalid_arguments():
     pk = prepack_int4_i8(payload, scale, None, n, k, 32)
     x = rng.standard_normal((2, k)).astype(np.float32)
     with pytest.raises(InvalidArgument, match="packed"):
-        linear_packed_i8_exact(x, prepack_int4(payload, scale, None, n, k, 32))
+        linear_packed_i8_exact(x, GGMLPacked(8, np.zeros((2, 2, 272), np.uint8), n, k))
     with pytest.raises(InvalidArgument, match="x"):
         linear_packed_i8_exact(x[:, :-1].copy(), pk)
     with pytest.raises(InvalidArgument, match="x"):

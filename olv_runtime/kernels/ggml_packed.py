@@ -667,7 +667,7 @@ def _repack(kind, blocks, out):
     """``blocks`` uint8 [8 * ng, nb, type_size] -> ``out`` uint8 [ng, nb, RECORD_BYTES]: the group
     records of the module docstring, one serial pass (0.8 GB/s here; a parallel loop was 10x
     slower on a loaded machine). Tested bytewise against the numpy formulation
-    ``tests/naive.py::ggml_records``."""
+    ``tests/reference.py::ggml_records``."""
     ng, nb, _ = out.shape
     for u in range(ng * nb):
         g = u // nb

@@ -20,15 +20,13 @@ import dataclasses
 import inspect
 import platform
 
+import llvmlite.binding as llvm
 import numpy as np
 
 from olv_runtime.kernels.packed_i8 import GROUP_BLOCK_BYTES, GROUP_ROWS, PackedInt4I8
 from olv_runtime.lazy import lazy_module
 
 packed_zp = lazy_module("olv_runtime.kernels.packed_zp")  # zero-point weights only (warm start)
-import llvmlite.binding as llvm
-
-from olv_runtime.kernels.packed import TILE_ROWS, PackedInt4
 
 __all__ = ["PACKED_LAYOUT_VERSION", "PackedLayout", "LAYOUTS", "layout_of", "layout_named",
            "cpu_architecture", "cpu_features"]
@@ -49,7 +47,7 @@ class PackedLayout:
         Physical type name (``StructTypeProto.name`` of compiled values), e.g.
         ``"olv.PackedInt4I8"``.
     cls : type
-        The packed class (``PackedInt4I8``, ``PackedInt4``).
+        The packed class (``PackedInt4I8``, ``PackedInt4I8Zp``).
     arrays : tuple of str
         Constructor parameters that are arrays, in stored order. Axis 0 of each is the
         row-group axis.
@@ -105,16 +103,6 @@ def _i8_layout(name: str, zp: bool) -> PackedLayout:
     return _layout_of_class(name, cls, GROUP_ROWS, shapes)
 
 
-def _tile_layout(name: str) -> PackedLayout:
-    def shapes(n, k, has_zp, scale_dtype=np.float32):  # scales widened to float32
-        t, kb = -(-n // TILE_ROWS), -(-k // 32)
-        return {"codes": (np.uint16, (t, kb, 8, TILE_ROWS)),
-                "scale": (np.float32, (t, kb, TILE_ROWS)),
-                "zero_point": (np.int8, (t, kb, TILE_ROWS) if has_zp else (0, 0, 0))}
-
-    return _layout_of_class(name, PackedInt4, TILE_ROWS, shapes)
-
-
 def _layout_of_class(name, cls, rows, shapes) -> PackedLayout:
     params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     ints = tuple(p for p in params if p in ("n", "k"))
@@ -129,7 +117,6 @@ _SPECS = {
                          lambda name: _i8_layout(name, False)),
     "olv.PackedInt4I8Zp": ("olv_runtime.kernels.packed_zp", "PackedInt4I8Zp",
                            lambda name: _i8_layout(name, True)),
-    "olv.PackedInt4": ("olv_runtime.kernels.packed", "PackedInt4", _tile_layout),
 }
 _BUILT: dict = {}
 

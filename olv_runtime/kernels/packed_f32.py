@@ -4,7 +4,7 @@ One prepacked copy (:class:`~.packed_i8.PackedInt4I8`, from :func:`~.packed_i8.p
 serves both modes: :func:`~.packed_i8_gemm.linear_packed_i8` (int8-quantized activations) and
 :func:`linear_packed_i8_exact` here (float32 activations, no activation quantization), which
 computes ``y = x @ W.T`` with ``W[n, k] = float32(q[n, k]) * scale[n, k // 32]`` (symmetric codes,
-no zero points) -- the math of ``linear_packed(x, prepack_int4(...), quantize_activations=False)``.
+no zero points).
 
 Per (activation row, 8-row group, block b) -- lanes = the 8 output rows of the group::
 
@@ -53,7 +53,7 @@ from numba.core.extending import intrinsic
 
 from . import packed_f32_vnni
 from .config import JIT, PJIT
-from .packed import _pad_rows, prepare_call, workspace_args
+from .packed import pad_rows, prepare_call, workspace_args
 from .packed_i8 import (
     BLOCK,
     GROUP_BLOCK_BYTES,
@@ -445,8 +445,8 @@ def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray 
     if m < 0:
         m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedF32Workspace,
                                   make_workspace_f32,
-                                  ws_rows=1 if (packed.k == packed.k_padded and not vnni)
-                                  else None)
+                                  ws_rows=1 if (isinstance(packed, PackedInt4I8) and not vnni
+                                                and packed.k == packed.k_padded) else None)
         if m == 0:
             return out
     k, n, kp = packed.k, packed.n, packed.k_padded
@@ -478,7 +478,7 @@ def _linear_float(x, m, packed, out, ws, ntasks):
     k, n, kp = packed.k, packed.n, packed.k_padded
     xx = x
     if k != kp:
-        _pad_rows(x, m, k, kp, ws.xpad)
+        pad_rows(x, m, k, kp, ws.xpad)
         xx = ws.xpad[:m]  # rows k_max >= Kp long (the kernels use x.shape[1] as row stride)
     if ntasks <= 1:
         driver = _linear_big_ser if m >= 8 else _linear_small_ser

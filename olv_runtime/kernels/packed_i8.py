@@ -1,15 +1,15 @@
 """INT4 x int8 GEMV/GEMM (quantized activations) with explicit AVX2 integer dot products.
 
-Same math as :func:`~.packed.linear_packed` with ``quantize_activations=True`` (symmetric weights,
-block 32): every 32-block of every activation row is quantized to int8 (``d = max|x| / 127``,
-``xq = rint(x / d)``, exactly as :func:`~.packed._quantize_rows`), and
+Symmetric INT4 weights, block 32: every 32-block of every activation row is quantized to int8
+(``d = max|x| / 127``, ``xq = rint(x / d)``, :func:`~.packed.quantize_block`), and
 
     y[i, n] = sum_b float32(S[i, n, b]) * (scale[n, b] * d[i, b])      (b = 0, 1, ... in order)
     S[i, n, b] = sum_{j<32} q[n, 32b + j] * xq[i, 32b + j]             (exact int32)
 
-The integer sums are exact and the float operations per (row, block) are the same as in
-``linear_packed(quantize_activations=True)`` (one float32 multiply ``scale * d``, one multiply,
-one add, blocks in order from 0.0), so the two kernels give bitwise equal results.
+The integer sums are exact and the float operations per (row, block) are fixed (one float32
+multiply ``scale * d``, one multiply, one add, blocks in order from 0.0), so every variant (1, 2,
+4 activation rows per pass, the prefill GEMM, either ISA) gives bitwise the same results, those
+of ``tests/reference.py::linear_int4_int8``.
 
 Instead of relying on LLVM's auto-vectoriser (which emits int16 ``vpmullw``/``vpaddw`` per nibble),
 the inner loop is written with numba intrinsics (:func:`numba.core.extending.intrinsic`) that emit
@@ -65,7 +65,7 @@ median; no change when the stream runs at 30-38 GB/s), while a longer L1 distanc
 alone or no software prefetch at all stayed at 40-42. The parallel driver
 prefetches the head of each task's stream when the task starts (:func:`prefetch_task_head`).
 Activation quantization of full 32-blocks is also vector IR (``vdivps``/``vroundps``, the same
-IEEE operations as the scalar loop, so ``xq``/``d`` are bitwise those of ``_quantize_rows``).
+IEEE operations as the scalar loop, so ``xq``/``d`` are bitwise those of ``quantize_block``).
 
 Overflow: each ``vpmaddubsw`` lane is ``u0*x0 + u1*x1`` with ``|.| <= 2*15*127 = 3810`` (never
 saturates); the 8 lanes summed with ``vpaddw`` per block give ``|.| <= 16*15*127 = 30480 < 32767``
@@ -81,8 +81,8 @@ is never read as this one.
 Prefill (M >= 8) on the VNNI path: :mod:`.packed_i8_gemm` (16 output rows x 8 activation rows
 per zmm register tile, the same bits).
 
-Zero points are not supported (:func:`prepack_int4_i8` raises
-:class:`~olv_runtime.errors.InvalidArgument`, so callers fall back to :mod:`.packed`).
+Zero points are not supported here (:func:`prepack_int4_i8` raises
+:class:`~olv_runtime.errors.InvalidArgument`): weights with zero points take :mod:`.packed_zp`.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ from olv_runtime.errors import InvalidArgument, env_error
 from .arena import weight_empty
 from .config import JIT, PJIT, check_array, check_int
 from .half import scale_bits
-from .packed import _quantize_block, workspace_args  # shared
+from .packed import quantize_block, workspace_args  # shared
 
 __all__ = ["isa", "set_isa", "use_vnni", "fast_call_rows", "num_threads", "HOST_VNNI", "PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "GROUP_ROWS", "BLOCK"]
@@ -239,8 +239,6 @@ class _VecModel(models.PrimitiveModel):
         super().__init__(dmm, fe_type, ir.VectorType(et, fe_type.count))
 
 
-V32I8 = _Vec(8, 32, False)
-V16I16 = _Vec(16, 16, False)
 V8F32 = _Vec(32, 8, True)
 V8I32 = _Vec(32, 8, False)
 
@@ -289,70 +287,6 @@ def _load_scales8(context, builder, aty, arr, off):
     return builder.load(p, align=4)
 
 
-@intrinsic
-def _nib_lo(typingctx, codes, off):
-    """32 bytes of ``codes`` (uint8 array) at byte ``off``, low nibbles as unsigned bytes."""
-    if not _check_array_arg(codes, types.uint8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV32I8)
-        v = builder.load(p, align=1)
-        return builder.and_(v, ir.Constant(_LV32I8, [0x0F] * 32))
-    return V32I8(codes, types.intp), codegen
-
-
-@intrinsic
-def _nib_hi(typingctx, codes, off):
-    """32 bytes of ``codes`` at byte ``off``, high nibbles as unsigned bytes (vpsrlw + vpand)."""
-    if not _check_array_arg(codes, types.uint8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV32I8)
-        v = builder.bitcast(builder.load(p, align=1), _LV16I16)
-        v = builder.bitcast(builder.lshr(v, ir.Constant(_LV16I16, [4] * 16)), _LV32I8)
-        return builder.and_(v, ir.Constant(_LV32I8, [0x0F] * 32))
-    return V32I8(codes, types.intp), codegen
-
-
-@intrinsic
-def _bcast4(typingctx, xq, off):
-    """The 4 int8 values ``xq[off:off+4]`` (linear byte offset) repeated 8 times (vpbroadcastd)."""
-    if not _check_array_arg(xq, types.int8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _I32)
-        v = builder.load(p, align=1)
-        return builder.bitcast(_splat(builder, v, _LV8I32), _LV32I8)
-    return V32I8(xq, types.intp), codegen
-
-
-@intrinsic
-def _maddubs(typingctx, u, x):
-    """vpmaddubsw: int16 lane l = u[2l]*x[2l] + u[2l+1]*x[2l+1] (u unsigned, x signed bytes)."""
-    if u != V32I8 or x != V32I8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.ub.sw")
-        return builder.call(fn, [args[0], args[1]])
-    return V16I16(V32I8, V32I8), codegen
-
-
-@intrinsic
-def _add16(typingctx, a, b):
-    """vpaddw (wrapping int16 add; the callers' bounds keep it exact)."""
-    if a != V16I16 or b != V16I16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.add(args[0], args[1])
-    return V16I16(V16I16, V16I16), codegen
-
-
 def emit_prefetch(context, builder, aty, arr, off, locality=3):
     """IR: ``llvm.prefetch`` (read) of the byte at linear element ``off`` of array ``arr``
     (type ``aty``; may lie past the end: prefetches never fault). ``locality`` 3 is
@@ -396,18 +330,6 @@ def _fzero(typingctx):
 
 
 @intrinsic
-def _fload(typingctx, arr, off):
-    """8 float32 of ``arr`` from linear element ``off``."""
-    if not _check_array_arg(arr, types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV8F32)
-        return builder.load(p, align=4)
-    return V8F32(arr, types.intp), codegen
-
-
-@intrinsic
 def _fstore(typingctx, arr, off, v):
     """Store 8 float32 to ``arr`` at linear element ``off``."""
     if not _check_array_arg(arr, types.float32) or v != V8F32:
@@ -418,31 +340,6 @@ def _fstore(typingctx, arr, off, v):
         builder.store(args[2], p, align=4)
         return context.get_dummy_value()
     return types.none(arr, types.intp, V8F32), codegen
-
-
-@intrinsic
-def _block_acc(typingctx, acc, s16, s8, scale, soff, d):
-    """``acc + float32(vpmaddwd(s16, 1) - s8) * (scale[soff:soff+8] * d)`` (lane = row).
-
-    ``s16``: per row two int16 partial sums of ``u * xq``; ``s8 = 8 * sum(xq)`` of the block, so
-    the int32 is the exact ``sum q * xq``. Separate multiply and add (no FMA), as in packed.py.
-    """
-    if acc != V8F32 or s16 != V16I16 or not _is_scale_array(scale):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a, s, sx, sc, so, dd = args
-        fnty = ir.FunctionType(_LV8I32, [_LV16I16, _LV16I16])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
-        i32 = builder.call(fn, [s, ir.Constant(_LV16I16, [1] * 16)])
-        sx = context.cast(builder, sx, sig.args[2], types.int32)
-        i32 = builder.sub(i32, _splat(builder, sx, _LV8I32))
-        f = builder.sitofp(i32, _LV8F32)
-        ws = _load_scales8(context, builder, sig.args[3], sc, so)
-        dd = context.cast(builder, dd, sig.args[5], types.float32)
-        v = builder.fmul(ws, _splat(builder, dd, _LV8F32))
-        return builder.fadd(a, builder.fmul(f, v))
-    return V8F32(V8F32, V16I16, types.int32, scale, types.intp, types.float32), codegen
 
 
 def _hreduce(builder, v, op):
@@ -661,7 +558,7 @@ def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarr
         float16 scales are kept as float16 in the packed layout (no float32 copy).
     zero_point : None
         Must be None (symmetric); anything else raises
-        :class:`~olv_runtime.errors.InvalidArgument` so the caller falls back to :mod:`.packed`.
+        :class:`~olv_runtime.errors.InvalidArgument` (zero points: :mod:`.packed_zp`).
     n, k : int
     block_size : int
         Must be 32 (:class:`~olv_runtime.errors.InvalidArgument` otherwise).
@@ -692,7 +589,7 @@ def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarr
 
 
 # ------------------------------------------------------------------------------------------------
-# activation quantization (same operations as packed._quantize_rows, int8 output)
+# activation quantization (packed.quantize_block's operations, int8 output)
 # ------------------------------------------------------------------------------------------------
 @njit(**JIT)
 def _quantize_rows_i8(x, m, k, kb, xq, xd, xs8):
@@ -705,7 +602,7 @@ def _quantize_rows_i8(x, m, k, kb, xq, xd, xs8):
             if ln == BLOCK:  # full block: vector code (same operations)
                 _quant_block(x, i * k + k0, xq, i * kx + k0, xd, xs8, i * kbx + b)
                 continue
-            d, tot = _quantize_block(x, i, k0, ln, xq)
+            d, tot = quantize_block(x, i, k0, ln, xq)
             xd[i, b] = d
             xs8[i, b] = np.int32(8 * tot)
 
@@ -830,7 +727,7 @@ def _dot_r4(typingctx, codes, cb, xq, xo0, xo1, xo2, xo3, vnni):
 @intrinsic
 def _block_acc32(typingctx, acc, s32, s8, scale, soff, d):
     """``acc + float32(s32 - s8) * (scale[soff:soff+8] * d)`` (lane = row): the float operations
-    of :func:`_block_acc` on exact int32 block sums."""
+    of the int8 block accumulation on exact int32 block sums."""
     if acc != V8F32 or s32 != V8I32 or not _is_scale_array(scale):
         return None
 

@@ -3,8 +3,8 @@
 The math is that of :func:`~.packed_i8_gemm.linear_packed_i8` (module docstring there): activation rows
 quantized per 32-block to int8 once per call, exact int32 block sums ``S = sum q * xq``, and per
 (row, block) the same float32 operations ``acc + float32(S - 8 sum xq) * (scale * d)`` (blocks in
-order, no FMA), so results are bitwise equal to :func:`~.packed_i8_gemm.linear_packed_i8` on either
-instruction path and to ``linear_packed(quantize_activations=True)``.
+order, no FMA), so results are bitwise equal to :mod:`.packed_i8`'s group kernels on either
+instruction path (and to ``tests/reference.py::linear_int4_int8``).
 
 Tile (the technique of register-blocked Q4 x Q8 GEMMs such as ik_llama.cpp's ``iqk`` kernels:
 decode a weight tile once, reuse it for several activation rows from registers): 16 output rows
@@ -283,8 +283,9 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
                      workspace: PackedI8Workspace | None = None) -> np.ndarray:
     """``y = x @ W.T`` with int8-quantized activations for a weight from :func:`prepack_int4_i8`.
 
-    Results equal ``linear_packed(x, prepack_int4(...), quantize_activations=True)`` (same
-    quantization, exact integer block sums, same float operations per block).
+    Bitwise the arithmetic of the :mod:`.packed_i8` module docstring (per-32-block int8
+    activations, exact integer block sums, the same float operations per block in order) on
+    every path: serial or parallel, 1/2/4-row group kernels or the VNNI tile GEMM, either ISA.
 
     Parameters
     ----------

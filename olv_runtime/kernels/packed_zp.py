@@ -14,10 +14,10 @@ anything is made; the zero points stay integers.
   ``vpmaddubsw`` take, so the block dot product is the unchanged exact
   ``S = sum_j u_j * xq_j`` (VNNI or AVX2, the same integers) and the zero point is folded per
   block as ``S - z * sum_j xq_j`` (exact int32: ``|.| <= 2 * 15 * 127 * 32``); then the float
-  operations of the symmetric kernel, ``acc + float32(S - z * T) * (scale * d)``. The result is
-  bitwise equal to :func:`~.packed.linear_packed` with ``quantize_activations=True`` on the
-  zero-point tiled layout (which forms the same integer as ``sum (q - 8 + 8) xq - zp T``) and
-  bitwise equal between the VNNI and AVX2 paths.
+  operations of the symmetric kernel, ``acc + float32(S - z * T) * (scale * d)``. The integer
+  is ``sum (q - zp) xq`` exactly, so the result is bitwise that of
+  ``tests/reference.py::linear_int4_int8`` with zero points, and bitwise equal between the VNNI
+  and AVX2 paths.
 * float32 activations (:func:`linear_packed_i8_exact_zp`): the exact-mode decode of
   :mod:`.packed_f32` subtracts ``2^e + z`` per lane instead of the constant ``2^e + 8``, which
   gives ``u - z`` exactly (``2^23 + 15`` is a float32 integer), then the same FMA chain in the
@@ -42,7 +42,7 @@ from olv_runtime.errors import InvalidArgument
 from .arena import weight_empty
 from .config import JIT, PJIT, check_array, check_int
 from .half import scale_bits
-from .packed import _pad_rows, prepare_call
+from .packed import pad_rows, prepare_call
 from .packed_f32 import NB_R1, NB_R2, NB_R4, PackedF32Workspace, make_workspace_f32
 from .packed_f32 import PF_BYTES as PF_BYTES_F32
 from .packed_f32 import SERIAL_MAX_WORK as SERIAL_MAX_WORK_F32
@@ -313,8 +313,9 @@ def linear_packed_i8_zp(x: np.ndarray, packed: PackedInt4I8Zp, out: np.ndarray |
     Returns
     -------
     ndarray of float32, shape [M, N]
-        Bitwise equal to ``linear_packed(x, prepack_int4(payload, scale, zp, ...),
-        quantize_activations=True)`` and between the VNNI and AVX2 paths (module docstring).
+        Per block ``acc + float32(sum (q - zp) xq) * (scale * d)`` in block order, the exact
+        integer and the same float operations on the VNNI and AVX2 paths (bitwise equal; module
+        docstring).
 
     Raises
     ------
@@ -526,13 +527,14 @@ def linear_packed_i8_exact_zp(x: np.ndarray, packed: PackedInt4I8Zp,
     """
     m, out, ws = prepare_call(x, packed, PackedInt4I8Zp, out, workspace, PackedF32Workspace,
                               make_workspace_f32,
-                              ws_rows=1 if packed.k == packed.k_padded else None)
+                              ws_rows=1 if (isinstance(packed, PackedInt4I8Zp)
+                                            and packed.k == packed.k_padded) else None)
     if m == 0:
         return out
     k, n, kp = packed.k, packed.n, packed.k_padded
     xx = x
     if k != kp:
-        _pad_rows(x, m, k, kp, ws.xpad)
+        pad_rows(x, m, k, kp, ws.xpad)
         xx = ws.xpad[:m]
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
     if m * n * kp < SERIAL_MAX_WORK_F32:
