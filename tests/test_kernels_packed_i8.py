@@ -306,7 +306,7 @@ def test_vnni_instruction_is_emitted_where_the_cpu_has_it():
 
     from olv_runtime.kernels import packed_i8
 
-    fresh = njit(packed_i8._group_r1.py_func)  # cached code cannot be inspected
+    fresh = njit(packed_i8.group_r1.py_func)  # cached code cannot be inspected
     codes = np.zeros((1, 1, 128), np.uint8)
     scale = np.zeros((1, 1, 8), np.float32)
     xq = np.zeros((1, 32), np.int8)
