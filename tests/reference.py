@@ -7,9 +7,11 @@ under its old name.
 
 Contents: bit packing (``pack_codes``, ``unpack_codes``), DequantizeLinear (``expand_param``,
 ``dequantize``), ``linear``, ``rms_norm``, ``rotary_embedding``, ``attention``, ``append_kv``,
-the ggml group records (``ggml_records``), and the blocked INT4 linears (``int4_weight``,
+the ggml group records (``ggml_records``), the blocked INT4 linears (``int4_weight``,
 ``dequantize_int4``, ``quantize_int8_blocks``, ``linear_int4_int8``, ``linear_int4_exact``,
-``exact_bound``).
+``exact_bound``), int8 activations against any float weight (``linear_int8_float64``: the ggml
+kernels), and the exact-mode VNNI path's activation digits and error term
+(``activation_digits``, ``fixed_point_term``).
 """
 from __future__ import annotations
 
@@ -314,3 +316,58 @@ def exact_bound(x, w):
     """The exact-mode tolerance ``1e-5 * sum_k |x_k W_nk| + 1e-6`` (float64 [M, N]) for ``x``
     [M, K] and the dequantized ``w`` [N, K]."""
     return 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T) + 1e-6
+
+
+def linear_int8_float64(x, w):
+    """float64 ``x_q @ W.T`` with ``x`` quantized per 32-block (:func:`quantize_int8_blocks`,
+    ``x_q = xq * d``) and a float weight ``w`` [N, K] (K a multiple of 32): the int8-activation
+    kernels of any weight format (ggml blocks) up to the float32 rounding of their per-block
+    combination (their integer sums are exact)."""
+    m, k = x.shape
+    xq, d = quantize_int8_blocks(x)
+    wb = np.asarray(w, np.float64).reshape(w.shape[0], k // 32, 32)
+    return np.einsum("mbj,nbj,mb->mn", xq.astype(np.float64), wb, d.astype(np.float64))
+
+
+def fixed_point_term(x64, w64):
+    """2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk| (the VNNI path's representation
+    error bound: activations in 31-bit fixed point relative to their block's largest)."""
+    m, k = x64.shape
+    kb = -(-k // 32)
+    xm = np.zeros((m, kb))
+    wa = np.zeros((w64.shape[0], kb))
+    for b in range(kb):
+        xm[:, b] = np.abs(x64[:, 32 * b:32 * b + 32]).max(axis=1)
+        wa[:, b] = np.abs(w64[:, 32 * b:32 * b + 32]).sum(axis=1)
+    return 2.0 ** -30 * (xm @ wa.T)
+
+
+def activation_digits(x):
+    """The exact-mode VNNI path's activation digits of one block (kernels/packed_f32_vnni.py
+    module docstring), computed independently in float64 / int64.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape [<= 32]
+        One block (zero padded to 32).
+
+    Returns
+    -------
+    D : ndarray of int64, shape [4, 32]
+        The balanced base-256 digits ``D0..D3`` of ``X = rint(x * 2^(30 - E))``.
+    xsc : float32 or None
+        ``2^(E - 30)`` (None where it would underflow: ``e < 8``).
+    """
+    xb = np.zeros(32, np.float32)
+    xb[:x.size] = x
+    bits = xb.view(np.uint32) & 0x7FFFFFFF
+    e = max(int(bits.max() >> 23), 1)
+    big = 2.0 ** (30 - (e - 126))
+    X = np.rint(xb.astype(np.float64) * big).astype(np.int64)
+    D = []
+    for _ in range(3):
+        d = ((X + 128) & 255) - 128
+        D.append(d)
+        X = (X - d) >> 8
+    D.append(X)
+    return np.stack(D), np.float32(2.0 ** (e - 156)) if e >= 8 else None

@@ -51,17 +51,7 @@ def _dequant64(q, scale):
     return q.astype(np.float64) * np.repeat(scale.astype(np.float64), 32, axis=1)[:, :k]
 
 
-def _fixed_point_term(x64, w64):
-    """2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk| (the VNNI path's representation
-    error bound: activations in 31-bit fixed point relative to their block's largest)."""
-    m, k = x64.shape
-    kb = -(-k // 32)
-    xm = np.zeros((m, kb))
-    wa = np.zeros((w64.shape[0], kb))
-    for b in range(kb):
-        xm[:, b] = np.abs(x64[:, 32 * b:32 * b + 32]).max(axis=1)
-        wa[:, b] = np.abs(w64[:, 32 * b:32 * b + 32]).sum(axis=1)
-    return 2.0 ** -30 * (xm @ wa.T)
+_fixed_point_term = reference.fixed_point_term
 
 
 def _bound(x64, w64, fixed_point=None):
@@ -262,7 +252,7 @@ def test_one_row_group_kernel_bitwise_equals_groups_small(n, k):
         b = np.zeros((1, n), np.float32)
         facc = np.zeros(64, np.float32)
         packed_f32._groups_small(p.codes, p.scale, g0, g1, x, 0, 1, n, a, facc)
-        packed_f32._groups_m1(p.codes, p.scale, g0, g1, x, n, b, facc)
+        packed_f32.groups_m1(p.codes, p.scale, g0, g1, x, n, b, facc)
         np.testing.assert_array_equal(a, b)
         assert np.abs(a[0, 8 * g0:]).sum() > 0
 
@@ -293,21 +283,8 @@ def test_fixed_point_term_bounds_the_vnni_path(isa):
         _check_bound(y, x, w64, fixed_point=False)
 
 
-def _digits_numpy(x):
-    """The digits of the module docstring, computed independently (float64 / int64)."""
-    xb = np.zeros(32, np.float32)
-    xb[:x.size] = x
-    bits = xb.view(np.uint32) & 0x7FFFFFFF
-    e = max(int(bits.max() >> 23), 1)
-    big = 2.0 ** (30 - (e - 126))
-    X = np.rint(xb.astype(np.float64) * big).astype(np.int64)
-    D = []
-    for _ in range(3):
-        d = ((X + 128) & 255) - 128
-        D.append(d)
-        X = (X - d) >> 8
-    D.append(X)
-    return np.stack(D), np.float32(2.0 ** (e - 156)) if e >= 8 else None
+#: the digits of packed_f32_vnni's module docstring, computed independently
+_digits_numpy = reference.activation_digits
 
 
 @needs_vnni
@@ -322,7 +299,7 @@ def test_activation_digits_known_answers():
     x[2, 64:96] = np.float32(2.0) ** 127 * 1.5     # the largest binade
     x[3, 96] = -(2.0 ** 29)
     dg, bz, xsc = pv.digit_buffers(4, 8)
-    assert pv._digits_rows(x, 4, k, dg, bz, xsc) == 0
+    assert pv.digits_rows(x, 4, k, dg, bz, xsc) == 0
     for i in range(4):
         for b in range(-(-k // 32)):
             blk = x[i, 32 * b:32 * b + 32]
@@ -343,7 +320,7 @@ def test_activation_digits_known_answers():
     # a non-finite block: reported, NaN multiplier
     x[0, 40] = np.inf
     x[2, 3] = np.nan
-    assert pv._digits_rows(x, 4, k, dg, bz, xsc) == 2
+    assert pv.digits_rows(x, 4, k, dg, bz, xsc) == 2
     assert np.isnan(xsc[0, 1]) and np.isnan(xsc[2, 0]) and np.isfinite(xsc[0, 0])
 
 
@@ -381,7 +358,7 @@ def test_vnni_variants_bitwise_equal(n, k):
     p = prepack_int4_i8(payload, scale, None, n, k, 32)
     x = rng.standard_normal((1, k)).astype(np.float32)
     dg, bz, xsc = pv.digit_buffers(1, p.k_blocks)
-    pv._digits_rows(x, 1, k, dg, bz, xsc)
+    pv.digits_rows(x, 1, k, dg, bz, xsc)
     ng = p.codes.shape[0]
     facc = np.zeros(64, np.float32)
     for g0, g1 in ((0, ng), (ng // 2, ng), (1, min(ng, 6))):
@@ -389,8 +366,8 @@ def test_vnni_variants_bitwise_equal(n, k):
             continue
         a = np.zeros((1, n), np.float32)
         b = np.zeros((1, n), np.float32)
-        pv._groups_rows(p.codes, p.scale, g0, g1, 1, dg, bz, xsc, n, a, facc)
-        pv._groups_m1(p.codes, p.scale, g0, g1, dg, bz, xsc, n, b, facc)
+        pv.groups_rows(p.codes, p.scale, g0, g1, 1, dg, bz, xsc, n, a, facc)
+        pv.groups_m1(p.codes, p.scale, g0, g1, dg, bz, xsc, n, b, facc)
         np.testing.assert_array_equal(a, b)
         assert np.abs(a[0, 8 * g0:]).sum() > 0
 
@@ -410,17 +387,17 @@ def test_vnni_group_pairs_bitwise_equal_one_row_groups(n, k, m):
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[0, :32] *= 1e-30  # a block of tiny values: the fixed-point scale differs per block
     dg, bz, xsc = pv.digit_buffers(m, p.k_blocks)
-    pv._digits_rows(x, m, k, dg, bz, xsc)
+    pv.digits_rows(x, m, k, dg, bz, xsc)
     ng = p.codes.shape[0]
     facc = np.zeros(64, np.float32)
     for g0, g1 in ((0, ng), (1, ng), (0, ng - 1), (2, min(ng, 5))):
         a = np.zeros((m, n), np.float32)
-        pv._groups_rows(p.codes, p.scale, g0, g1, m, dg, bz, xsc, n, a, facc)
+        pv.groups_rows(p.codes, p.scale, g0, g1, m, dg, bz, xsc, n, a, facc)
         for i in range(m):
             d1, b1, s1 = pv.digit_buffers(1, p.k_blocks)
             d1[0], b1[0], s1[0] = dg[i], bz[i], xsc[i]
             r = np.zeros((1, n), np.float32)
-            pv._groups_m1(p.codes, p.scale, g0, g1, d1, b1, s1, n, r, facc)
+            pv.groups_m1(p.codes, p.scale, g0, g1, d1, b1, s1, n, r, facc)
             np.testing.assert_array_equal(a[i], r[0])
         assert np.abs(a[:, 8 * g0:min(n, 8 * g1)]).min(axis=1).max() > 0
         assert not a[:, :8 * g0].any() and not a[:, 8 * g1:].any()
