@@ -235,8 +235,8 @@ class LinearStep:
         if len(parts) == 1:
             self.packed = parts[0]
         else:  # merged siblings (every N a multiple of 8): groups concatenated
-            data = packed_i8.aligned_empty((sum(p.n_groups for p in parts),) + parts[0].data.shape[1:],
-                                     np.uint8)
+            data = packed_i8.aligned_empty(
+                (sum(p.n_groups for p in parts),) + parts[0].data.shape[1:], np.uint8)
             np.concatenate([p.data for p in parts], axis=0, out=data)
             self.packed = gp.GGMLPacked(parts[0].kind, data, self.n, self.k)
         if self.counters is not None:
