@@ -1,4 +1,4 @@
-"""Benchmark of the packed INT4 linear kernels (olv_runtime.kernels.packed), plain script.
+"""Benchmark of the packed INT4 linear kernels (kernels.dispatch: 8-row groups), plain script.
 
     python bench/bench_kernels_packed.py [--threads 2] [--reps 30] [--quick]
 
@@ -21,7 +21,8 @@ from numba import njit, prange
 
 from olv_runtime.kernels import config  # noqa: F401  (threading layer selection)
 from olv_runtime.kernels.linear import linear_int4
-from olv_runtime.kernels.packed import PackedInt4, linear_packed, make_workspace, prepack_int4
+from olv_runtime.kernels.dispatch import LinearMode, WeightFormat, dispatch
+from olv_runtime.kernels.packed_i8 import isa, prepack_int4_i8
 
 SHAPES = {  # name: (N, K)
     "q": (896, 896), "k/v": (128, 896), "o": (896, 896),
@@ -79,25 +80,26 @@ def main():
         n, k = SHAPES[name]
         payload, scale, _ = make_weight(n, k, rng)
         t0 = time.perf_counter()
-        pk = prepack_int4(payload, scale, None, n, k, 32)
+        pk = prepack_int4_i8(payload, scale, None, n, k, 32)
         tprep = time.perf_counter() - t0
         reps = max(3, args.reps // 10) if n > 100000 else args.reps
         ncopy = max(1, int(np.ceil(256e6 / pk.nbytes)))
-        pks = [pk] + [PackedInt4(pk.codes.copy(), pk.scale.copy(), pk.zero_point.copy(), n, k)
-                      for _ in range(ncopy - 1)]
+        pks = [pk] + [pk.copy() for _ in range(ncopy - 1)]
         print(f"\n{name} N={n} K={k} packed {pk.nbytes / 1e6:.2f} MB (prepack {tprep * 1e3:.0f} ms, "
               f"{ncopy} copies cycled)")
         for m in ms:
             x = rng.standard_normal((m, k)).astype(np.float32)
             out = np.empty((m, n), np.float32)
-            ws = make_workspace(m, k)
             row = [f"  M={m:<4d}"]
             for qa in (False, True):
+                entry = dispatch(isa(), LinearMode.INT8 if qa else LinearMode.EXACT,
+                                 WeightFormat.INT4)
+                ws = entry.make_workspace(m, k)
                 it = iter(range(1 << 30))
 
                 def call():  # cycle through copies so the weights stream from DRAM as in decode
                     p = pks[next(it) % len(pks)]
-                    linear_packed(x, p, out, quantize_activations=qa, workspace=ws)
+                    entry.fn(x, p, out, workspace=ws)
                 best, med = timeit(call, reps)
                 tag = "quant" if qa else "exact"
                 if m == 1:

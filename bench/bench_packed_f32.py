@@ -1,12 +1,14 @@
-"""Benchmark: exact-mode INT4 linear on the packed_i8 layout (packed_f32.linear_packed_i8_exact)
-vs linear_packed(quantize_activations=False) on the tiled layout.
+"""Benchmark: exact-mode INT4 linear on the packed_i8 layout (packed_f32.linear_packed_i8_exact).
+
+(Until issue 22 it ran beside the exact mode of the 64-row tiled kernel of kernels/packed.py,
+``old``; that kernel was chosen by nothing and is gone.)
 
     python bench/bench_packed_f32.py [--threads 2] [--rounds 5] [--max-load 0.3] [--ms 1,128]
 
 Weights stream from DRAM: each pass calls the kernel once on each of several copies of the packed
 weight (> 1 GiB in total per layout; for large M, where the kernels are compute bound, at most
 --max-copies-big copies), timed as a whole, divided by the number of calls (Python wrapper
-included). Figures: best of --rounds passes, old and new interleaved; weight GB/s
+included). Figures: best of --rounds passes; weight GB/s
 (packed.nbytes / time) and GFLOP/s (2 M N K / time). Before each (shape, M) burst the script
 waits until the 1-minute load average is below --max-load and prints the loads seen.
 Not run by the test command.
@@ -21,7 +23,6 @@ import numba
 import numpy as np
 
 from olv_runtime.kernels import config  # noqa: F401  (threading layer selection first)
-from olv_runtime.kernels.packed import PackedInt4, linear_packed, make_workspace, prepack_int4
 from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact, make_workspace_f32
 from olv_runtime.kernels.packed_i8 import prepack_int4_i8
 
@@ -66,55 +67,41 @@ def main():
         kb = -(-k // 32)
         payload = rng.integers(0, 256, size=(n * k + 1) // 2, dtype=np.uint8)
         scale = (rng.random((n, kb), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
-        pk = prepack_int4(payload, scale, None, n, k, 32)
         p8 = prepack_int4_i8(payload, scale, None, n, k, 32)
         ncopy = max(2, int(np.ceil(1.05 * GIB / p8.nbytes)))
-        pks = [pk] + [PackedInt4(pk.codes.copy(), pk.scale.copy(), pk.zero_point.copy(), n, k)
-                      for _ in range(ncopy - 1)]
         p8s = [p8] + [p8.copy() for _ in range(ncopy - 1)]
-        print(f"\n{name} N={n} K={k}: packed {pk.nbytes / 1e6:.2f} MB (old) / "
+        print(f"\n{name} N={n} K={k}: packed "
               f"{p8.nbytes / 1e6:.2f} MB (i8 layout), {ncopy} copies "
               f"({ncopy * p8.nbytes / GIB:.2f} GiB per layout)")
         for m in ms:
             x = rng.standard_normal((m, k)).astype(np.float32)
-            out_o = np.empty((m, n), np.float32)
             out_n = np.empty((m, n), np.float32)
-            ws = make_workspace(m, k)
             wsf = make_workspace_f32(m, k)
-            linear_packed(x, pk, out_o, workspace=ws)
             linear_packed_i8_exact(x, p8, out_n, workspace=wsf)
-            rel = float(np.max(np.abs(out_n - out_o)) / np.max(np.abs(out_o)))
             cp = ncopy if m < 16 else min(ncopy, args.max_copies_big)
             rounds = args.rounds if m < 16 else max(2, args.rounds // 2)
-
-            def run_old(cp=cp):
-                for p in pks[:cp]:
-                    linear_packed(x, p, out_o, workspace=ws)
 
             def run_new(cp=cp):
                 for p in p8s[:cp]:
                     linear_packed_i8_exact(x, p, out_n, workspace=wsf)
 
-            best = {"old": (np.inf, 0.0), "new": (np.inf, 0.0)}
+            best = {"new": (np.inf, 0.0)}
             ld0 = wait_quiet(args.max_load, args.wait)
             for _ in range(rounds):
-                for key, fn in (("old", run_old), ("new", run_new)):
+                for key, fn in (("new", run_new),):
                     ld = max(ld0, load1())
                     t0 = time.perf_counter()
                     fn()
                     t = (time.perf_counter() - t0) / cp
                     if t < best[key][0]:
                         best[key] = (t, ld)
-            to, tn = best["old"][0], best["new"][0]
+            tn = best["new"][0]
             fl = 2.0 * m * n * k
             flag = lambda ld: "!" if ld >= args.max_load else " "  # noqa: E731
             print(f"  M={m:4d} ({cp} copies): new {p8.nbytes / tn / 1e9:6.1f} GB/s "
                   f"{fl / tn / 1e9:7.1f} GFLOP/s {tn * 1e6:9.1f} us (load {best['new'][1]:.2f}"
-                  f"{flag(best['new'][1])}) | old {pk.nbytes / to / 1e9:6.1f} GB/s "
-                  f"{fl / to / 1e9:7.1f} GFLOP/s {to * 1e6:9.1f} us (load {best['old'][1]:.2f}"
-                  f"{flag(best['old'][1])}) | new/old {to / tn:.2f}x | max|new-old|/max|old| "
-                  f"{rel:.1e} [burst end load {load1():.2f}]", flush=True)
-        del pks, p8s
+                  f"{flag(best['new'][1])}) [burst end load {load1():.2f}]", flush=True)
+        del p8s
 
 
 if __name__ == "__main__":

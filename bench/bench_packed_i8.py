@@ -1,4 +1,7 @@
-"""Benchmark: int8-dot INT4 GEMV (packed_i8_gemm.linear_packed_i8) vs linear_packed(quantize_activations=True).
+"""Benchmark: int8-dot INT4 GEMV (packed_i8_gemm.linear_packed_i8) against the streaming read.
+
+(Until issue 22 it ran beside the 64-row tiled kernel of kernels/packed.py, ``old quant`` in
+bench/RESULTS.md; that kernel was chosen by nothing and is gone.)
 
     python bench/bench_packed_i8.py [--threads 2] [--rounds 5] [--max-load 0.3] [--shapes ...]
 
@@ -28,7 +31,6 @@ from _bandwidth import stream_sum
 from numba import njit, prange
 
 from olv_runtime.kernels import config  # noqa: F401  (threading layer selection first)
-from olv_runtime.kernels.packed import PackedInt4, linear_packed, make_workspace, prepack_int4
 from olv_runtime.kernels.packed_i8 import make_workspace_i8, prepack_int4_i8
 from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
 
@@ -106,35 +108,26 @@ def main():
         kb = -(-k // 32)
         payload = rng.integers(0, 256, size=(n * k + 1) // 2, dtype=np.uint8)
         scale = (rng.random((n, kb), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
-        pk = prepack_int4(payload, scale, None, n, k, 32)
         t0 = time.perf_counter()
         p8 = prepack_int4_i8(payload, scale, None, n, k, 32)
         tprep = time.perf_counter() - t0
         ncopy = max(2, int(np.ceil(1.05 * GIB / p8.nbytes)))
-        pks = [pk] + [PackedInt4(pk.codes.copy(), pk.scale.copy(), pk.zero_point.copy(), n, k)
-                      for _ in range(ncopy - 1)]
         p8s = [p8] + [p8.copy() for _ in range(ncopy - 1)]
         # streaming read "the same way": chunks of the same size cycled through the buffer
         rows = (p8.nbytes + 127) // 128
         nchunk = min(ncopy, buf.nbytes // (rows * 128))
         chunks = [buf[i * rows * 128:(i + 1) * rows * 128].view(np.uint64).reshape(-1, 16)
                   for i in range(nchunk)]
-        print(f"\n{name} N={n} K={k}: packed {pk.nbytes / 1e6:.2f} MB (old) / "
+        print(f"\n{name} N={n} K={k}: packed "
               f"{p8.nbytes / 1e6:.2f} MB (i8, prepack {tprep * 1e3:.0f} ms), {ncopy} copies "
               f"({ncopy * p8.nbytes / GIB:.2f} GiB per layout)")
         for m in ms:
             x = rng.standard_normal((m, k)).astype(np.float32)
             out = np.empty((m, n), np.float32)
-            ws = make_workspace(m, k)
             ws8 = make_workspace_i8(m, k)
-            linear_packed(x, pk, out, quantize_activations=True, workspace=ws)
-            ref = out.copy()
-            linear_packed_i8(x, p8, out, workspace=ws8)
-            same = np.array_equal(out, ref)
-
-            def run_old():
-                for p in pks:
-                    linear_packed(x, p, out, quantize_activations=True, workspace=ws)
+            ref = linear_packed_i8(x, p8)
+            linear_packed_i8(x, p8s[-1], out, workspace=ws8)
+            same = np.array_equal(out, ref)  # a copy of the weight, a given workspace: same bits
 
             def run_new():
                 for p in p8s:
@@ -144,9 +137,8 @@ def main():
                 for c in chunks:
                     _stream_sum(c, nt)
 
-            res = {"old": Best(), "i8": Best(), "stream": Best()}
-            fns = {"old": (run_old, len(pks)), "i8": (run_new, len(p8s)),
-                   "stream": (run_stream, len(chunks))}
+            res = {"i8": Best(), "stream": Best()}
+            fns = {"i8": (run_new, len(p8s)), "stream": (run_stream, len(chunks))}
             # one short burst per (shape, M): wait for a quiet machine once, then all passes
             # interleaved (a burst of a few seconds barely moves the 1-minute load average)
             ld0 = wait_quiet(args.max_load, args.wait)
@@ -159,12 +151,10 @@ def main():
             print(f"  [burst load: start {ld0:.2f}, end {load1():.2f}]")
             gb = {key: p8.nbytes / r.t / 1e9 for key, r in res.items()}
             print(f"  M={m}: i8 {fmt(gb['i8'], res['i8'].load, args.max_load)} "
-                  f"{res['i8'].t * 1e6:8.1f} us | old quant {fmt(gb['old'], res['old'].load, args.max_load)} "
-                  f"{res['old'].t * 1e6:8.1f} us | stream same-size chunks "
+                  f"{res['i8'].t * 1e6:8.1f} us | stream same-size chunks "
                   f"{fmt(gb['stream'], res['stream'].load, args.max_load)} | "
-                  f"i8/old {gb['i8'] / gb['old']:.2f}x, i8/stream {gb['i8'] / gb['stream']:.2f} "
-                  f"| bitwise equal {same}")
-        del pks, p8s, chunks
+                  f"i8/stream {gb['i8'] / gb['stream']:.2f} | bitwise equal {same}")
+        del p8s, chunks
 
     b = stream_whole()
     print(f"\nstreaming read again, 1 GiB sum: {fmt(GIB / b.t / 1e9, b.load, args.max_load)}")

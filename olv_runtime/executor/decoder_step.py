@@ -49,6 +49,7 @@ from olv_runtime.executor.steps import (
     last_position_args,
 )
 from olv_runtime.kernels import config, packed_i8, precompile
+from olv_runtime.kernels.dispatch import LinearMode
 from olv_runtime.kernels.packed_i8 import PackedInt4I8, _aligned_empty
 from olv_runtime.kv import contiguous as kv
 from olv_runtime.kv.contiguous import claim_all as kv_claim_all
@@ -79,7 +80,7 @@ def _linear(step, n_out=1, residual=False):
     lin = step.impl
     if not isinstance(lin, LinearStep) or type(lin.packed) is not PackedInt4I8:
         return None  # (zero-point weights, PackedInt4I8Zp, run per operator)
-    if lin.i8 not in ("int8", "f32") or lin.residual != residual or len(step.outputs) != n_out:
+    if lin.mode not in (LinearMode.INT8, LinearMode.EXACT) or lin.residual != residual or len(step.outputs) != n_out:
         return None
     if lin.k % 32:
         return None
@@ -428,7 +429,7 @@ def _narrow_scales(layers, lm, counters=None) -> bool:
 def _consistent(layers, lm) -> bool:
     L0 = layers[0]
     keys = ("heads", "kv_heads", "head_dim", "rotary_dim", "eps")
-    mode = L0["qkv"].i8
+    mode = L0["qkv"].mode
     sdt = L0["qkv"].packed.scale.dtype
     for L in layers:
         if any(L[k] != L0[k] for k in keys):
@@ -438,9 +439,9 @@ def _consistent(layers, lm) -> bool:
         if L["gu"].ns != L0["gu"].ns:
             return False
         for name in ("qkv", "o", "gu", "down"):
-            if L[name].i8 != mode or L[name].packed.scale.dtype != sdt:
+            if L[name].mode is not mode or L[name].packed.scale.dtype != sdt:
                 return False
-    return lm.i8 == mode and lm.packed.scale.dtype == sdt
+    return lm.mode is mode and lm.packed.scale.dtype == sdt
 
 
 class DecoderStack:
@@ -468,7 +469,7 @@ class DecoderStack:
         sc = L0["scale_attr"]
         self.att_scale = np.float32(sc if sc is not None else 1.0 / np.sqrt(d))
         self.eps = np.float32(L0["eps"])
-        self.quant = L0["qkv"].i8 == "int8"
+        self.quant = L0["qkv"].mode is LinearMode.INT8
         self.e = L0["o"].n
         self.inter = L0["gu"].ns[0]
         self.vocab = lm.n

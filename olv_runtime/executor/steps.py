@@ -19,8 +19,9 @@ with a single consumer, never touching graph outputs):
 INT4 linear weights with block size 32 are repacked once into the 8-row group layout of
 :mod:`olv_runtime.kernels.packed_i8` (``SessionOptions.prepack``), weights with zero points into
 its zero-point form (:mod:`olv_runtime.kernels.packed_zp`); other block sizes use the row-major
-kernel. :attr:`LinearStep.kernel` names the kernel a step runs. Repacking changes only the memory layout, never the values (seed 004: a
-prepacked form is a cache of the portable initializer).
+kernel. The packed kernel is :func:`olv_runtime.kernels.dispatch.dispatch` ``(isa, mode,
+format)``'s; :attr:`LinearStep.kernel` names it. Repacking changes only the memory layout, never
+the values (seed 004: a prepacked form is a cache of the portable initializer).
 """
 from __future__ import annotations
 
@@ -34,10 +35,9 @@ import numpy as np
 from olv_runtime import kernels
 from olv_runtime.decoding.ggml_native import release_pages
 from olv_runtime.errors import InvalidArgument
-from olv_runtime.kernels.packed import linear_packed, make_workspace
-from olv_runtime.kernels.packed_f32 import linear_packed_i8_exact, make_workspace_f32
-from olv_runtime.kernels.packed_i8 import make_workspace_i8, prepack_int4_i8
-from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
+from olv_runtime.kernels import packed_i8
+from olv_runtime.kernels.dispatch import LinearMode, WeightFormat, dispatch
+from olv_runtime.kernels.packed_i8 import prepack_int4_i8
 from olv_runtime.kv import contiguous as kv
 from olv_runtime.lazy import lazy_module
 from olv_runtime.ops.olv import EncodedGather  # noqa: F401  (re-exported: a fused step kind)
@@ -134,15 +134,16 @@ def _packable(w) -> bool:
 
 
 class SharedWorkspace:
-    """One :class:`~olv_runtime.kernels.packed.PackedWorkspace` for every packed linear of a
-    session (steps run one after another), grown when a call has more rows than it serves.
-    Its size is reported to the ``workspace_peak`` counter."""
+    """One workspace (made by ``factory(m, k_max)``, the dispatch entry's ``make_workspace``) for
+    every packed linear of one :class:`~olv_runtime.kernels.dispatch.LinearMode` in a session
+    (steps run one after another), grown when a call has more rows than it serves. Its size is
+    reported to the ``workspace_peak`` counter."""
 
-    def __init__(self, k_max: int, counters=None, factory=None):
+    def __init__(self, k_max: int, counters, factory):
         self.k_max = k_max
         self._local = threading.local()  # one workspace per thread running the session
         self.counters = counters
-        self.factory = make_workspace if factory is None else factory
+        self.factory = factory
 
     def get(self, m: int):
         ws = getattr(self._local, "ws", None)
@@ -175,13 +176,16 @@ class LinearStep:
         self.packed = None
         self.dense = None
         self.workspace: SharedWorkspace | None = None
-        self.i8 = False
+        self.make_workspace = None  # the packed kernel's workspace factory (set by prepare)
+        #: how the step runs (set by prepare): FLOAT (no prepacked weight) or a packed mode
+        self.mode = LinearMode.FLOAT
         self.quantize = bool(getattr(options, "quantize_activations", False))
         self.compiled = None  # CompiledEntries of the session (seed 004), set before prepare()
         self._prepared = False
-        #: the kernel serving the step (set by prepare): "packed_i8" / "packed_i8_exact" (8-row
-        #: groups, symmetric), "packed_i8_zp" / "packed_i8_exact_zp" (8-row groups with zero
-        #: points), "tiled" (kernels/packed.py), "dense" (float32) or "row_major" (linear_int4)
+        #: the kernel serving the step (set by prepare): the dispatch entry's name --
+        #: "packed_i8" / "packed_i8_exact" (8-row groups, symmetric), "packed_i8_zp" /
+        #: "packed_i8_exact_zp" (8-row groups with zero points), "ggml_<type>_i8" /
+        #: "ggml_<type>_exact" -- or "dense" (float32) or "row_major" (linear_int4)
         self.kernel = None
 
     # -- preparation (once, at session creation) ---------------------------------------------
@@ -189,42 +193,18 @@ class LinearStep:
         ws = self.weights
         prepack = getattr(self.options, "prepack", True)
         if all(_packable(w) for w in ws) and prepack:
-            self._linear_packed = linear_packed
             symmetric = all(w.zero_point is None for w in ws)
             # seed 004: a valid compiled entry replaces the repacking (the source pages are never
             # read); otherwise (no entry, or a cache miss) repack from the source
-            self.packed = packed_from_entries(
-                self.compiled, ws, "olv.PackedInt4I8" if symmetric else "olv.PackedInt4I8Zp",
-                self.counters)
+            fmt = WeightFormat.INT4 if symmetric else WeightFormat.INT4_ZP
+            self.packed = packed_from_entries(self.compiled, ws, fmt.value, self.counters)
             if self.packed is None:
                 self.packed = self._repack(symmetric)
-            if not symmetric:
-                # zero points (onnxruntime's quantizers): the same 8-row layout plus one byte
-                # per (row, block); kernels/packed_zp.py, compiled only for such models
-                if self.quantize:
-                    self._linear_packed = (
-                        lambda x, p, out, quantize_activations, workspace:
-                        packed_zp.linear_packed_i8_zp(x, p, out, workspace=workspace))
-                    self.i8, self.kernel = "int8", "packed_i8_zp"
-                else:
-                    self._linear_packed = (
-                        lambda x, p, out, quantize_activations, workspace:
-                        packed_zp.linear_packed_i8_exact_zp(x, p, out, workspace=workspace))
-                    self.i8, self.kernel = "f32", "packed_i8_exact_zp"
-            else:
-                # the 8-row group layout of kernels/packed_i8.py serves both modes: int8
-                # activations with vpmaddubsw (bitwise equal to linear_packed's quantized mode)
-                # or float32 activations with FMA (kernels/packed_f32.py, exact-mode tolerance)
-                if self.quantize:
-                    self._linear_packed = (
-                        lambda x, p, out, quantize_activations, workspace:
-                        linear_packed_i8(x, p, out, workspace=workspace))
-                    self.i8, self.kernel = "int8", "packed_i8"
-                else:
-                    self._linear_packed = (
-                        lambda x, p, out, quantize_activations, workspace:
-                        linear_packed_i8_exact(x, p, out, workspace=workspace))
-                    self.i8, self.kernel = "f32", "packed_i8_exact"
+            # the 8-row group layout of kernels/packed_i8.py (zero points: plus one byte per
+            # (row, block), kernels/packed_zp.py, compiled only for such models) serves both
+            # modes: int8 activations (vpmaddubsw / vpdpbusd, exact integer block sums) or
+            # float32 activations (kernels/packed_f32.py, exact-mode tolerance)
+            self._use(LinearMode.INT8 if self.quantize else LinearMode.EXACT, fmt)
         elif _ggml_kind(ws) is not None and prepack:
             self._prepare_ggml()
         elif len(ws) == 1 and isinstance(ws[0], np.ndarray):
@@ -237,6 +217,15 @@ class LinearStep:
                      if any(b is not None for b in self.biases) else None)
         self._prepared = True
 
+    def _use(self, mode: LinearMode, fmt: WeightFormat) -> None:
+        """Take the packed kernel of ``(isa, mode, fmt)`` (:func:`~olv_runtime.kernels.dispatch.
+        dispatch`) for the prepacked weight in ``self.packed``."""
+        entry = dispatch(packed_i8.isa(), mode, fmt)
+        self.mode = mode
+        self._linear_packed = entry.fn
+        self.make_workspace = entry.make_workspace
+        self.kernel = entry.name.format(kind=getattr(self.packed, "type_name", ""))
+
     def _prepare_ggml(self) -> None:
         """ggml blocks (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K, verified by structs/ggml_native.py):
         repacked into the group records of kernels/ggml_packed.py, at the file's bits per
@@ -246,19 +235,16 @@ class LinearStep:
         if len(parts) == 1:
             self.packed = parts[0]
         else:  # merged siblings (every N a multiple of 8): groups concatenated
-            data = gp._aligned_empty((sum(p.n_groups for p in parts),) + parts[0].data.shape[1:],
-                                     np.uint8)
+            data = packed_i8.aligned_empty(
+                (sum(p.n_groups for p in parts),) + parts[0].data.shape[1:], np.uint8)
             np.concatenate([p.data for p in parts], axis=0, out=data)
             self.packed = gp.GGMLPacked(parts[0].kind, data, self.n, self.k)
         if self.counters is not None:
             self.counters.add("bytes_repacked", self.packed.nbytes)
         for w in ws:  # the records are what runs: the mapped pages need not stay resident
             release_pages(w.blocks)
-        fn = gp.linear_ggml_i8 if self.quantize else gp.linear_ggml_exact
-        self._linear_packed = (lambda x, p, out, quantize_activations, workspace:
-                               fn(x, p, out, workspace=workspace))
-        self.i8 = "ggml-int8" if self.quantize else "ggml-f32"
-        self.kernel = "ggml_" + self.packed.type_name + ("_i8" if self.quantize else "_exact")
+        self._use(LinearMode.GGML_INT8 if self.quantize else LinearMode.GGML_EXACT,
+                  WeightFormat.GGML)
 
     def _repack(self, symmetric: bool):
         """Prepack the weights (concatenated along N when merged) from their source payloads."""
@@ -320,8 +306,7 @@ class LinearStep:
         y = empty((m, self.n), np.float32)
         if self.packed is not None:
             ws = self.workspace.get(m) if self.workspace is not None else None
-            self._linear_packed(x2, self.packed, y, quantize_activations=self.quantize,
-                                workspace=ws)
+            self._linear_packed(x2, self.packed, y, workspace=ws)
         elif self.dense is not None:
             kernels.linear_f32(x2, self.dense, out=y)
         else:
@@ -571,17 +556,11 @@ def prepare_linears(steps: list[Step], counters=None, compiled=None) -> None:
         if not lin._prepared:
             lin.compiled = compiled
             lin.prepare()
-    for i8 in (False, "int8", "f32", "ggml-int8", "ggml-f32"):
-        packed = [lin for lin in linears if lin.packed is not None and lin.i8 == i8]
-        if packed:
-            factory = None
-            if i8 in ("ggml-int8", "ggml-f32"):
-                factory = gp.make_workspace_ggml
-            elif i8 == "int8":
-                factory = make_workspace_i8
-            elif i8 == "f32":
-                factory = make_workspace_f32
-            shared = SharedWorkspace(max(lin.packed.k_padded for lin in packed), counters, factory)
+    for mode in LinearMode:
+        packed = [lin for lin in linears if lin.packed is not None and lin.mode is mode]
+        if packed:  # one mode, one workspace class (the dispatch entries of a mode share it)
+            shared = SharedWorkspace(max(lin.packed.k_padded for lin in packed), counters,
+                                     packed[0].make_workspace)
             for lin in packed:
                 lin.workspace = shared
 

@@ -294,7 +294,7 @@ def dequantize_affine(payload: np.ndarray, bits: int, signed: bool, shape: tuple
     return out
 
 
-def _check_int4_matrix(payload, scale, zero_point, n_rows, k, block_size):
+def check_int4_matrix(payload, scale, zero_point, n_rows, k, block_size):
     n_rows = check_int(n_rows, "n_rows", lo=1)
     k = check_int(k, "k", lo=1)
     block_size = min(check_int(block_size, "block_size", lo=1), k)  # one block when >= K
@@ -337,8 +337,8 @@ def gather_rows_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndar
     ndarray of float32, shape [*ids.shape, K]
         Bit-identical to the same rows of :func:`dequantize_affine`.
     """
-    n_rows, k, block_size, zp = _check_int4_matrix(payload, scale, zero_point, n_rows, k,
-                                                   block_size)
+    n_rows, k, block_size, zp = check_int4_matrix(payload, scale, zero_point, n_rows, k,
+                                                  block_size)
     check_array(ids, "ids", dtype=(np.int64, np.int32), contiguous=False)
     ids_flat = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids_flat.size:
@@ -352,3 +352,7 @@ def gather_rows_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndar
         drv(payload, scale_bits(scale), zp, zero_point is not None, n_rows, k, block_size,
             ids_flat, out.reshape(ids_flat.size, k))
     return out
+
+
+#: Old name, still used by ops/olv.py.
+_check_int4_matrix = check_int4_matrix

@@ -69,14 +69,14 @@ from .packed_i8 import (
     GROUP_ROWS,
     HOST_VNNI,
     V8F32,
-    _aligned_empty,
-    _check_array_arg,
-    _elem_ptr,
-    _fzero,
-    _prefetch,
-    _quantize_rows_i8,
-    _splat,
-    _store_group,
+    aligned_empty,
+    check_array_arg,
+    elem_ptr,
+    fzero,
+    prefetch,
+    quantize_rows_i8,
+    splat,
+    store_group,
     use_vnni,
 )
 
@@ -119,7 +119,7 @@ class _Emit:
 
     def ptr(self, off, vty):
         o = self.b.add(self.roff, self.const(off))
-        return _elem_ptr(self.c, self.b, self.dty, self.data, o, vty)
+        return elem_ptr(self.c, self.b, self.dty, self.data, o, vty)
 
     def v32(self, off):
         return self.b.load(self.ptr(off, _LV32I8), align=1)
@@ -162,8 +162,8 @@ class _Emit:
 def _xbcast(context, builder, xty, xq, xo, t):
     """The 4 int8 activations ``xq[xo + 4t : xo + 4t + 4]`` repeated in the 8 lanes."""
     o = builder.add(xo, ir.Constant(xo.type, 4 * t))
-    p = _elem_ptr(context, builder, xty, xq, o, _I32)
-    return builder.bitcast(_splat(builder, builder.load(p, align=1), _LV8I32), _LV32I8)
+    p = elem_ptr(context, builder, xty, xq, o, _I32)
+    return builder.bitcast(splat(builder, builder.load(p, align=1), _LV8I32), _LV32I8)
 
 
 def _sign_trick(builder, us, xs):
@@ -211,7 +211,7 @@ def _dot_sums(builder, us, xs, vnni, groups, signed=False, xsum=None):
             "llvm.x86.avx512.vpdpbusd.256")
         res = []
         for grp in groups:
-            acc = (_splat(builder, builder.sub(ir.Constant(_I32, 0), xsum), _LV8I32) if signed
+            acc = (splat(builder, builder.sub(ir.Constant(_I32, 0), xsum), _LV8I32) if signed
                    else ir.Constant(_LV8I32, [0] * 8))
             for t in grp:
                 acc = builder.call(dp, [acc, us[t], xs[t]])
@@ -238,11 +238,11 @@ def _dot_sums(builder, us, xs, vnni, groups, signed=False, xsum=None):
 
 
 def _load_i32(context, builder, aty, arr, off):
-    return builder.load(_elem_ptr(context, builder, aty, arr, off, _I32))
+    return builder.load(elem_ptr(context, builder, aty, arr, off, _I32))
 
 
 def _load_f32(context, builder, aty, arr, off):
-    return builder.load(_elem_ptr(context, builder, aty, arr, off, _F32))
+    return builder.load(elem_ptr(context, builder, aty, arr, off, _F32))
 
 
 def _idx(builder, base, k):
@@ -288,9 +288,9 @@ def _nsub(kind):
 def _make_rec_i8(kind):
     @intrinsic
     def rec(typingctx, acc, data, roff, xq, xo, xd, xs8, xs16, bo, vnni):
-        if not (acc == V8F32 and _check_array_arg(data, types.uint8)
-                and _check_array_arg(xq, types.int8) and _check_array_arg(xd, types.float32)
-                and _check_array_arg(xs8, types.int32) and _check_array_arg(xs16, types.int32)):
+        if not (acc == V8F32 and check_array_arg(data, types.uint8)
+                and check_array_arg(xq, types.int8) and check_array_arg(xd, types.float32)
+                and check_array_arg(xs8, types.int32) and check_array_arg(xs16, types.int32)):
             return None
         sig = V8F32(V8F32, data, types.intp, xq, types.intp, xd, xs8, xs16, types.intp,
                     types.boolean)
@@ -306,15 +306,15 @@ def _make_rec_i8(kind):
                 xo_s = _idx(builder, xoff, 32 * sub)
                 xs = [_xbcast(context, builder, at[3], xqa, xo_s, t) for t in range(8)]
                 bo_s = _idx(builder, boff, sub)
-                xd_s = _splat(builder, _load_f32(context, builder, at[5], xda, bo_s), _LV8F32)
+                xd_s = splat(builder, _load_f32(context, builder, at[5], xda, bo_s), _LV8F32)
                 if kind == 14:
                     s0, s1 = _dot_sums(builder, us, xs, vn, ((0, 1, 2, 3), (4, 5, 6, 7)))
                     i16 = builder.mul(bo_s, ir.Constant(bo_s.type, 2))
                     t0 = _load_i32(context, builder, at[7], s16a, i16)
                     t1 = _load_i32(context, builder, at[7], s16a, _idx(builder, i16, 1))
                     c32 = ir.Constant(_I32, 32)
-                    s0 = builder.sub(s0, _splat(builder, builder.mul(t0, c32), _LV8I32))
-                    s1 = builder.sub(s1, _splat(builder, builder.mul(t1, c32), _LV8I32))
+                    s0 = builder.sub(s0, splat(builder, builder.mul(t0, c32), _LV8I32))
+                    s1 = builder.sub(s1, splat(builder, builder.mul(t1, c32), _LV8I32))
                     sc0 = e.bytes8(16 + 8 * (2 * sub), signed=True)
                     sc1 = e.bytes8(16 + 8 * (2 * sub + 1), signed=True)
                     tot = builder.add(builder.mul(sc0, s0), builder.mul(sc1, s1))
@@ -332,8 +332,8 @@ def _make_rec_i8(kind):
                                                      builder.fmul(d, xd_s)))
                     continue
                 if kind == 6:
-                    s = builder.sub(s, _splat(builder, builder.shl(x8, ir.Constant(_I32, 1)),
-                                              _LV8I32))
+                    s = builder.sub(s, splat(builder, builder.shl(x8, ir.Constant(_I32, 1)),
+                                             _LV8I32))
                     a = builder.fadd(a, builder.fmul(builder.sitofp(s, _LV8F32),
                                                      builder.fmul(d, xd_s)))
                     continue
@@ -343,7 +343,7 @@ def _make_rec_i8(kind):
                 big_m = builder.fmul(dmin, builder.sitofp(mn, _LV8F32))
                 sx = builder.sitofp(builder.ashr(x8, ir.Constant(_I32, 3)), _F32)
                 f = builder.fsub(builder.fmul(big_d, builder.sitofp(s, _LV8F32)),
-                                 builder.fmul(big_m, _splat(builder, sx, _LV8F32)))
+                                 builder.fmul(big_m, splat(builder, sx, _LV8F32)))
                 a = builder.fadd(a, builder.fmul(f, xd_s))
             return a
         return sig, codegen
@@ -365,8 +365,8 @@ _OFFSET = {8: 128, 6: 16, 12: 0, 14: 32}  # u - offset = the signed code
 def _make_rec_f32(kind):
     @intrinsic
     def rec(typingctx, acc, data, roff, x, xo, xsum, bo):
-        if not (acc == V8F32 and _check_array_arg(data, types.uint8)
-                and _check_array_arg(x, types.float32) and _check_array_arg(xsum, types.float32)):
+        if not (acc == V8F32 and check_array_arg(data, types.uint8)
+                and check_array_arg(x, types.float32) and check_array_arg(xsum, types.float32)):
             return None
         sig = V8F32(V8F32, data, types.intp, x, types.intp, xsum, types.intp)
 
@@ -396,7 +396,7 @@ def _make_rec_f32(kind):
                                 w = builder.sub(w, off)
                             wf = builder.sitofp(w, _LV8F32)
                             xv = _load_f32(context, builder, at[3], xa, _idx(builder, xo_s, 4 * t + j))
-                            ch[j] = builder.call(fma, [wf, _splat(builder, xv, _LV8F32), ch[j]])
+                            ch[j] = builder.call(fma, [wf, splat(builder, xv, _LV8F32), ch[j]])
                     halves.append(builder.fadd(builder.fadd(ch[0], ch[1]),
                                                builder.fadd(ch[2], ch[3])))
                 bo_s = _idx(builder, boff, sub)
@@ -413,7 +413,7 @@ def _make_rec_f32(kind):
                 sc, mn = _k4_scales(e, sub)
                 big_d = builder.fmul(d, builder.sitofp(sc, _LV8F32))
                 big_m = builder.fmul(dmin, builder.sitofp(mn, _LV8F32))
-                sx = _splat(builder, _load_f32(context, builder, at[5], xsa, bo_s), _LV8F32)
+                sx = splat(builder, _load_f32(context, builder, at[5], xsa, bo_s), _LV8F32)
                 a = builder.fadd(a, builder.fsub(builder.fmul(big_d, s), builder.fmul(big_m, sx)))
             return a
         return sig, codegen
@@ -436,23 +436,23 @@ def _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni):
     nsub = 1 if kind == 6 or kind == 8 else 8
     xo = i * xq.shape[1]
     bo = i * xd.shape[1]
-    acc = _fzero()
+    acc = fzero()
     base = g * nrec
     if kind == 8:
         for s in range(nrec):
             ro = (base + s) * rb
-            _prefetch(data, ro + PF_BYTES)
-            _prefetch(data, ro + PF_BYTES + 64)
-            _prefetch(data, ro + PF_BYTES + 128)
-            _prefetch(data, ro + PF_BYTES + 192)
-            _prefetch(data, ro + PF_BYTES + 256)
+            prefetch(data, ro + PF_BYTES)
+            prefetch(data, ro + PF_BYTES + 64)
+            prefetch(data, ro + PF_BYTES + 128)
+            prefetch(data, ro + PF_BYTES + 192)
+            prefetch(data, ro + PF_BYTES + 256)
             acc = _rec_i8_q8_0(acc, data, ro, xq, xo + 32 * s, xd, xs8, xs16, bo + s, vnni)
     elif kind == 6:
         for s in range(nrec):
             ro = (base + s) * rb
-            _prefetch(data, ro + PF_BYTES)
-            _prefetch(data, ro + PF_BYTES + 64)
-            _prefetch(data, ro + PF_BYTES + 128)
+            prefetch(data, ro + PF_BYTES)
+            prefetch(data, ro + PF_BYTES + 64)
+            prefetch(data, ro + PF_BYTES + 128)
             acc = _rec_i8_q5_0(acc, data, ro, xq, xo + 32 * s, xd, xs8, xs16, bo + s, vnni)
     elif kind == 12:
         for s in range(nrec):
@@ -474,12 +474,12 @@ def _row_f32(kind, data, g, x, xsum, i):
     nsub = 1 if kind == 6 or kind == 8 else 8
     xo = i * x.shape[1]
     bo = i * xsum.shape[1]
-    acc = _fzero()
+    acc = fzero()
     base = g * nrec
     for s in range(nrec):
         ro = (base + s) * rb
         for p in range(0, rb, 64):
-            _prefetch(data, ro + PF_BYTES + p)
+            prefetch(data, ro + PF_BYTES + p)
         if kind == 8:
             acc = _rec_f32_q8_0(acc, data, ro, x, xo + 32 * s, xsum, bo + s)
         elif kind == 6:
@@ -518,14 +518,14 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
                 acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
             else:
                 acc = _row_f32(kind, data, g, x, xsum, i)
-            _store_group(acc, facc, g, i, n, out)
+            store_group(acc, facc, g, i, n, out)
 
 
 @njit(**PJIT)
 def _linear_par(kind, data, x, m, k, n, out, ntasks, xq, xd, xs8, xs16, xsum, facc, quant,
                 vnni):
     if quant:
-        _quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
+        quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
     _act_sums(kind, m, k, xq, xs16, x, xsum, quant)
     ng = data.shape[0]
     for task in prange(ntasks):
@@ -538,7 +538,7 @@ def _linear_par(kind, data, x, m, k, n, out, ntasks, xq, xd, xs8, xs16, xsum, fa
 @njit(**JIT)
 def _linear_ser(kind, data, x, m, k, n, out, xq, xd, xs8, xs16, xsum, facc, quant, vnni):
     if quant:
-        _quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
+        quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
     _act_sums(kind, m, k, xq, xs16, x, xsum, quant)
     _groups(kind, data, np.int64(0), data.shape[0], x, xq, xd, xs8, xs16, xsum, m, n, out,
             facc, quant, vnni)
@@ -592,7 +592,7 @@ class GGMLWorkspace:
     def __init__(self, m_max, k_max, n_tasks):
         kp = 32 * (-(-k_max // 32))
         self.m_max, self.k_max, self.n_tasks = m_max, kp, n_tasks
-        self.xq = _aligned_empty((m_max, kp), np.int8)
+        self.xq = aligned_empty((m_max, kp), np.int8)
         self.xq[...] = 0
         self.xd = np.zeros((m_max, kp // 32), np.float32)
         self.xs8 = np.zeros((m_max, kp // 32), np.int32)
@@ -667,7 +667,7 @@ def _repack(kind, blocks, out):
     """``blocks`` uint8 [8 * ng, nb, type_size] -> ``out`` uint8 [ng, nb, RECORD_BYTES]: the group
     records of the module docstring, one serial pass (0.8 GB/s here; a parallel loop was 10x
     slower on a loaded machine). Tested bytewise against the numpy formulation
-    ``tests/naive.py::ggml_records``."""
+    ``tests/reference.py::ggml_records``."""
     ng, nb, _ = out.shape
     for u in range(ng * nb):
         g = u // nb
@@ -826,7 +826,7 @@ def prepack_ggml(kind, blocks: np.ndarray, n: int, k: int) -> GGMLPacked:
         blocks = blocks.view()
         blocks.flags.writeable = False
     ng = -(-n // GROUP_ROWS)
-    data = _aligned_empty((ng, nb, RECORD_BYTES[kind]), np.uint8)
+    data = aligned_empty((ng, nb, RECORD_BYTES[kind]), np.uint8)
     full = n // GROUP_ROWS
     if full:
         _repack(kind, blocks[:full * GROUP_ROWS], data[:full])

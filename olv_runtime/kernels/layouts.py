@@ -20,15 +20,13 @@ import dataclasses
 import inspect
 import platform
 
+import llvmlite.binding as llvm
 import numpy as np
 
 from olv_runtime.kernels.packed_i8 import GROUP_BLOCK_BYTES, GROUP_ROWS, PackedInt4I8
 from olv_runtime.lazy import lazy_module
 
 packed_zp = lazy_module("olv_runtime.kernels.packed_zp")  # zero-point weights only (warm start)
-import llvmlite.binding as llvm
-
-from olv_runtime.kernels.packed import TILE_ROWS, PackedInt4
 
 __all__ = ["PACKED_LAYOUT_VERSION", "PackedLayout", "LAYOUTS", "layout_of", "layout_named",
            "cpu_architecture", "cpu_features"]
@@ -43,27 +41,36 @@ PACKED_LAYOUT_VERSION = "3"
 
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
-    """How one packed class is persisted.
+    """How one packed layout is persisted, zero points an optional field of the description.
+
+    One description serves a layout family: its arrays, integers, row grouping and array shapes.
+    A family whose weights may carry zero points names the optional array (``zero_point``); its
+    zero-point *form* (:meth:`with_zero_point`) is the same description with that array stored
+    after the others, under its own physical type name and packed class (the kernels differ).
 
     Attributes
     ----------
     name : str
-        Physical type name (``StructTypeProto.name`` of compiled values), e.g.
-        ``"olv.PackedInt4I8"``.
+        Physical type name of this form (``StructTypeProto.name`` of compiled values), e.g.
+        ``"olv.PackedInt4I8"`` or, with zero points, ``"olv.PackedInt4I8Zp"``.
     cls : type
-        The packed class (``PackedInt4I8``, ``PackedInt4``).
+        The packed class of this form (``PackedInt4I8``, ``PackedInt4I8Zp``); its constructor
+        takes ``*arrays, *ints`` by name.
     arrays : tuple of str
-        Constructor parameters that are arrays, in stored order. Axis 0 of each is the
-        row-group axis.
+        The arrays of this form, in stored order. Axis 0 of each is the row-group axis.
     ints : tuple of str
         Constructor parameters that are integers (``n``, ``k``).
     rows_per_group : int
         Output rows per step of axis 0: parts whose ``n`` is a multiple of it concatenate along
         axis 0 into the packed form of the rows concatenated (the sibling merge).
-    shapes : callable
-        ``shapes(n, k, has_zero_point, scale_dtype=float32) -> {array name: (dtype, shape)}``:
-        what the prepacker produces for an ``[N, K]`` weight whose block scales have
-        ``scale_dtype`` (a compiled entry must match it exactly).
+    array_shapes : callable
+        ``array_shapes(n, k, scale_dtype) -> {array name: (dtype, shape)}`` of the arrays every
+        form has (see :meth:`shapes`).
+    zero_point : str or None
+        Name of the optional zero-point array of the family (uint8, one per (row, block): the
+        shape of ``zero_point_like``), or None when the family has no zero-point form.
+    zero_point_like : str
+        The array whose shape the zero-point array has (``"scale"``).
     """
 
     name: str
@@ -71,7 +78,41 @@ class PackedLayout:
     arrays: tuple
     ints: tuple
     rows_per_group: int
-    shapes: object
+    array_shapes: object
+    zero_point: str | None = None
+    zero_point_like: str = "scale"
+
+    @property
+    def has_zero_point(self) -> bool:
+        """True for the zero-point form (its arrays include :attr:`zero_point`)."""
+        return self.zero_point is not None and self.zero_point in self.arrays
+
+    def with_zero_point(self, name: str, cls: type) -> "PackedLayout":
+        """The zero-point form of this description: the same arrays plus :attr:`zero_point`
+        (stored last), physical type ``name``, packed class ``cls``.
+
+        Raises
+        ------
+        ValueError
+            The family has no optional zero-point array, or this is already the zero-point form.
+        """
+        if self.zero_point is None or self.has_zero_point:
+            raise ValueError(f"{self.name}: no zero-point form to add (zero_point="
+                             f"{self.zero_point!r}, arrays={self.arrays})")
+        return dataclasses.replace(self, name=name, cls=cls,
+                                   arrays=self.arrays + (self.zero_point,))
+
+    def shapes(self, n: int, k: int, has_zero_point: bool = False,
+               scale_dtype=np.float32) -> dict:
+        """``{array name: (dtype, shape)}`` the prepacker produces for an ``[N, K]`` weight whose
+        block scales have ``scale_dtype`` (a compiled entry must match it exactly): the
+        family's arrays, plus the zero-point array in the zero-point form. ``has_zero_point``
+        (whether the source weight has zero points) is accepted for the callers' sake; the
+        form decides."""
+        out = dict(self.array_shapes(n, k, scale_dtype))
+        if self.has_zero_point:
+            out[self.zero_point] = (np.uint8, out[self.zero_point_like][1])
+        return out
 
     def parts(self, packed) -> tuple[dict, dict]:
         """(arrays by name, ints by name) of a packed object of this layout."""
@@ -92,46 +133,40 @@ class PackedLayout:
         return self.build(arrays, ints)
 
 
-def _i8_layout(name: str, zp: bool) -> PackedLayout:
-    cls = packed_zp.PackedInt4I8Zp if zp else PackedInt4I8
-
-    def shapes(n, k, has_zp, scale_dtype=np.float32):
-        ng, kb = -(-n // GROUP_ROWS), -(-k // 32)
-        sdt = np.uint16 if np.dtype(scale_dtype) == np.float16 else np.float32  # float16 bits
-        out = {"codes": (np.uint8, (ng, kb, GROUP_BLOCK_BYTES)),
-               "scale": (sdt, (ng, kb, GROUP_ROWS))}
-        if zp:
-            out["zp"] = (np.uint8, out["scale"][1])
-        return out
-
-    return _layout_of_class(name, cls, GROUP_ROWS, shapes)
+def _group8_shapes(n, k, scale_dtype=np.float32):
+    """Arrays of the 8-row group layout (kernels/packed_i8.py) for an ``[N, K]`` weight."""
+    ng, kb = -(-n // GROUP_ROWS), -(-k // 32)
+    sdt = np.uint16 if np.dtype(scale_dtype) == np.float16 else np.float32  # float16 bits
+    return {"codes": (np.uint8, (ng, kb, GROUP_BLOCK_BYTES)),
+            "scale": (sdt, (ng, kb, GROUP_ROWS))}
 
 
-def _tile_layout(name: str) -> PackedLayout:
-    def shapes(n, k, has_zp, scale_dtype=np.float32):  # scales widened to float32
-        t, kb = -(-n // TILE_ROWS), -(-k // 32)
-        return {"codes": (np.uint16, (t, kb, 8, TILE_ROWS)),
-                "scale": (np.float32, (t, kb, TILE_ROWS)),
-                "zero_point": (np.int8, (t, kb, TILE_ROWS) if has_zp else (0, 0, 0))}
-
-    return _layout_of_class(name, PackedInt4, TILE_ROWS, shapes)
+def _constructor_arrays(cls) -> tuple:
+    """The array parameters of ``cls``'s constructor, in order (all but self, n, k)."""
+    return tuple(p for p in inspect.signature(cls.__init__).parameters
+                 if p not in ("self", "n", "k"))
 
 
-def _layout_of_class(name, cls, rows, shapes) -> PackedLayout:
-    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    ints = tuple(p for p in params if p in ("n", "k"))
-    arrays = tuple(p for p in params if p not in ints)
-    return PackedLayout(name, cls, arrays, ints, rows, shapes)
+def _group8(name: str) -> PackedLayout:
+    """The 8-row group layout of symmetric INT4 weights; zero points optional (``zp``)."""
+    lay = PackedLayout(name, PackedInt4I8, ("codes", "scale"), ("n", "k"), GROUP_ROWS,
+                       _group8_shapes, zero_point="zp")
+    assert _constructor_arrays(lay.cls) == lay.arrays
+    return lay
+
+
+def _group8_zp(name: str) -> PackedLayout:
+    """The zero-point form of :func:`_group8` (kernels/packed_zp.py)."""
+    lay = _group8("olv.PackedInt4I8").with_zero_point(name, packed_zp.PackedInt4I8Zp)
+    assert _constructor_arrays(lay.cls) == lay.arrays
+    return lay
 
 
 #: physical type name -> (module of the packed class, class name, layout factory); a layout is
 #: built (and its kernel module imported) only when a session or ``olv compile`` asks for it
 _SPECS = {
-    "olv.PackedInt4I8": ("olv_runtime.kernels.packed_i8", "PackedInt4I8",
-                         lambda name: _i8_layout(name, False)),
-    "olv.PackedInt4I8Zp": ("olv_runtime.kernels.packed_zp", "PackedInt4I8Zp",
-                           lambda name: _i8_layout(name, True)),
-    "olv.PackedInt4": ("olv_runtime.kernels.packed", "PackedInt4", _tile_layout),
+    "olv.PackedInt4I8": ("olv_runtime.kernels.packed_i8", "PackedInt4I8", _group8),
+    "olv.PackedInt4I8Zp": ("olv_runtime.kernels.packed_zp", "PackedInt4I8Zp", _group8_zp),
 }
 _BUILT: dict = {}
 

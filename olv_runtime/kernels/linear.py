@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 from numpy.lib.stride_tricks import as_strided
 
-from .affine import _check_int4_matrix
+from .affine import check_int4_matrix
 from .config import JIT, PJIT, check_array, check_out
 from .half import scale_bits, widen
 
@@ -180,7 +180,7 @@ def linear_int4(x: np.ndarray, payload: np.ndarray, scale: np.ndarray,
     -------
     ndarray of float32, shape [M, N]
     """
-    n, k, block_size, zp = _check_int4_matrix(payload, scale, zero_point, n, k, block_size)
+    n, k, block_size, zp = check_int4_matrix(payload, scale, zero_point, n, k, block_size)
     scale = scale_bits(scale)  # float16: its uint16 bits, widened per read (kernels/half.py)
     check_array(x, "x", dtype=np.float32, shape=(None, k))
     m = x.shape[0]

@@ -4,7 +4,7 @@ One prepacked copy (:class:`~.packed_i8.PackedInt4I8`, from :func:`~.packed_i8.p
 serves both modes: :func:`~.packed_i8_gemm.linear_packed_i8` (int8-quantized activations) and
 :func:`linear_packed_i8_exact` here (float32 activations, no activation quantization), which
 computes ``y = x @ W.T`` with ``W[n, k] = float32(q[n, k]) * scale[n, k // 32]`` (symmetric codes,
-no zero points) -- the math of ``linear_packed(x, prepack_int4(...), quantize_activations=False)``.
+no zero points).
 
 Per (activation row, 8-row group, block b) -- lanes = the 8 output rows of the group::
 
@@ -53,21 +53,21 @@ from numba.core.extending import intrinsic
 
 from . import packed_f32_vnni
 from .config import JIT, PJIT
-from .packed import _pad_rows, prepare_call, workspace_args
+from .packed import pad_rows, prepare_call, workspace_args
 from .packed_i8 import (
     BLOCK,
     GROUP_BLOCK_BYTES,
     GROUP_ROWS,
     HOST_VNNI,
     PackedInt4I8,
-    _check_array_arg,
-    _elem_ptr,
-    _is_scale_array,
-    _load_scales8,
-    _prefetch,
-    _splat,
+    check_array_arg,
+    elem_ptr,
     fast_call_rows,
+    is_scale_array,
+    load_scales8,
     num_threads,
+    prefetch,
+    splat,
     use_vnni,
 )
 
@@ -100,8 +100,8 @@ def _emit_blocks(context, builder, sig, args, nrows, nblk):
         ors.append(ir.Constant(_LV8I32, [(127 + e) << 23] * 8))
         subs.append(ir.Constant(_LV8F32, [float(2.0 ** e + 8.0)] * 8))
     sh16 = ir.Constant(_LV8I32, [16] * 8)
-    accs = [builder.load(_elem_ptr(context, builder, aty[7], facc,
-                                   ir.Constant(xo.type, 8 * r), _LV8F32), align=4)
+    accs = [builder.load(elem_ptr(context, builder, aty[7], facc,
+                                  ir.Constant(xo.type, 8 * r), _LV8F32), align=4)
             for r in range(nrows)]
     xrow = [xo]
     for r in range(1, nrows):
@@ -111,7 +111,7 @@ def _emit_blocks(context, builder, sig, args, nrows, nblk):
         vs = []
         for bl in range(nblk):
             off = builder.add(cb, ir.Constant(cb.type, bl * GROUP_BLOCK_BYTES + 32 * c))
-            v = builder.load(_elem_ptr(context, builder, aty[0], codes, off, _LV8I32), align=4)
+            v = builder.load(elem_ptr(context, builder, aty[0], codes, off, _LV8I32), align=4)
             vs.append((v, builder.lshr(v, sh16)))
         for t in range(8):
             j, h = t // 2, t % 2
@@ -124,20 +124,20 @@ def _emit_blocks(context, builder, sig, args, nrows, nblk):
                 w = builder.fsub(builder.bitcast(wi, _LV8F32), subs[p])
                 for r in range(nrows):
                     xoff = builder.add(xrow[r], ir.Constant(xo.type, bl * BLOCK + kk))
-                    xv = builder.load(_elem_ptr(context, builder, aty[4], x, xoff, _F32))
-                    xb = _splat(builder, xv, _LV8F32)
+                    xv = builder.load(elem_ptr(context, builder, aty[4], x, xoff, _F32))
+                    xb = splat(builder, xv, _LV8F32)
                     if s[bl][r] is None:
                         s[bl][r] = builder.fmul(w, xb)
                     else:
                         s[bl][r] = builder.call(fma, [w, xb, s[bl][r]])
     for bl in range(nblk):
         soff = builder.add(so, ir.Constant(so.type, bl * GROUP_ROWS))
-        sc = _load_scales8(context, builder, aty[2], scale, soff)
+        sc = load_scales8(context, builder, aty[2], scale, soff)
         for r in range(nrows):
             accs[r] = builder.call(fma, [s[bl][r], sc, accs[r]])
     for r in range(nrows):
-        builder.store(accs[r], _elem_ptr(context, builder, aty[7], facc,
-                                         ir.Constant(xo.type, 8 * r), _LV8F32), align=4)
+        builder.store(accs[r], elem_ptr(context, builder, aty[7], facc,
+                                        ir.Constant(xo.type, 8 * r), _LV8F32), align=4)
     return context.get_dummy_value()
 
 
@@ -146,9 +146,9 @@ def _make_blocks(nrows, nblk):
     def _blocks(typingctx, codes, cb, scale, so, x, xo, kx, facc):
         """facc[r, :] = fma(block sums of rows xo + r*kx, scale, facc[r, :]) for ``nblk``
         blocks from codes byte ``cb`` / scale element ``so`` / x element ``xo``."""
-        if not (_check_array_arg(codes, types.uint8) and _is_scale_array(scale)
-                and _check_array_arg(x, types.float32)
-                and _check_array_arg(facc, types.float32)):
+        if not (check_array_arg(codes, types.uint8) and is_scale_array(scale)
+                and check_array_arg(x, types.float32)
+                and check_array_arg(facc, types.float32)):
             return None
 
         def codegen(context, builder, sig, args):
@@ -237,10 +237,10 @@ def _group_rows(codes, scale, g, x, i0, nr, facc):
         cb = (base + b) * GROUP_BLOCK_BYTES
         if PF_BYTES > 0:
             for q in range(nb):
-                _prefetch(codes, cb + PF_BYTES + 128 * q)
-                _prefetch(codes, cb + PF_BYTES + 128 * q + 64)
+                prefetch(codes, cb + PF_BYTES + 128 * q)
+                prefetch(codes, cb + PF_BYTES + 128 * q + 64)
                 # the scale stream runs at 1/4 of the codes rate: same distance in blocks
-                _prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES // 16)
+                prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES // 16)
         so = (base + b) * GROUP_ROWS
         if nr == 1:
             _blk_r1_n(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
@@ -276,9 +276,9 @@ def _group_rows8(codes, scale, g, x, i0, facc):
         cb = (base + b) * GROUP_BLOCK_BYTES
         if PF_BYTES > 0:
             for q in range(nb):
-                _prefetch(codes, cb + PF_BYTES + 128 * q)
-                _prefetch(codes, cb + PF_BYTES + 128 * q + 64)
-                _prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES // 16)
+                prefetch(codes, cb + PF_BYTES + 128 * q)
+                prefetch(codes, cb + PF_BYTES + 128 * q + 64)
+                prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES // 16)
         so = (base + b) * GROUP_ROWS
         _blk_r8_n(codes, cb, scale, so, x, xo + b * BLOCK, kx, facc)
         b += nb
@@ -304,9 +304,9 @@ def _group_row1(codes, scale, g, x, facc):
         cb = (base + b) * GROUP_BLOCK_BYTES
         if PF_BYTES > 0:
             for q in range(nb):
-                _prefetch(codes, cb + PF_BYTES + 128 * q)
-                _prefetch(codes, cb + PF_BYTES + 128 * q + 64)
-                _prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES // 16)
+                prefetch(codes, cb + PF_BYTES + 128 * q)
+                prefetch(codes, cb + PF_BYTES + 128 * q + 64)
+                prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES // 16)
         so = (base + b) * GROUP_ROWS
         _blk_r1_n(codes, cb, scale, so, x, b * BLOCK, x.shape[1], facc)
         b += nb
@@ -318,7 +318,7 @@ def _group_row1(codes, scale, g, x, facc):
 
 
 @njit(**JIT)
-def _groups_m1(codes, scale, g0, g1, x, n, out, facc):
+def groups_m1(codes, scale, g0, g1, x, n, out, facc):
     """Groups g0..g1-1 of ``out[0]`` for a one-row ``x`` (:func:`_groups_small` with m = 1)."""
     one = np.int64(1)
     zero = np.int64(0)
@@ -445,8 +445,8 @@ def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray 
     if m < 0:
         m, out, ws = prepare_call(x, packed, PackedInt4I8, out, workspace, PackedF32Workspace,
                                   make_workspace_f32,
-                                  ws_rows=1 if (packed.k == packed.k_padded and not vnni)
-                                  else None)
+                                  ws_rows=1 if (isinstance(packed, PackedInt4I8) and not vnni
+                                                and packed.k == packed.k_padded) else None)
         if m == 0:
             return out
     k, n, kp = packed.k, packed.n, packed.k_padded
@@ -457,11 +457,11 @@ def linear_packed_i8_exact(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray 
         ntasks = 1
     if vnni:
         if ntasks <= 1:
-            bad = packed_f32_vnni._linear_vnni_ser(x, m, k, packed.codes, packed.scale, n, out,
-                                                   ws.facc, ws.dg, ws.bz, ws.xsc)
+            bad = packed_f32_vnni.linear_vnni_ser(x, m, k, packed.codes, packed.scale, n, out,
+                                                  ws.facc, ws.dg, ws.bz, ws.xsc)
         else:
-            bad = packed_f32_vnni._linear_vnni_par(x, m, k, packed.codes, packed.scale, n, out,
-                                                   ntasks, ws.facc, ws.dg, ws.bz, ws.xsc)
+            bad = packed_f32_vnni.linear_vnni_par(x, m, k, packed.codes, packed.scale, n, out,
+                                                  ntasks, ws.facc, ws.dg, ws.bz, ws.xsc)
         if bad:  # rows with inf / NaN: the float path's IEEE results (rare: allocates)
             rows = np.flatnonzero(~np.isfinite(x).all(axis=1))
             xr = np.ascontiguousarray(x[rows])
@@ -478,7 +478,7 @@ def _linear_float(x, m, packed, out, ws, ntasks):
     k, n, kp = packed.k, packed.n, packed.k_padded
     xx = x
     if k != kp:
-        _pad_rows(x, m, k, kp, ws.xpad)
+        pad_rows(x, m, k, kp, ws.xpad)
         xx = ws.xpad[:m]  # rows k_max >= Kp long (the kernels use x.shape[1] as row stride)
     if ntasks <= 1:
         driver = _linear_big_ser if m >= 8 else _linear_small_ser
@@ -486,3 +486,7 @@ def _linear_float(x, m, packed, out, ws, ntasks):
     else:
         driver = _linear_big_par if m >= 8 else _linear_small_par
         driver(xx, m, packed.codes, packed.scale, n, out, ntasks, ws.facc)
+
+
+#: Old name, still used by kernels/decoder_layers.py and tests/test_decoder_stack.py.
+_groups_m1 = groups_m1

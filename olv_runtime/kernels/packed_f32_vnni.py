@@ -13,7 +13,7 @@ weights per core, below the streaming read. Here a weight costs 4 ``vpdpbusd`` l
 (u8 x s8, 4 products per int32 lane): 32 instructions per (8 rows x 32 codes), the decode is
 the int8 mode's ``vpand`` / ``vpsrlw`` of a 32-byte chunk, and the float work is per block.
 
-Activation digits (:func:`_digits_rows`, once per call and row; shared by every output row)
+Activation digits (:func:`digits_rows`, once per call and row; shared by every output row)
 -----------------------------------------------------------------------------------------
 For block ``b`` of row ``i`` let ``e`` be the biased float32 exponent of ``max_j |x_j|``
 (``e = max(e, 1)``) and ``E = e - 126``, so ``max |x_j| < 2^E``. Then::
@@ -86,15 +86,15 @@ from .packed_i8 import (
     GROUP_BLOCK_BYTES,
     GROUP_ROWS,
     V8F32,
-    _check_array_arg,
-    _elem_ptr,
-    _fstore,
-    _is_scale_array,
-    _load_scales8,
-    _prefetch,
-    _splat,
+    check_array_arg,
+    elem_ptr,
     emit_prefetch,
+    fstore,
+    is_scale_array,
+    load_scales8,
+    prefetch,
     prefetch_task_head,
+    splat,
 )
 
 __all__ = ["PIECES", "DG_BYTES", "digit_buffers"]
@@ -132,8 +132,8 @@ def _xdigits(typingctx, x, xoff, ln, dg, bz, xsc, rb):
     """Digits of the block ``x[xoff : xoff + ln]`` (float32, linear element offset, ``ln <= 32``;
     missing elements are 0) into row-block ``rb`` of ``dg`` / ``bz`` / ``xsc`` (row-block =
     row * KB + block of those buffers). Returns True if the block is finite."""
-    if not (_check_array_arg(x, types.float32) and _check_array_arg(dg, types.int8)
-            and _check_array_arg(bz, types.int32) and _check_array_arg(xsc, types.float32)):
+    if not (check_array_arg(x, types.float32) and check_array_arg(dg, types.int8)
+            and check_array_arg(bz, types.int32) and check_array_arg(xsc, types.float32)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -143,7 +143,7 @@ def _xdigits(typingctx, x, xoff, ln, dg, bz, xsc, rb):
         full = builder.icmp_signed(">=", lnv, ir.Constant(lnv.type, BLOCK))
         with builder.if_else(full) as (then, otherwise):
             with then:
-                p = _elem_ptr(context, builder, sig.args[0], xa, xo, _LV32F32)
+                p = elem_ptr(context, builder, sig.args[0], xa, xo, _LV32F32)
                 v_full = builder.load(p, align=4)
                 b_full = builder.block
             with otherwise:
@@ -153,7 +153,7 @@ def _xdigits(typingctx, x, xoff, ln, dg, bz, xsc, rb):
                     cl = ir.Constant(lnv.type, lane)
                     inb = builder.icmp_signed(">", lnv, cl)
                     idx = builder.select(inb, cl, last)  # a valid element in every lane
-                    pe = _elem_ptr(context, builder, sig.args[0], xa, builder.add(xo, idx), _F32)
+                    pe = elem_ptr(context, builder, sig.args[0], xa, builder.add(xo, idx), _F32)
                     val = builder.select(inb, builder.load(pe, align=4), ir.Constant(_F32, 0.0))
                     v_part = builder.insert_element(v_part, val, ir.Constant(_I32, lane))
                 b_part = builder.block
@@ -178,8 +178,8 @@ def _xdigits(typingctx, x, xoff, ln, dg, bz, xsc, rb):
         def pow2(n):  # float32 2^n, -126 <= n <= 127
             bits = builder.shl(builder.add(n, ir.Constant(_I32, 127)), ir.Constant(_I32, 23))
             return builder.bitcast(bits, _F32)
-        y = builder.fmul(builder.fmul(v, _splat(builder, pow2(t1), _LV32F32)),
-                         _splat(builder, pow2(t2), _LV32F32))
+        y = builder.fmul(builder.fmul(v, splat(builder, pow2(t1), _LV32F32)),
+                         splat(builder, pow2(t2), _LV32F32))
         rint = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_LV32F32, [_LV32F32]), "llvm.rint.v32f32")
         xi = builder.fptosi(builder.call(rint, [y]), _LV32I32)
@@ -192,18 +192,18 @@ def _xdigits(typingctx, x, xoff, ln, dg, bz, xsc, rb):
             dsx = builder.sext(d8, _LV32I32) if pc < PIECES - 1 else cur
             off = builder.add(builder.mul(rbv, ir.Constant(it, DG_BYTES)),
                               ir.Constant(it, BLOCK * pc))
-            builder.store(d8, _elem_ptr(context, builder, sig.args[3], da, off, _LV32I8),
+            builder.store(d8, elem_ptr(context, builder, sig.args[3], da, off, _LV32I8),
                           align=1)
             boff = builder.add(builder.mul(rbv, ir.Constant(it, PIECES)), ir.Constant(it, pc))
             builder.store(builder.mul(builder.call(radd, [dsx]), ir.Constant(_I32, -8)),
-                          _elem_ptr(context, builder, sig.args[4], ba, boff, _I32))
+                          elem_ptr(context, builder, sig.args[4], ba, boff, _I32))
             if pc < PIECES - 1:
                 cur = builder.ashr(builder.add(cur, _c32(128)), _c32(8))
         # 2^(E - 30) = 2^-t1 * 2^-t2 (rounds to 0 below 2^-149)
         zero = ir.Constant(_I32, 0)
         xs = builder.fmul(pow2(builder.sub(zero, t1)), pow2(builder.sub(zero, t2)))
         xs = builder.select(finite, xs, ir.Constant(_F32, float("nan")))
-        builder.store(xs, _elem_ptr(context, builder, sig.args[5], sa, rbv, _F32))
+        builder.store(xs, elem_ptr(context, builder, sig.args[5], sa, rbv, _F32))
         return finite
     return types.boolean(x, types.intp, types.intp, dg, bz, xsc, types.intp), codegen
 
@@ -237,7 +237,7 @@ def _emit_block_sums(context, builder, aty_dg, dg, aty_bz, bz, rb, code_vec, nsl
         return ir.Constant(it, v)
     e = [[None] * PIECES for _ in range(nslots)]
     for pc in range(PIECES):
-        init = _splat(builder, builder.load(_elem_ptr(
+        init = splat(builder, builder.load(elem_ptr(
             context, builder, aty_bz, bz, builder.add(builder.mul(rb, ci(PIECES)), ci(pc)),
             _I32)), vi)
         for sl in range(nslots):
@@ -246,8 +246,8 @@ def _emit_block_sums(context, builder, aty_dg, dg, aty_bz, bz, rb, code_vec, nsl
         for h in range(2):
             for pc in range(PIECES):
                 doff = builder.add(builder.mul(rb, ci(DG_BYTES)), ci(BLOCK * pc + 16 * h + 4 * c))
-                xv = builder.load(_elem_ptr(context, builder, aty_dg, dg, doff, _I32), align=1)
-                xv = builder.bitcast(_splat(builder, xv, vi), vb)
+                xv = builder.load(elem_ptr(context, builder, aty_dg, dg, doff, _I32), align=1)
+                xv = builder.bitcast(splat(builder, xv, vi), vb)
                 for sl in range(nslots):
                     e[sl][pc] = builder.call(dp, [e[sl][pc], code_vec(sl, c, h), xv])
     sh8 = ir.Constant(vi, [8] * lanes)
@@ -295,7 +295,7 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows, regs=False):
         """Unsigned nibbles (h = 0 low, 1 high) of chunk c of group gi, decoded at first use."""
         if (gi, c) not in raw:
             off = builder.add(gcb[gi], ci(32 * c))
-            raw[gi, c] = builder.load(_elem_ptr(context, builder, aty[0], codes, off, _LV32I8),
+            raw[gi, c] = builder.load(elem_ptr(context, builder, aty[0], codes, off, _LV32I8),
                                       align=1)
         if (gi, c, h) not in raw:
             v = raw[gi, c]
@@ -310,19 +310,19 @@ def _emit_xblocks(context, builder, sig, args, ngrp, nrows, regs=False):
         for gi, t in enumerate(_emit_block_sums(context, builder, aty[6], dg, aty[7], bz,
                                                 rbs[r], code_vec, ngrp, 8)):
             tv[gi, r] = t
-    xss = [_splat(builder, builder.load(_elem_ptr(context, builder, aty[8], xsc, rbs[r], _F32)),
-                  _LV8F32) for r in range(nrows)]
+    xss = [splat(builder, builder.load(elem_ptr(context, builder, aty[8], xsc, rbs[r], _F32)),
+                 _LV8F32) for r in range(nrows)]
     if regs:
         out = []
         for gi in range(ngrp):
-            sc = _load_scales8(context, builder, aty[3], scale, gso[gi])
+            sc = load_scales8(context, builder, aty[3], scale, gso[gi])
             acc = builder.extract_value(accs, gi)
             out.append(builder.call(fma, [tv[gi, 0], builder.fmul(sc, xss[0]), acc]))
         return context.make_tuple(builder, sig.return_type, out)
     for gi in range(ngrp):
-        sc = _load_scales8(context, builder, aty[3], scale, gso[gi])
+        sc = load_scales8(context, builder, aty[3], scale, gso[gi])
         for r in range(nrows):
-            p = _elem_ptr(context, builder, aty[11], facc, ci(8 * (gi * nrows + r)), _LV8F32)
+            p = elem_ptr(context, builder, aty[11], facc, ci(8 * (gi * nrows + r)), _LV8F32)
             acc = builder.load(p, align=4)
             builder.store(builder.call(fma, [tv[gi, r], builder.fmul(sc, xss[r]), acc]), p,
                           align=4)
@@ -335,10 +335,10 @@ def _make_xblock(ngrp, nrows):
         """One block (codes byte ``cb``, scale element ``so``; group strides ``gsc`` / ``gss``)
         of ``ngrp`` groups for ``nrows`` rows (digit row-block ``rb0``, row stride ``kbw``
         blocks), accumulated into ``facc``."""
-        if not (_check_array_arg(codes, types.uint8) and _is_scale_array(scale)
-                and _check_array_arg(dg, types.int8) and _check_array_arg(bz, types.int32)
-                and _check_array_arg(xsc, types.float32)
-                and _check_array_arg(facc, types.float32)):
+        if not (check_array_arg(codes, types.uint8) and is_scale_array(scale)
+                and check_array_arg(dg, types.int8) and check_array_arg(bz, types.int32)
+                and check_array_arg(xsc, types.float32)
+                and check_array_arg(facc, types.float32)):
             return None
 
         def codegen(context, builder, sig, args):
@@ -357,9 +357,9 @@ def _make_xacc(ngrp):
         one row (digit row-block ``rb``), accumulated in registers; prefetches each group's
         codes ``pfc`` bytes and its scales ``pfs`` elements ahead of the block's."""
         if not (isinstance(accs, types.UniTuple) and accs.count == ngrp and accs.dtype == V8F32
-                and _check_array_arg(codes, types.uint8) and _is_scale_array(scale)
-                and _check_array_arg(dg, types.int8) and _check_array_arg(bz, types.int32)
-                and _check_array_arg(xsc, types.float32)):
+                and check_array_arg(codes, types.uint8) and is_scale_array(scale)
+                and check_array_arg(dg, types.int8) and check_array_arg(bz, types.int32)
+                and check_array_arg(xsc, types.float32)):
             return None
 
         def codegen(context, builder, sig, args):
@@ -408,25 +408,25 @@ def _emit_xblocks_pair(context, builder, sig, args, nrows):
     gso = [so, builder.add(so, gss)]
     vec = {}
     for c in range(4):
-        v0 = builder.load(_elem_ptr(context, builder, aty[0], codes,
-                                    builder.add(gcb[0], ci(32 * c)), _LV32I8), align=1)
-        v1 = builder.load(_elem_ptr(context, builder, aty[0], codes,
-                                    builder.add(gcb[1], ci(32 * c)), _LV32I8), align=1)
+        v0 = builder.load(elem_ptr(context, builder, aty[0], codes,
+                                   builder.add(gcb[0], ci(32 * c)), _LV32I8), align=1)
+        v1 = builder.load(elem_ptr(context, builder, aty[0], codes,
+                                   builder.add(gcb[1], ci(32 * c)), _LV32I8), align=1)
         v = builder.shuffle_vector(v0, v1, cat64)
         vec[c, 0] = builder.and_(v, m0f)
         vec[c, 1] = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(v, _LV32I16),
                                                               ir.Constant(_LV32I16, [4] * 32)),
                                                  _LV64I8), m0f)
-    s0 = _load_scales8(context, builder, aty[3], scale, gso[0])
-    s1 = _load_scales8(context, builder, aty[3], scale, gso[1])
+    s0 = load_scales8(context, builder, aty[3], scale, gso[0])
+    s1 = load_scales8(context, builder, aty[3], scale, gso[1])
     sc = builder.shuffle_vector(s0, s1, cat16)
     for r in range(nrows):
         rb = rbs[r]
         (tv,) = _emit_block_sums(context, builder, aty[6], dg, aty[7], bz, rb,
                                  lambda sl, c, h: vec[c, h], 1, 16)
-        xs = _splat(builder, builder.load(_elem_ptr(context, builder, aty[8], xsc, rb, _F32)),
-                    _LV16F32)
-        p = _elem_ptr(context, builder, aty[11], facc, ci(16 * r), _LV16F32)
+        xs = splat(builder, builder.load(elem_ptr(context, builder, aty[8], xsc, rb, _F32)),
+                   _LV16F32)
+        p = elem_ptr(context, builder, aty[11], facc, ci(16 * r), _LV16F32)
         acc = builder.load(p, align=4)
         builder.store(builder.call(fma, [tv, builder.fmul(sc, xs), acc]), p, align=4)
     return context.get_dummy_value()
@@ -438,10 +438,10 @@ def _make_xblock_pair(nrows):
         """One block (codes byte ``cb``, scale element ``so`` of group g; group strides ``gsc``
         / ``gss``) of groups g and g + 1 for ``nrows`` rows (digit row-block ``rb0``, row
         stride ``kbw`` blocks), accumulated into ``facc[16 r : 16 r + 16]``."""
-        if not (_check_array_arg(codes, types.uint8) and _is_scale_array(scale)
-                and _check_array_arg(dg, types.int8) and _check_array_arg(bz, types.int32)
-                and _check_array_arg(xsc, types.float32)
-                and _check_array_arg(facc, types.float32)):
+        if not (check_array_arg(codes, types.uint8) and is_scale_array(scale)
+                and check_array_arg(dg, types.int8) and check_array_arg(bz, types.int32)
+                and check_array_arg(xsc, types.float32)
+                and check_array_arg(facc, types.float32)):
             return None
 
         def codegen(context, builder, sig, args):
@@ -480,7 +480,7 @@ def _digits_row(x, i, k, dg, bz, xsc):
 
 
 @njit(**JIT)
-def _digits_rows(x, m, k, dg, bz, xsc):
+def digits_rows(x, m, k, dg, bz, xsc):
     """Digits of rows ``0..m-1``; returns the number of non-finite blocks."""
     bad = 0
     for i in range(m):
@@ -497,15 +497,15 @@ def _store_row8(acc, g, n, out, facc):
     ``facc``)."""
     r0 = g * GROUP_ROWS
     if r0 + GROUP_ROWS <= n:
-        _fstore(out, r0, acc)
+        fstore(out, r0, acc)
     else:
-        _fstore(facc, 0, acc)
+        fstore(facc, 0, acc)
         for c in range(n - r0):
             out[0, r0 + c] = facc[c]
 
 
 @njit(**JIT)
-def _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc):
+def groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc):
     """Groups ``g0..g1-1`` of ``out[0]`` for a one-row ``x`` whose digits are row 0 of
     ``dg`` / ``bz`` / ``xsc`` (``facc``: float32 >= 8 scratch).
 
@@ -566,9 +566,9 @@ def _pass_rows(codes, scale, g, i0, nr, dg, bz, xsc, facc):
         cb = (base + b) * GROUP_BLOCK_BYTES
         so = (base + b) * GROUP_ROWS
         if PF_BYTES > 0:
-            _prefetch(codes, cb + PF_BYTES)
-            _prefetch(codes, cb + PF_BYTES + 64)
-            _prefetch(scale, so + PF_BYTES // 16)
+            prefetch(codes, cb + PF_BYTES)
+            prefetch(codes, cb + PF_BYTES + 64)
+            prefetch(scale, so + PF_BYTES // 16)
         rb0 = i0 * kbw + b
         if nr == 4:
             _xb_r4(codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc)
@@ -592,12 +592,12 @@ def _pass_rows_pair(codes, scale, g, i0, nr, dg, bz, xsc, facc):
         cb = (base + b) * GROUP_BLOCK_BYTES
         so = (base + b) * GROUP_ROWS
         if PF_BYTES > 0:
-            _prefetch(codes, cb + PF_BYTES)
-            _prefetch(codes, cb + PF_BYTES + 64)
-            _prefetch(codes, cb + gsc + PF_BYTES)
-            _prefetch(codes, cb + gsc + PF_BYTES + 64)
-            _prefetch(scale, so + PF_BYTES // 16)
-            _prefetch(scale, so + gss + PF_BYTES // 16)
+            prefetch(codes, cb + PF_BYTES)
+            prefetch(codes, cb + PF_BYTES + 64)
+            prefetch(codes, cb + gsc + PF_BYTES)
+            prefetch(codes, cb + gsc + PF_BYTES + 64)
+            prefetch(scale, so + PF_BYTES // 16)
+            prefetch(scale, so + gss + PF_BYTES // 16)
         rb0 = i0 * kbw + b
         if nr == 4:
             _xp_r4(codes, cb, gsc, scale, so, gss, dg, bz, xsc, rb0, kbw, facc)
@@ -606,7 +606,7 @@ def _pass_rows_pair(codes, scale, g, i0, nr, dg, bz, xsc, facc):
 
 
 @njit(**JIT)
-def _groups_rows(codes, scale, g0, g1, m, dg, bz, xsc, n, out, facc):
+def groups_rows(codes, scale, g0, g1, m, dg, bz, xsc, n, out, facc):
     """Groups ``g0..g1-1`` of rows ``0..m-1``: pairs of groups (:func:`_pass_rows_pair`), then
     a last odd group alone; chunks of 4 rows, then 1, per pass (a later chunk re-reads the groups'
     codes from L1/L2)."""
@@ -639,22 +639,22 @@ def _groups_rows(codes, scale, g0, g1, m, dg, bz, xsc, n, out, facc):
 
 
 @njit(**JIT)
-def _linear_vnni_ser(x, m, k, codes, scale, n, out, facc, dg, bz, xsc):
+def linear_vnni_ser(x, m, k, codes, scale, n, out, facc, dg, bz, xsc):
     """``out[:m] = x[:m] @ W.T`` serially; returns the number of non-finite activation blocks
     (their rows are NaN here)."""
-    bad = _digits_rows(x, m, k, dg, bz, xsc)
+    bad = digits_rows(x, m, k, dg, bz, xsc)
     ng = codes.shape[0]
     zero = np.int64(0)
     if m == 1:
-        _groups_m1(codes, scale, zero, ng, dg, bz, xsc, n, out, facc[0])
+        groups_m1(codes, scale, zero, ng, dg, bz, xsc, n, out, facc[0])
     else:
-        _groups_rows(codes, scale, zero, ng, m, dg, bz, xsc, n, out, facc[0])
+        groups_rows(codes, scale, zero, ng, m, dg, bz, xsc, n, out, facc[0])
     return bad
 
 
 @njit(**PJIT)
-def _linear_vnni_par(x, m, k, codes, scale, n, out, ntasks, facc, dg, bz, xsc):
-    """:func:`_linear_vnni_ser` with the groups split over ``ntasks`` tasks (and the digits of
+def linear_vnni_par(x, m, k, codes, scale, n, out, ntasks, facc, dg, bz, xsc):
+    """:func:`linear_vnni_ser` with the groups split over ``ntasks`` tasks (and the digits of
     M >= DIGITS_PAR_MIN_M rows over the rows)."""
     bad = 0
     ng = codes.shape[0]
@@ -662,13 +662,19 @@ def _linear_vnni_par(x, m, k, codes, scale, n, out, ntasks, facc, dg, bz, xsc):
         for i in prange(m):
             bad += _digits_row(x, i, k, dg, bz, xsc)
     else:
-        bad = _digits_rows(x, m, k, dg, bz, xsc)
+        bad = digits_rows(x, m, k, dg, bz, xsc)
     for task in prange(ntasks):
         g0 = task * ng // ntasks
         g1 = (task + 1) * ng // ntasks
         if m == 1:
             prefetch_task_head(codes, scale, g0, g1, NG_MULTI, PF_BYTES)
-            _groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc[task])
+            groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc[task])
         else:
-            _groups_rows(codes, scale, g0, g1, m, dg, bz, xsc, n, out, facc[task])
+            groups_rows(codes, scale, g0, g1, m, dg, bz, xsc, n, out, facc[task])
     return bad
+
+
+#: Old names, still used by kernels/decoder_layers.py and tests/test_decoder_stack.py.
+_digits_rows = digits_rows
+_groups_m1 = groups_m1
+_groups_rows = groups_rows

@@ -1,15 +1,15 @@
 """INT4 x int8 GEMV/GEMM (quantized activations) with explicit AVX2 integer dot products.
 
-Same math as :func:`~.packed.linear_packed` with ``quantize_activations=True`` (symmetric weights,
-block 32): every 32-block of every activation row is quantized to int8 (``d = max|x| / 127``,
-``xq = rint(x / d)``, exactly as :func:`~.packed._quantize_rows`), and
+Symmetric INT4 weights, block 32: every 32-block of every activation row is quantized to int8
+(``d = max|x| / 127``, ``xq = rint(x / d)``, :func:`~.packed.quantize_block`), and
 
     y[i, n] = sum_b float32(S[i, n, b]) * (scale[n, b] * d[i, b])      (b = 0, 1, ... in order)
     S[i, n, b] = sum_{j<32} q[n, 32b + j] * xq[i, 32b + j]             (exact int32)
 
-The integer sums are exact and the float operations per (row, block) are the same as in
-``linear_packed(quantize_activations=True)`` (one float32 multiply ``scale * d``, one multiply,
-one add, blocks in order from 0.0), so the two kernels give bitwise equal results.
+The integer sums are exact and the float operations per (row, block) are fixed (one float32
+multiply ``scale * d``, one multiply, one add, blocks in order from 0.0), so every variant (1, 2,
+4 activation rows per pass, the prefill GEMM, either ISA) gives bitwise the same results, those
+of ``tests/reference.py::linear_int4_int8``.
 
 Instead of relying on LLVM's auto-vectoriser (which emits int16 ``vpmullw``/``vpaddw`` per nibble),
 the inner loop is written with numba intrinsics (:func:`numba.core.extending.intrinsic`) that emit
@@ -65,7 +65,7 @@ median; no change when the stream runs at 30-38 GB/s), while a longer L1 distanc
 alone or no software prefetch at all stayed at 40-42. The parallel driver
 prefetches the head of each task's stream when the task starts (:func:`prefetch_task_head`).
 Activation quantization of full 32-blocks is also vector IR (``vdivps``/``vroundps``, the same
-IEEE operations as the scalar loop, so ``xq``/``d`` are bitwise those of ``_quantize_rows``).
+IEEE operations as the scalar loop, so ``xq``/``d`` are bitwise those of ``quantize_block``).
 
 Overflow: each ``vpmaddubsw`` lane is ``u0*x0 + u1*x1`` with ``|.| <= 2*15*127 = 3810`` (never
 saturates); the 8 lanes summed with ``vpaddw`` per block give ``|.| <= 16*15*127 = 30480 < 32767``
@@ -81,8 +81,8 @@ is never read as this one.
 Prefill (M >= 8) on the VNNI path: :mod:`.packed_i8_gemm` (16 output rows x 8 activation rows
 per zmm register tile, the same bits).
 
-Zero points are not supported (:func:`prepack_int4_i8` raises
-:class:`~olv_runtime.errors.InvalidArgument`, so callers fall back to :mod:`.packed`).
+Zero points are not supported here (:func:`prepack_int4_i8` raises
+:class:`~olv_runtime.errors.InvalidArgument`): weights with zero points take :mod:`.packed_zp`.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ from olv_runtime.errors import InvalidArgument, env_error
 from .arena import weight_empty
 from .config import JIT, PJIT, check_array, check_int
 from .half import scale_bits
-from .packed import _quantize_block, workspace_args  # shared
+from .packed import quantize_block, workspace_args  # shared
 
 __all__ = ["isa", "set_isa", "use_vnni", "fast_call_rows", "num_threads", "HOST_VNNI", "PackedInt4I8", "PackedI8Workspace", "prepack_int4_i8", "make_workspace_i8",
            "GROUP_ROWS", "BLOCK"]
@@ -224,7 +224,7 @@ PF2_BYTES = 16384  # second, longer prefetch distance into L2 (prefetcht1; 0: of
 # ------------------------------------------------------------------------------------------------
 # 256-bit vector types and intrinsics
 # ------------------------------------------------------------------------------------------------
-class _Vec(types.Type):
+class Vec(types.Type):
     """A 256-bit LLVM vector value (only created and consumed by the intrinsics below)."""
 
     def __init__(self, bits, count, is_float):
@@ -232,17 +232,15 @@ class _Vec(types.Type):
         super().__init__(name=f"olv_vec{count}x{'f' if is_float else 'i'}{bits}")
 
 
-@register_model(_Vec)
+@register_model(Vec)
 class _VecModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         et = ir.FloatType() if fe_type.is_float else ir.IntType(fe_type.bits)
         super().__init__(dmm, fe_type, ir.VectorType(et, fe_type.count))
 
 
-V32I8 = _Vec(8, 32, False)
-V16I16 = _Vec(16, 16, False)
-V8F32 = _Vec(32, 8, True)
-V8I32 = _Vec(32, 8, False)
+V8F32 = Vec(32, 8, True)
+V8I32 = Vec(32, 8, False)
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _LV32I8 = ir.VectorType(_I8, 32)
@@ -251,25 +249,25 @@ _LV8I32 = ir.VectorType(_I32, 8)
 _LV8F32 = ir.VectorType(ir.FloatType(), 8)
 
 
-def _elem_ptr(context, builder, aty, aval, off, vty):
+def elem_ptr(context, builder, aty, aval, off, vty):
     """Pointer (as ``vty*``) to element ``off`` (linear, in elements) of a C-contiguous array."""
     ary = context.make_array(aty)(context, builder, aval)
     p = builder.gep(ary.data, [off])
     return builder.bitcast(p, vty.as_pointer())
 
 
-def _splat(builder, val, vty):
+def splat(builder, val, vty):
     undef = ir.Constant(vty, ir.Undefined)
     v = builder.insert_element(undef, val, ir.Constant(_I32, 0))
     mask = ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count)
     return builder.shuffle_vector(v, undef, mask)
 
 
-def _check_array_arg(arr, dtype):
+def check_array_arg(arr, dtype):
     return isinstance(arr, types.Array) and arr.dtype == dtype
 
 
-def _is_scale_array(arr):
+def is_scale_array(arr):
     """float32 scales, or float16 scales as their uint16 bits (kernels/half.py)."""
     return isinstance(arr, types.Array) and arr.dtype in (types.float32, types.uint16)
 
@@ -278,79 +276,15 @@ _LV8I16 = ir.VectorType(ir.IntType(16), 8)
 _LV8F16 = ir.VectorType(ir.HalfType(), 8)
 
 
-def _load_scales8(context, builder, aty, arr, off):
+def load_scales8(context, builder, aty, arr, off):
     """8 consecutive scales from linear element ``off`` as float32 lanes: a float32 load, or a
     uint16 (float16 bits) load widened exactly with ``fpext`` (``vcvtph2ps``)."""
     if aty.dtype == types.uint16:
-        p = _elem_ptr(context, builder, aty, arr, off, _LV8I16)
+        p = elem_ptr(context, builder, aty, arr, off, _LV8I16)
         h = builder.bitcast(builder.load(p, align=2), _LV8F16)
         return builder.fpext(h, _LV8F32)
-    p = _elem_ptr(context, builder, aty, arr, off, _LV8F32)
+    p = elem_ptr(context, builder, aty, arr, off, _LV8F32)
     return builder.load(p, align=4)
-
-
-@intrinsic
-def _nib_lo(typingctx, codes, off):
-    """32 bytes of ``codes`` (uint8 array) at byte ``off``, low nibbles as unsigned bytes."""
-    if not _check_array_arg(codes, types.uint8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV32I8)
-        v = builder.load(p, align=1)
-        return builder.and_(v, ir.Constant(_LV32I8, [0x0F] * 32))
-    return V32I8(codes, types.intp), codegen
-
-
-@intrinsic
-def _nib_hi(typingctx, codes, off):
-    """32 bytes of ``codes`` at byte ``off``, high nibbles as unsigned bytes (vpsrlw + vpand)."""
-    if not _check_array_arg(codes, types.uint8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV32I8)
-        v = builder.bitcast(builder.load(p, align=1), _LV16I16)
-        v = builder.bitcast(builder.lshr(v, ir.Constant(_LV16I16, [4] * 16)), _LV32I8)
-        return builder.and_(v, ir.Constant(_LV32I8, [0x0F] * 32))
-    return V32I8(codes, types.intp), codegen
-
-
-@intrinsic
-def _bcast4(typingctx, xq, off):
-    """The 4 int8 values ``xq[off:off+4]`` (linear byte offset) repeated 8 times (vpbroadcastd)."""
-    if not _check_array_arg(xq, types.int8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _I32)
-        v = builder.load(p, align=1)
-        return builder.bitcast(_splat(builder, v, _LV8I32), _LV32I8)
-    return V32I8(xq, types.intp), codegen
-
-
-@intrinsic
-def _maddubs(typingctx, u, x):
-    """vpmaddubsw: int16 lane l = u[2l]*x[2l] + u[2l+1]*x[2l+1] (u unsigned, x signed bytes)."""
-    if u != V32I8 or x != V32I8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.ub.sw")
-        return builder.call(fn, [args[0], args[1]])
-    return V16I16(V32I8, V32I8), codegen
-
-
-@intrinsic
-def _add16(typingctx, a, b):
-    """vpaddw (wrapping int16 add; the callers' bounds keep it exact)."""
-    if a != V16I16 or b != V16I16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.add(args[0], args[1])
-    return V16I16(V16I16, V16I16), codegen
 
 
 def emit_prefetch(context, builder, aty, arr, off, locality=3):
@@ -382,67 +316,30 @@ def _make_prefetch(locality, doc):
     return prefetch
 
 
-_prefetch = _make_prefetch(3, "Software prefetch (prefetcht0) of the byte at linear element "
+prefetch = _make_prefetch(3, "Software prefetch (prefetcht0) of the byte at linear element "
                               "``off`` of ``arr`` (may point past the end: never faults).")
 _prefetch_l2 = _make_prefetch(2, "Software prefetch into L2 (prefetcht1) of the byte at linear "
                                  "element ``off`` of ``arr`` (may point past the end).")
 
 
 @intrinsic
-def _fzero(typingctx):
+def fzero(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_LV8F32, [0.0] * 8)
     return V8F32(), codegen
 
 
 @intrinsic
-def _fload(typingctx, arr, off):
-    """8 float32 of ``arr`` from linear element ``off``."""
-    if not _check_array_arg(arr, types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV8F32)
-        return builder.load(p, align=4)
-    return V8F32(arr, types.intp), codegen
-
-
-@intrinsic
-def _fstore(typingctx, arr, off, v):
+def fstore(typingctx, arr, off, v):
     """Store 8 float32 to ``arr`` at linear element ``off``."""
-    if not _check_array_arg(arr, types.float32) or v != V8F32:
+    if not check_array_arg(arr, types.float32) or v != V8F32:
         return None
 
     def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV8F32)
+        p = elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV8F32)
         builder.store(args[2], p, align=4)
         return context.get_dummy_value()
     return types.none(arr, types.intp, V8F32), codegen
-
-
-@intrinsic
-def _block_acc(typingctx, acc, s16, s8, scale, soff, d):
-    """``acc + float32(vpmaddwd(s16, 1) - s8) * (scale[soff:soff+8] * d)`` (lane = row).
-
-    ``s16``: per row two int16 partial sums of ``u * xq``; ``s8 = 8 * sum(xq)`` of the block, so
-    the int32 is the exact ``sum q * xq``. Separate multiply and add (no FMA), as in packed.py.
-    """
-    if acc != V8F32 or s16 != V16I16 or not _is_scale_array(scale):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a, s, sx, sc, so, dd = args
-        fnty = ir.FunctionType(_LV8I32, [_LV16I16, _LV16I16])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
-        i32 = builder.call(fn, [s, ir.Constant(_LV16I16, [1] * 16)])
-        sx = context.cast(builder, sx, sig.args[2], types.int32)
-        i32 = builder.sub(i32, _splat(builder, sx, _LV8I32))
-        f = builder.sitofp(i32, _LV8F32)
-        ws = _load_scales8(context, builder, sig.args[3], sc, so)
-        dd = context.cast(builder, dd, sig.args[5], types.float32)
-        v = builder.fmul(ws, _splat(builder, dd, _LV8F32))
-        return builder.fadd(a, builder.fmul(f, v))
-    return V8F32(V8F32, V16I16, types.int32, scale, types.intp, types.float32), codegen
 
 
 def _hreduce(builder, v, op):
@@ -463,8 +360,8 @@ def _quant_block(typingctx, x, xoff, xq, qoff, xd, xs8, boff):
     ``d = max|x| / 127``, ``xq = clamp(rint(x / d), -127, 127)`` (0 if max|x| == 0) written to
     ``xq[qoff:qoff+32]``, ``xd[boff] = d``, ``xs8[boff] = 8 * sum(xq)``. Same float operations as
     the scalar loop (IEEE division, rint = round half to even), on 4 ymm vectors."""
-    if not (_check_array_arg(x, types.float32) and _check_array_arg(xq, types.int8)
-            and _check_array_arg(xd, types.float32) and _check_array_arg(xs8, types.int32)):
+    if not (check_array_arg(x, types.float32) and check_array_arg(xq, types.int8)
+            and check_array_arg(xd, types.float32) and check_array_arg(xs8, types.int32)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -473,7 +370,7 @@ def _quant_block(typingctx, x, xoff, xq, qoff, xd, xs8, boff):
         vs = []
         for j in range(4):
             off = builder.add(xo, ir.Constant(xo.type, 8 * j))
-            p = _elem_ptr(context, builder, sig.args[0], xa, off, _LV8F32)
+            p = elem_ptr(context, builder, sig.args[0], xa, off, _LV8F32)
             vs.append(builder.load(p, align=4))
         absmask = ir.Constant(_LV8I32, [0x7FFFFFFF] * 8)
         av = [builder.bitcast(builder.and_(builder.bitcast(v, _LV8I32), absmask), _LV8F32)
@@ -485,7 +382,7 @@ def _quant_block(typingctx, x, xoff, xq, qoff, xd, xs8, boff):
         amax = _hreduce(builder, m, fmax)
         d = builder.fdiv(amax, ir.Constant(ft, 127.0))
         pos = builder.fcmp_ordered(">", amax, ir.Constant(ft, 0.0))
-        dv = _splat(builder, d, _LV8F32)
+        dv = splat(builder, d, _LV8F32)
         rint = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_LV8F32, [_LV8F32]), "llvm.rint.v8f32")
         hi = ir.Constant(_LV8F32, [127.0] * 8)
@@ -498,13 +395,13 @@ def _quant_block(typingctx, x, xoff, xq, qoff, xd, xs8, boff):
             iv = builder.fptosi(v, _LV8I32)
             iv = builder.select(pos, iv, ir.Constant(_LV8I32, [0] * 8))
             off = builder.add(qo, ir.Constant(qo.type, 8 * j))
-            p = _elem_ptr(context, builder, sig.args[2], qa, off, ir.VectorType(_I8, 8))
+            p = elem_ptr(context, builder, sig.args[2], qa, off, ir.VectorType(_I8, 8))
             builder.store(builder.trunc(iv, ir.VectorType(_I8, 8)), p, align=1)
             tot = iv if tot is None else builder.add(tot, iv)
         total = _hreduce(builder, tot, lambda b, p, q: b.add(p, q))
-        builder.store(d, _elem_ptr(context, builder, sig.args[4], da, bo, ft))
+        builder.store(d, elem_ptr(context, builder, sig.args[4], da, bo, ft))
         builder.store(builder.mul(total, ir.Constant(_I32, 8)),
-                      _elem_ptr(context, builder, sig.args[5], sa, bo, _I32))
+                      elem_ptr(context, builder, sig.args[5], sa, bo, _I32))
         return context.get_dummy_value()
     return types.none(x, types.intp, xq, types.intp, xd, xs8, types.intp), codegen
 
@@ -512,7 +409,7 @@ def _quant_block(typingctx, x, xoff, xq, qoff, xd, xs8, boff):
 # ------------------------------------------------------------------------------------------------
 # container and workspace
 # ------------------------------------------------------------------------------------------------
-def _aligned_empty(shape, dtype, align=ALIGN):
+def aligned_empty(shape, dtype, align=ALIGN):
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + align, dtype=np.uint8)
@@ -550,9 +447,9 @@ class PackedInt4I8:
         return int(self.codes.nbytes + self.scale.nbytes)
 
     def copy(self) -> "PackedInt4I8":
-        codes = _aligned_empty(self.codes.shape, np.uint8)
+        codes = aligned_empty(self.codes.shape, np.uint8)
         codes[...] = self.codes
-        scale = _aligned_empty(self.scale.shape, self.scale.dtype)
+        scale = aligned_empty(self.scale.shape, self.scale.dtype)
         scale[...] = self.scale
         return PackedInt4I8(codes, scale, self.n, self.k)
 
@@ -574,7 +471,7 @@ class PackedI8Workspace:
         kp = BLOCK * (-(-k_max // BLOCK))
         kb = kp // BLOCK
         self.m_max, self.k_max, self.n_tasks = m_max, kp, n_tasks
-        self.xq = _aligned_empty((m_max, kp), np.int8)
+        self.xq = aligned_empty((m_max, kp), np.int8)
         self.xq[...] = 0
         self.xd = np.zeros((m_max, kb), dtype=np.float32)
         self.xs8 = np.zeros((m_max, kb), dtype=np.int32)
@@ -643,7 +540,7 @@ def _prepack_ser(payload, scale, n, k, codes, pscale):
 PREPACK_SERIAL_MAX = 1 << 20
 
 
-def _prepack(payload, scale, n, k, codes, pscale):
+def prepack(payload, scale, n, k, codes, pscale):
     """Fill ``codes`` / ``pscale`` (the serial driver for small weights, else the parallel)."""
     driver = _prepack_ser if n * k < PREPACK_SERIAL_MAX else _prepack_par
     driver(payload, scale, n, k, codes, pscale)
@@ -661,7 +558,7 @@ def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarr
         float16 scales are kept as float16 in the packed layout (no float32 copy).
     zero_point : None
         Must be None (symmetric); anything else raises
-        :class:`~olv_runtime.errors.InvalidArgument` so the caller falls back to :mod:`.packed`.
+        :class:`~olv_runtime.errors.InvalidArgument` (zero points: :mod:`.packed_zp`).
     n, k : int
     block_size : int
         Must be 32 (:class:`~olv_runtime.errors.InvalidArgument` otherwise).
@@ -687,15 +584,15 @@ def prepack_int4_i8(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndarr
     # float16 scales stay float16 (as uint16 bits): 4.5 bits per weight, like Q4_0
     sdt = np.uint16 if scale.dtype == np.float16 else np.float32
     pscale = weight_empty((ng, kb, GROUP_ROWS), sdt)
-    _prepack(payload, scale_bits(scale), n, k, codes, pscale)
+    prepack(payload, scale_bits(scale), n, k, codes, pscale)
     return PackedInt4I8(codes, pscale, n, k)
 
 
 # ------------------------------------------------------------------------------------------------
-# activation quantization (same operations as packed._quantize_rows, int8 output)
+# activation quantization (packed.quantize_block's operations, int8 output)
 # ------------------------------------------------------------------------------------------------
 @njit(**JIT)
-def _quantize_rows_i8(x, m, k, kb, xq, xd, xs8):
+def quantize_rows_i8(x, m, k, kb, xq, xd, xs8):
     kx = xq.shape[1]
     kbx = xd.shape[1]
     for i in range(m):
@@ -705,7 +602,7 @@ def _quantize_rows_i8(x, m, k, kb, xq, xd, xs8):
             if ln == BLOCK:  # full block: vector code (same operations)
                 _quant_block(x, i * k + k0, xq, i * kx + k0, xd, xs8, i * kbx + b)
                 continue
-            d, tot = _quantize_block(x, i, k0, ln, xq)
+            d, tot = quantize_block(x, i, k0, ln, xq)
             xd[i, b] = d
             xs8[i, b] = np.int32(8 * tot)
 
@@ -724,7 +621,7 @@ def _emit_block_dot(context, builder, sig, args, nrows):
     m0f = ir.Constant(_LV32I8, [0x0F] * 32)
     for c in range(4):
         off = builder.add(cb, ir.Constant(cb.type, 32 * c))
-        v = builder.load(_elem_ptr(context, builder, aty[0], codes, off, _LV32I8), align=1)
+        v = builder.load(elem_ptr(context, builder, aty[0], codes, off, _LV32I8), align=1)
         lo.append(builder.and_(v, m0f))
         vh = builder.bitcast(builder.lshr(builder.bitcast(v, _LV16I16),
                                           ir.Constant(_LV16I16, [4] * 16)), _LV32I8)
@@ -735,8 +632,8 @@ def _emit_block_dot(context, builder, sig, args, nrows):
         for c in range(4):
             for half in (0, 16):
                 off = builder.add(xos[r], ir.Constant(xos[r].type, half + 4 * c))
-                p = _elem_ptr(context, builder, aty[2], xq, off, _I32)
-                row.append(builder.bitcast(_splat(builder, builder.load(p, align=1), _LV8I32),
+                p = elem_ptr(context, builder, aty[2], xq, off, _I32)
+                row.append(builder.bitcast(splat(builder, builder.load(p, align=1), _LV8I32),
                                            _LV32I8))
         xs.append(row)
 
@@ -795,7 +692,7 @@ def _emit_block_dot(context, builder, sig, args, nrows):
 def _block_dot_typer(nrows, codes, xq, rest):
     """Signature of the block-dot intrinsics: (codes, cb, xq, xo_0..xo_{n-1}, vnni) ->
     UniTuple(int32 x 8, n)."""
-    if not (_check_array_arg(codes, types.uint8) and _check_array_arg(xq, types.int8)
+    if not (check_array_arg(codes, types.uint8) and check_array_arg(xq, types.int8)
             and len(rest) == nrows + 1):
         return None
     return types.UniTuple(V8I32, nrows)(codes, types.intp, xq, *([types.intp] * nrows),
@@ -803,7 +700,7 @@ def _block_dot_typer(nrows, codes, xq, rest):
 
 
 @intrinsic
-def _dot_r1(typingctx, codes, cb, xq, xo0, vnni):
+def dot_r1(typingctx, codes, cb, xq, xo0, vnni):
     """Exact int32 block sums of one activation row (see :func:`_emit_block_dot`); ``vnni``
     selects vpdpbusd (if the host has it) or vpmaddubsw + vpaddw + vpmaddwd."""
     sig = _block_dot_typer(1, codes, xq, (xo0, vnni))
@@ -812,16 +709,16 @@ def _dot_r1(typingctx, codes, cb, xq, xo0, vnni):
 
 
 @intrinsic
-def _dot_r2(typingctx, codes, cb, xq, xo0, xo1, vnni):
-    """As :func:`_dot_r1` for two activation rows sharing the decoded codes."""
+def dot_r2(typingctx, codes, cb, xq, xo0, xo1, vnni):
+    """As :func:`dot_r1` for two activation rows sharing the decoded codes."""
     sig = _block_dot_typer(2, codes, xq, (xo0, xo1, vnni))
     return sig, (lambda context, builder, sig, args:
                  _emit_block_dot(context, builder, sig, args, 2))
 
 
 @intrinsic
-def _dot_r4(typingctx, codes, cb, xq, xo0, xo1, xo2, xo3, vnni):
-    """As :func:`_dot_r1` for four activation rows sharing the decoded codes."""
+def dot_r4(typingctx, codes, cb, xq, xo0, xo1, xo2, xo3, vnni):
+    """As :func:`dot_r1` for four activation rows sharing the decoded codes."""
     sig = _block_dot_typer(4, codes, xq, (xo0, xo1, xo2, xo3, vnni))
     return sig, (lambda context, builder, sig, args:
                  _emit_block_dot(context, builder, sig, args, 4))
@@ -830,41 +727,41 @@ def _dot_r4(typingctx, codes, cb, xq, xo0, xo1, xo2, xo3, vnni):
 @intrinsic
 def _block_acc32(typingctx, acc, s32, s8, scale, soff, d):
     """``acc + float32(s32 - s8) * (scale[soff:soff+8] * d)`` (lane = row): the float operations
-    of :func:`_block_acc` on exact int32 block sums."""
-    if acc != V8F32 or s32 != V8I32 or not _is_scale_array(scale):
+    of the int8 block accumulation on exact int32 block sums."""
+    if acc != V8F32 or s32 != V8I32 or not is_scale_array(scale):
         return None
 
     def codegen(context, builder, sig, args):
         a, i32, sx, sc, so, dd = args
         sx = context.cast(builder, sx, sig.args[2], types.int32)
-        i32 = builder.sub(i32, _splat(builder, sx, _LV8I32))
+        i32 = builder.sub(i32, splat(builder, sx, _LV8I32))
         f = builder.sitofp(i32, _LV8F32)
-        ws = _load_scales8(context, builder, sig.args[3], sc, so)
+        ws = load_scales8(context, builder, sig.args[3], sc, so)
         dd = context.cast(builder, dd, sig.args[5], types.float32)
-        v = builder.fmul(ws, _splat(builder, dd, _LV8F32))
+        v = builder.fmul(ws, splat(builder, dd, _LV8F32))
         return builder.fadd(a, builder.fmul(f, v))
     return V8F32(V8F32, V8I32, types.int32, scale, types.intp, types.float32), codegen
 
 
 @njit(**JIT)
-def _store_group(acc, facc, g, i, n, out):
+def store_group(acc, facc, g, i, n, out):
     """Write the 8 rows of group g of activation row i (partial last group through facc)."""
     r0 = g * GROUP_ROWS
     if r0 + GROUP_ROWS <= n:
-        _fstore(out, i * n + r0, acc)
+        fstore(out, i * n + r0, acc)
     else:
-        _fstore(facc, 0, acc)
+        fstore(facc, 0, acc)
         for r in range(n - r0):
             out[i, r0 + r] = facc[0, r]
 
 
 @njit(**JIT)
-def _prefetch_block(codes, scale, base, b):
+def prefetch_block(codes, scale, base, b):
     if PF_BYTES > 0:
         cb = (base + b) * GROUP_BLOCK_BYTES
-        _prefetch(codes, cb + PF_BYTES)
-        _prefetch(codes, cb + PF_BYTES + 64)
-        _prefetch(scale, (base + b) * GROUP_ROWS + PF_BYTES // 4)
+        prefetch(codes, cb + PF_BYTES)
+        prefetch(codes, cb + PF_BYTES + 64)
+        prefetch(scale, (base + b) * GROUP_ROWS + PF_BYTES // 4)
     if PF2_BYTES > 0:
         cb = (base + b) * GROUP_BLOCK_BYTES
         _prefetch_l2(codes, cb + PF2_BYTES)
@@ -872,21 +769,21 @@ def _prefetch_block(codes, scale, base, b):
 
 
 @njit(**JIT)
-def _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
+def group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
     """Group g (8 output rows) of activation row i0; accumulator in a register."""
     kb = codes.shape[1]
     xr = i0 * xq.shape[1]
     base = g * kb
-    acc = _fzero()
+    acc = fzero()
     for b in range(kb):
-        _prefetch_block(codes, scale, base, b)
-        s = _dot_r1(codes, (base + b) * GROUP_BLOCK_BYTES, xq, xr + b * BLOCK, vnni)
+        prefetch_block(codes, scale, base, b)
+        s = dot_r1(codes, (base + b) * GROUP_BLOCK_BYTES, xq, xr + b * BLOCK, vnni)
         acc = _block_acc32(acc, s[0], xs8[i0, b], scale, (base + b) * GROUP_ROWS, xd[i0, b])
-    _store_group(acc, facc, g, i0, n, out)
+    store_group(acc, facc, g, i0, n, out)
 
 
 @njit(**JIT)
-def _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
+def group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
     """Group g of activation rows i0, i0+1: each code chunk decoded once, accumulators in
     registers."""
     kb = codes.shape[1]
@@ -894,21 +791,21 @@ def _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
     x0 = i0 * kx
     x1 = x0 + kx
     base = g * kb
-    a0 = _fzero()
-    a1 = _fzero()
+    a0 = fzero()
+    a1 = fzero()
     for b in range(kb):
-        _prefetch_block(codes, scale, base, b)
+        prefetch_block(codes, scale, base, b)
         xo = b * BLOCK
-        s = _dot_r2(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, vnni)
+        s = dot_r2(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, vnni)
         so = (base + b) * GROUP_ROWS
         a0 = _block_acc32(a0, s[0], xs8[i0, b], scale, so, xd[i0, b])
         a1 = _block_acc32(a1, s[1], xs8[i0 + 1, b], scale, so, xd[i0 + 1, b])
-    _store_group(a0, facc, g, i0, n, out)
-    _store_group(a1, facc, g, i0 + 1, n, out)
+    store_group(a0, facc, g, i0, n, out)
+    store_group(a1, facc, g, i0 + 1, n, out)
 
 
 @njit(**JIT)
-def _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
+def group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
     """Group g of activation rows i0..i0+3: each code chunk decoded once, accumulators in
     registers."""
     kb = codes.shape[1]
@@ -918,41 +815,41 @@ def _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
     x2 = x1 + kx
     x3 = x2 + kx
     base = g * kb
-    a0 = _fzero()
-    a1 = _fzero()
-    a2 = _fzero()
-    a3 = _fzero()
+    a0 = fzero()
+    a1 = fzero()
+    a2 = fzero()
+    a3 = fzero()
     for b in range(kb):
-        _prefetch_block(codes, scale, base, b)
+        prefetch_block(codes, scale, base, b)
         xo = b * BLOCK
-        s = _dot_r4(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, x2 + xo,
-                    x3 + xo, vnni)
+        s = dot_r4(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, x2 + xo,
+                   x3 + xo, vnni)
         so = (base + b) * GROUP_ROWS
         a0 = _block_acc32(a0, s[0], xs8[i0, b], scale, so, xd[i0, b])
         a1 = _block_acc32(a1, s[1], xs8[i0 + 1, b], scale, so, xd[i0 + 1, b])
         a2 = _block_acc32(a2, s[2], xs8[i0 + 2, b], scale, so, xd[i0 + 2, b])
         a3 = _block_acc32(a3, s[3], xs8[i0 + 3, b], scale, so, xd[i0 + 3, b])
-    _store_group(a0, facc, g, i0, n, out)
-    _store_group(a1, facc, g, i0 + 1, n, out)
-    _store_group(a2, facc, g, i0 + 2, n, out)
-    _store_group(a3, facc, g, i0 + 3, n, out)
+    store_group(a0, facc, g, i0, n, out)
+    store_group(a1, facc, g, i0 + 1, n, out)
+    store_group(a2, facc, g, i0 + 2, n, out)
+    store_group(a3, facc, g, i0 + 3, n, out)
 
 
 @njit(**JIT)
-def _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
+def groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
     """Groups g0..g1-1 of ``out[:m]``: activation rows in chunks of 4, 2, 1 per group (the
     group's codes, <= 128 * KB bytes, are re-read from L1/L2 by later chunks, not from DRAM).
     ``facc``: float32 [>= 1, 8] scratch of this task (partial last group)."""
     for g in range(g0, g1):
         i0 = np.int64(0)  # not Literal[int](0): one specialisation of the callees
         while m - i0 >= 4:
-            _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+            group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
             i0 += 4
         if m - i0 >= 2:
-            _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+            group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
             i0 += 2
         if m - i0 >= 1:
-            _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+            group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -970,27 +867,35 @@ def prefetch_task_head(codes, scale, g0, g1, nstreams, pf):
     nb = min(pf, gsc)
     for g in range(g0, min(g1, g0 + nstreams)):
         for off in range(0, nb, 64):
-            _prefetch(codes, g * gsc + off)
+            prefetch(codes, g * gsc + off)
         for off in range(0, nb // GROUP_BLOCK_BYTES * GROUP_ROWS, 64 // scale.itemsize):
-            _prefetch(scale, g * gss + off)
+            prefetch(scale, g * gss + off)
 
 @njit(**PJIT)
-def _linear_par(x, m, k, codes, scale, n, out, ntmax, xq, xd, xs8, facc, vnni):
+def linear_par(x, m, k, codes, scale, n, out, ntmax, xq, xd, xs8, facc, vnni):
     """``min(ntmax, groups)`` tasks."""
     kb = codes.shape[1]
-    _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
+    quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
     ng = codes.shape[0]
     ntasks = min(ntmax, ng)
     for task in prange(ntasks):
         g0 = task * ng // ntasks
         g1 = (task + 1) * ng // ntasks
         prefetch_task_head(codes, scale, g0, g1, 1, PF_BYTES)
-        _groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc[task], vnni)
+        groups(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc[task], vnni)
 
 
 @njit(**JIT)
-def _linear_ser(x, m, k, codes, scale, n, out, xq, xd, xs8, facc, vnni):
+def linear_ser(x, m, k, codes, scale, n, out, xq, xd, xs8, facc, vnni):
     kb = codes.shape[1]
-    _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
-    _groups(codes, scale, np.int64(0), codes.shape[0], xq, xd, xs8, m, n, out, facc,
-            vnni)  # not literal
+    quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
+    groups(codes, scale, np.int64(0), codes.shape[0], xq, xd, xs8, m, n, out, facc,
+           vnni)  # not literal
+
+
+#: Old names of the shared helpers above, still used outside the packed kernel modules
+#: (kernels/decoder_layers.py, executor/decoder_step.py, tests/test_decoder_stack.py).
+_aligned_empty = aligned_empty
+_groups = groups
+_prefetch = prefetch
+_quantize_rows_i8 = quantize_rows_i8

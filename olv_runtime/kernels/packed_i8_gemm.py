@@ -3,8 +3,8 @@
 The math is that of :func:`~.packed_i8_gemm.linear_packed_i8` (module docstring there): activation rows
 quantized per 32-block to int8 once per call, exact int32 block sums ``S = sum q * xq``, and per
 (row, block) the same float32 operations ``acc + float32(S - 8 sum xq) * (scale * d)`` (blocks in
-order, no FMA), so results are bitwise equal to :func:`~.packed_i8_gemm.linear_packed_i8` on either
-instruction path and to ``linear_packed(quantize_activations=True)``.
+order, no FMA), so results are bitwise equal to :mod:`.packed_i8`'s group kernels on either
+instruction path (and to ``tests/reference.py::linear_int4_int8``).
 
 Tile (the technique of register-blocked Q4 x Q8 GEMMs such as ik_llama.cpp's ``iqk`` kernels:
 decode a weight tile once, reuse it for several activation rows from registers): 16 output rows
@@ -44,20 +44,20 @@ from .packed_i8 import (
     SERIAL_MAX_WORK,
     PackedI8Workspace,
     PackedInt4I8,
-    _check_array_arg,
-    _elem_ptr,
-    _group_r1,
-    _group_r2,
-    _group_r4,
-    _is_scale_array,
-    _linear_par,
-    _linear_ser,
-    _quantize_rows_i8,
-    _splat,
-    _Vec,
+    Vec,
+    check_array_arg,
+    elem_ptr,
     fast_call_rows,
+    group_r1,
+    group_r2,
+    group_r4,
+    is_scale_array,
+    linear_par,
+    linear_ser,
     make_workspace_i8,
     num_threads,
+    quantize_rows_i8,
+    splat,
     use_vnni,
 )
 
@@ -67,7 +67,7 @@ TILE_ROWS = 8          # activation rows per tile (one zmm float accumulator eac
 MIN_ROWS = 8           # callers use this GEMM from this many activation rows
 CHUNK_BYTES = 1 << 18  # int8 activation bytes per row chunk (kept in L2 while pairs stream)
 
-V16F32 = _Vec(32, 16, True)
+V16F32 = Vec(32, 16, True)
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
@@ -93,10 +93,10 @@ def _scales16(context, builder, aty, arr, off0, off1):
     """16 float32 lanes: 8 scales at linear element ``off0`` then 8 at ``off1`` (float32, or
     float16 bits widened exactly)."""
     if aty.dtype == types.uint16:
-        h = [builder.bitcast(builder.load(_elem_ptr(context, builder, aty, arr, o, _LV8I16),
+        h = [builder.bitcast(builder.load(elem_ptr(context, builder, aty, arr, o, _LV8I16),
                                           align=2), _LV8F16) for o in (off0, off1)]
         return builder.fpext(_concat(builder, h[0], h[1]), _LV16F32)
-    v = [builder.load(_elem_ptr(context, builder, aty, arr, o, _LV8F32), align=4)
+    v = [builder.load(elem_ptr(context, builder, aty, arr, o, _LV8F32), align=4)
          for o in (off0, off1)]
     return _concat(builder, v[0], v[1])
 
@@ -116,9 +116,9 @@ def _tile_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, 
     activation rows r = 0..7 (xq bytes ``xo + r * kx``, xd / xs8 elements ``do + r * kbx``)
     against the group pair whose codes start at byte ``cb`` (second group ``gstride`` bytes
     later) and scales at element ``so`` (second group ``sstride`` later)."""
-    if not (acc == _TILE and _check_array_arg(codes, types.uint8) and _is_scale_array(scale)
-            and _check_array_arg(xq, types.int8) and _check_array_arg(xd, types.float32)
-            and _check_array_arg(xs8, types.int32)):
+    if not (acc == _TILE and check_array_arg(codes, types.uint8) and is_scale_array(scale)
+            and check_array_arg(xq, types.int8) and check_array_arg(xd, types.float32)
+            and check_array_arg(xs8, types.int32)):
         return None
     sig = _TILE(_TILE, codes, types.intp, types.intp, scale, types.intp, types.intp, xq,
                 types.intp, types.intp, xd, xs8, types.intp, types.intp)
@@ -136,8 +136,8 @@ def _tile_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, 
         for c in range(4):
             o0 = builder.add(cb_v, ir.Constant(cb_v.type, 32 * c))
             o1 = builder.add(o0, gs_v)
-            a = builder.load(_elem_ptr(context, builder, aty[1], codes_v, o0, _LV32I8), align=1)
-            b = builder.load(_elem_ptr(context, builder, aty[1], codes_v, o1, _LV32I8), align=1)
+            a = builder.load(elem_ptr(context, builder, aty[1], codes_v, o0, _LV32I8), align=1)
+            b = builder.load(elem_ptr(context, builder, aty[1], codes_v, o1, _LV32I8), align=1)
             v = _concat(builder, a, b)
             us.append(builder.and_(v, m0f))
             vh = builder.bitcast(builder.lshr(builder.bitcast(v, _LV32I16), sh4), _LV64I8)
@@ -153,15 +153,15 @@ def _tile_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, 
             for c in range(4):
                 for h in range(2):
                     off = builder.add(xr, ir.Constant(xr.type, 16 * h + 4 * c))
-                    p = _elem_ptr(context, builder, aty[7], xq_v, off, _I32)
-                    xb = builder.bitcast(_splat(builder, builder.load(p, align=1), _LV16I32),
+                    p = elem_ptr(context, builder, aty[7], xq_v, off, _I32)
+                    xb = builder.bitcast(splat(builder, builder.load(p, align=1), _LV16I32),
                                          _LV64I8)
                     s = builder.call(dp, [s, us[2 * c + h], xb])
             dr = builder.add(do_v, builder.mul(kbx_v, ir.Constant(kbx_v.type, r)))
-            s8 = builder.load(_elem_ptr(context, builder, aty[11], xs_v, dr, _I32))
-            d = builder.load(_elem_ptr(context, builder, aty[10], xd_v, dr, _F32))
-            f = builder.sitofp(builder.sub(s, _splat(builder, s8, _LV16I32)), _LV16F32)
-            v = builder.fmul(ws, _splat(builder, d, _LV16F32))
+            s8 = builder.load(elem_ptr(context, builder, aty[11], xs_v, dr, _I32))
+            d = builder.load(elem_ptr(context, builder, aty[10], xd_v, dr, _F32))
+            f = builder.sitofp(builder.sub(s, splat(builder, s8, _LV16I32)), _LV16F32)
+            v = builder.fmul(ws, splat(builder, d, _LV16F32))
             out.append(builder.fadd(accs[r], builder.fmul(f, v)))
         return context.make_tuple(builder, sig.return_type, out)
     return sig, codegen
@@ -171,22 +171,22 @@ def _tile_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, 
 def _tile_store(typingctx, out, off, ld, nvalid, acc):
     """Store row r of the tile (16 lanes, the first ``nvalid`` kept) at linear element
     ``off + r * ld`` of ``out`` (float32)."""
-    if not (_check_array_arg(out, types.float32) and acc == _TILE):
+    if not (check_array_arg(out, types.float32) and acc == _TILE):
         return None
     sig = types.none(out, types.intp, types.intp, types.intp, _TILE)
 
     def codegen(context, builder, sig, args):
         out_v, off_v, ld_v, nv_v, acc_v = args
         lanes = ir.Constant(ir.VectorType(off_v.type, 16), list(range(16)))
-        mask = builder.icmp_signed("<", lanes, _splat(builder, nv_v,
-                                                      ir.VectorType(off_v.type, 16)))
+        mask = builder.icmp_signed("<", lanes, splat(builder, nv_v,
+                                                     ir.VectorType(off_v.type, 16)))
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [_LV16F32, _LV16F32.as_pointer(),
                                                             _I32, ir.VectorType(ir.IntType(1), 16)]),
             "llvm.masked.store.v16f32.p0")
         for r in range(TILE_ROWS):
             o = builder.add(off_v, builder.mul(ld_v, ir.Constant(ld_v.type, r)))
-            p = _elem_ptr(context, builder, sig.args[0], out_v, o, _LV16F32)
+            p = elem_ptr(context, builder, sig.args[0], out_v, o, _LV16F32)
             builder.call(fn, [builder.extract_value(acc_v, r), p, ir.Constant(_I32, 4), mask])
         return context.get_dummy_value()
     return sig, codegen
@@ -216,13 +216,13 @@ def _pair_tile(codes, scale, g, xq, xd, xs8, i0, n, out):
 def _rows_tail(codes, scale, g, xq, xd, xs8, i0, m, n, out, facc, vnni):
     """Group g for activation rows i0 .. m-1 with the :mod:`.packed_i8` kernels (4, 2, 1)."""
     while m - i0 >= 4:
-        _group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+        group_r4(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
         i0 += 4
     if m - i0 >= 2:
-        _group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+        group_r2(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
         i0 += 2
     if m - i0 >= 1:
-        _group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+        group_r1(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
 
 
 @njit(**JIT)
@@ -257,7 +257,7 @@ def _gemm_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc, vnni):
         r0 = t * m // ntasks
         r1 = (t + 1) * m // ntasks
         if r1 > r0:
-            _quantize_rows_i8(x[r0:r1], r1 - r0, k, kb, xq[r0:r1], xd[r0:r1], xs8[r0:r1])
+            quantize_rows_i8(x[r0:r1], r1 - r0, k, kb, xq[r0:r1], xd[r0:r1], xs8[r0:r1])
     ng = codes.shape[0]
     npair = ng // 2
     odd = ng - 2 * npair
@@ -283,8 +283,9 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
                      workspace: PackedI8Workspace | None = None) -> np.ndarray:
     """``y = x @ W.T`` with int8-quantized activations for a weight from :func:`prepack_int4_i8`.
 
-    Results equal ``linear_packed(x, prepack_int4(...), quantize_activations=True)`` (same
-    quantization, exact integer block sums, same float operations per block).
+    Bitwise the arithmetic of the :mod:`.packed_i8` module docstring (per-32-block int8
+    activations, exact integer block sums, the same float operations per block in order) on
+    every path: serial or parallel, 1/2/4-row group kernels or the VNNI tile GEMM, either ISA.
 
     Parameters
     ----------
@@ -311,9 +312,9 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
         return gemm_i8_vnni(x, m, k, packed, out, ws, max(1, ntasks))
     ntasks = min(ws.n_tasks, num_threads())
     if m * n * kp < SERIAL_MAX_WORK or ntasks == 1 or packed.n_groups == 1:
-        _linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
-                    ws.facc[0], vnni)
+        linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,
+                   ws.facc[0], vnni)
     else:  # the driver takes min(ntasks, groups) tasks
-        _linear_par(x, m, k, packed.codes, packed.scale, n, out, ntasks, ws.xq, ws.xd,
-                    ws.xs8, ws.facc, vnni)
+        linear_par(x, m, k, packed.codes, packed.scale, n, out, ntasks, ws.xq, ws.xd,
+                   ws.xs8, ws.facc, vnni)
     return out

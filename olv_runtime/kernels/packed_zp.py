@@ -14,10 +14,10 @@ anything is made; the zero points stay integers.
   ``vpmaddubsw`` take, so the block dot product is the unchanged exact
   ``S = sum_j u_j * xq_j`` (VNNI or AVX2, the same integers) and the zero point is folded per
   block as ``S - z * sum_j xq_j`` (exact int32: ``|.| <= 2 * 15 * 127 * 32``); then the float
-  operations of the symmetric kernel, ``acc + float32(S - z * T) * (scale * d)``. The result is
-  bitwise equal to :func:`~.packed.linear_packed` with ``quantize_activations=True`` on the
-  zero-point tiled layout (which forms the same integer as ``sum (q - 8 + 8) xq - zp T``) and
-  bitwise equal between the VNNI and AVX2 paths.
+  operations of the symmetric kernel, ``acc + float32(S - z * T) * (scale * d)``. The integer
+  is ``sum (q - zp) xq`` exactly, so the result is bitwise that of
+  ``tests/reference.py::linear_int4_int8`` with zero points, and bitwise equal between the VNNI
+  and AVX2 paths.
 * float32 activations (:func:`linear_packed_i8_exact_zp`): the exact-mode decode of
   :mod:`.packed_f32` subtracts ``2^e + z`` per lane instead of the constant ``2^e + 8``, which
   gives ``u - z`` exactly (``2^23 + 15`` is a float32 integer), then the same FMA chain in the
@@ -42,7 +42,7 @@ from olv_runtime.errors import InvalidArgument
 from .arena import weight_empty
 from .config import JIT, PJIT, check_array, check_int
 from .half import scale_bits
-from .packed import _pad_rows, prepare_call
+from .packed import pad_rows, prepare_call
 from .packed_f32 import NB_R1, NB_R2, NB_R4, PackedF32Workspace, make_workspace_f32
 from .packed_f32 import PF_BYTES as PF_BYTES_F32
 from .packed_f32 import SERIAL_MAX_WORK as SERIAL_MAX_WORK_F32
@@ -55,22 +55,22 @@ from .packed_i8 import (
     V8I32,
     PackedI8Workspace,
     PackedInt4I8,
-    _aligned_empty,
-    _check_array_arg,
-    _dot_r1,
-    _dot_r2,
-    _dot_r4,
-    _elem_ptr,
-    _fzero,
-    _is_scale_array,
-    _load_scales8,
-    _prefetch,
-    _prefetch_block,
-    _prepack,
-    _quantize_rows_i8,
-    _splat,
-    _store_group,
+    aligned_empty,
+    check_array_arg,
+    dot_r1,
+    dot_r2,
+    dot_r4,
+    elem_ptr,
+    fzero,
+    is_scale_array,
+    load_scales8,
     make_workspace_i8,
+    prefetch,
+    prefetch_block,
+    prepack,
+    quantize_rows_i8,
+    splat,
+    store_group,
     use_vnni,
 )
 
@@ -111,7 +111,7 @@ class PackedInt4I8Zp(PackedInt4I8):
 
     def copy(self) -> "PackedInt4I8Zp":
         base = super().copy()
-        zp = _aligned_empty(self.zp.shape, np.uint8)
+        zp = aligned_empty(self.zp.shape, np.uint8)
         zp[...] = self.zp
         return PackedInt4I8Zp(base.codes, base.scale, zp, self.n, self.k)
 
@@ -164,7 +164,7 @@ def prepack_int4_i8_zp(payload: np.ndarray, scale: np.ndarray, zero_point: np.nd
     codes = weight_empty((ng, kb, GROUP_BLOCK_BYTES), np.uint8)
     sdt = np.uint16 if scale.dtype == np.float16 else np.float32
     pscale = weight_empty((ng, kb, GROUP_ROWS), sdt)
-    _prepack(payload, scale_bits(scale), n, k, codes, pscale)
+    prepack(payload, scale_bits(scale), n, k, codes, pscale)
     rows = np.full((ng * GROUP_ROWS, kb), 8, np.uint8)
     rows[:n] = (zero_point.astype(np.int16) + 8).astype(np.uint8)
     zp = weight_empty((ng, kb, GROUP_ROWS), np.uint8)
@@ -177,7 +177,7 @@ def prepack_int4_i8_zp(payload: np.ndarray, scale: np.ndarray, zero_point: np.nd
 # ------------------------------------------------------------------------------------------------
 def _load_zp8_i32(context, builder, aty, arr, off):
     """8 consecutive uint8 zero points from linear element ``off`` widened to int32 lanes."""
-    p = _elem_ptr(context, builder, aty, arr, off, _LV8I8)
+    p = elem_ptr(context, builder, aty, arr, off, _LV8I8)
     return builder.zext(builder.load(p, align=1), _LV8I32)
 
 
@@ -187,8 +187,8 @@ def _block_acc_zp(typingctx, acc, s32, s8, zp, zoff, scale, soff, d):
 
     ``s32``: the exact ``sum u * xq`` per row; ``s8 = 8 * sum(xq)`` (the workspace's form, so
     ``s8 >> 3`` is the exact ``sum(xq)``)."""
-    if (acc != V8F32 or s32 != V8I32 or not _check_array_arg(zp, types.uint8)
-            or not _is_scale_array(scale)):
+    if (acc != V8F32 or s32 != V8I32 or not check_array_arg(zp, types.uint8)
+            or not is_scale_array(scale)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -196,11 +196,11 @@ def _block_acc_zp(typingctx, acc, s32, s8, zp, zoff, scale, soff, d):
         sx = context.cast(builder, sx, sig.args[2], types.int32)
         tot = builder.ashr(sx, ir.Constant(_I32, 3))
         z = _load_zp8_i32(context, builder, sig.args[3], za, zo)
-        i32 = builder.sub(i32, builder.mul(z, _splat(builder, tot, _LV8I32)))
+        i32 = builder.sub(i32, builder.mul(z, splat(builder, tot, _LV8I32)))
         f = builder.sitofp(i32, _LV8F32)
-        ws = _load_scales8(context, builder, sig.args[5], sc, so)
+        ws = load_scales8(context, builder, sig.args[5], sc, so)
         dd = context.cast(builder, dd, sig.args[7], types.float32)
-        v = builder.fmul(ws, _splat(builder, dd, _LV8F32))
+        v = builder.fmul(ws, splat(builder, dd, _LV8F32))
         return builder.fadd(a, builder.fmul(f, v))
     return V8F32(V8F32, V8I32, types.int32, zp, types.intp, scale, types.intp,
                  types.float32), codegen
@@ -211,13 +211,13 @@ def _zgroup_r1(codes, scale, zp, g, xq, xd, xs8, i0, n, out, facc, vnni):
     kb = codes.shape[1]
     xr = i0 * xq.shape[1]
     base = g * kb
-    acc = _fzero()
+    acc = fzero()
     for b in range(kb):
-        _prefetch_block(codes, scale, base, b)
-        s = _dot_r1(codes, (base + b) * GROUP_BLOCK_BYTES, xq, xr + b * BLOCK, vnni)
+        prefetch_block(codes, scale, base, b)
+        s = dot_r1(codes, (base + b) * GROUP_BLOCK_BYTES, xq, xr + b * BLOCK, vnni)
         so = (base + b) * GROUP_ROWS
         acc = _block_acc_zp(acc, s[0], xs8[i0, b], zp, so, scale, so, xd[i0, b])
-    _store_group(acc, facc, g, i0, n, out)
+    store_group(acc, facc, g, i0, n, out)
 
 
 @njit(**JIT)
@@ -227,17 +227,17 @@ def _zgroup_r2(codes, scale, zp, g, xq, xd, xs8, i0, n, out, facc, vnni):
     x0 = i0 * kx
     x1 = x0 + kx
     base = g * kb
-    a0 = _fzero()
-    a1 = _fzero()
+    a0 = fzero()
+    a1 = fzero()
     for b in range(kb):
-        _prefetch_block(codes, scale, base, b)
+        prefetch_block(codes, scale, base, b)
         xo = b * BLOCK
-        s = _dot_r2(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, vnni)
+        s = dot_r2(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, vnni)
         so = (base + b) * GROUP_ROWS
         a0 = _block_acc_zp(a0, s[0], xs8[i0, b], zp, so, scale, so, xd[i0, b])
         a1 = _block_acc_zp(a1, s[1], xs8[i0 + 1, b], zp, so, scale, so, xd[i0 + 1, b])
-    _store_group(a0, facc, g, i0, n, out)
-    _store_group(a1, facc, g, i0 + 1, n, out)
+    store_group(a0, facc, g, i0, n, out)
+    store_group(a1, facc, g, i0 + 1, n, out)
 
 
 @njit(**JIT)
@@ -249,24 +249,24 @@ def _zgroup_r4(codes, scale, zp, g, xq, xd, xs8, i0, n, out, facc, vnni):
     x2 = x1 + kx
     x3 = x2 + kx
     base = g * kb
-    a0 = _fzero()
-    a1 = _fzero()
-    a2 = _fzero()
-    a3 = _fzero()
+    a0 = fzero()
+    a1 = fzero()
+    a2 = fzero()
+    a3 = fzero()
     for b in range(kb):
-        _prefetch_block(codes, scale, base, b)
+        prefetch_block(codes, scale, base, b)
         xo = b * BLOCK
-        s = _dot_r4(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, x2 + xo,
-                    x3 + xo, vnni)
+        s = dot_r4(codes, (base + b) * GROUP_BLOCK_BYTES, xq, x0 + xo, x1 + xo, x2 + xo,
+                   x3 + xo, vnni)
         so = (base + b) * GROUP_ROWS
         a0 = _block_acc_zp(a0, s[0], xs8[i0, b], zp, so, scale, so, xd[i0, b])
         a1 = _block_acc_zp(a1, s[1], xs8[i0 + 1, b], zp, so, scale, so, xd[i0 + 1, b])
         a2 = _block_acc_zp(a2, s[2], xs8[i0 + 2, b], zp, so, scale, so, xd[i0 + 2, b])
         a3 = _block_acc_zp(a3, s[3], xs8[i0 + 3, b], zp, so, scale, so, xd[i0 + 3, b])
-    _store_group(a0, facc, g, i0, n, out)
-    _store_group(a1, facc, g, i0 + 1, n, out)
-    _store_group(a2, facc, g, i0 + 2, n, out)
-    _store_group(a3, facc, g, i0 + 3, n, out)
+    store_group(a0, facc, g, i0, n, out)
+    store_group(a1, facc, g, i0 + 1, n, out)
+    store_group(a2, facc, g, i0 + 2, n, out)
+    store_group(a3, facc, g, i0 + 3, n, out)
 
 
 @njit(**JIT)
@@ -287,7 +287,7 @@ def _zgroups(codes, scale, zp, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
 @njit(**PJIT)
 def _zlinear_i8(x, m, k, codes, scale, zp, n, out, ntasks, xq, xd, xs8, facc, vnni):
     kb = codes.shape[1]
-    _quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
+    quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
     ng = codes.shape[0]
     if ntasks <= 1:
         _zgroups(codes, scale, zp, np.int64(0), ng, xq, xd, xs8, m, n, out, facc[0], vnni)
@@ -313,8 +313,9 @@ def linear_packed_i8_zp(x: np.ndarray, packed: PackedInt4I8Zp, out: np.ndarray |
     Returns
     -------
     ndarray of float32, shape [M, N]
-        Bitwise equal to ``linear_packed(x, prepack_int4(payload, scale, zp, ...),
-        quantize_activations=True)`` and between the VNNI and AVX2 paths (module docstring).
+        Per block ``acc + float32(sum (q - zp) xq) * (scale * d)`` in block order, the exact
+        integer and the same float operations on the VNNI and AVX2 paths (bitwise equal; module
+        docstring).
 
     Raises
     ------
@@ -356,8 +357,8 @@ def _emit_blocks_zp(context, builder, sig, args, nrows, nblk):
         zf = builder.sitofp(_load_zp8_i32(context, builder, aty[4], zp, zoff), _LV8F32)
         subs.append([builder.fadd(pows[p], zf) for p in range(4)])  # exact: 2^e + z
     sh16 = ir.Constant(_LV8I32, [16] * 8)
-    accs = [builder.load(_elem_ptr(context, builder, aty[8], facc,
-                                   ir.Constant(xo.type, 8 * r), _LV8F32), align=4)
+    accs = [builder.load(elem_ptr(context, builder, aty[8], facc,
+                                  ir.Constant(xo.type, 8 * r), _LV8F32), align=4)
             for r in range(nrows)]
     xrow = [xo]
     for r in range(1, nrows):
@@ -367,7 +368,7 @@ def _emit_blocks_zp(context, builder, sig, args, nrows, nblk):
         vs = []
         for bl in range(nblk):
             off = builder.add(cb, ir.Constant(cb.type, bl * GROUP_BLOCK_BYTES + 32 * c))
-            v = builder.load(_elem_ptr(context, builder, aty[0], codes, off, _LV8I32), align=4)
+            v = builder.load(elem_ptr(context, builder, aty[0], codes, off, _LV8I32), align=4)
             vs.append((v, builder.lshr(v, sh16)))
         for t in range(8):
             j, h = t // 2, t % 2
@@ -380,20 +381,20 @@ def _emit_blocks_zp(context, builder, sig, args, nrows, nblk):
                 w = builder.fsub(builder.bitcast(wi, _LV8F32), subs[bl][p])
                 for r in range(nrows):
                     xoff = builder.add(xrow[r], ir.Constant(xo.type, bl * BLOCK + kk))
-                    xv = builder.load(_elem_ptr(context, builder, aty[5], x, xoff, _F32))
-                    xb = _splat(builder, xv, _LV8F32)
+                    xv = builder.load(elem_ptr(context, builder, aty[5], x, xoff, _F32))
+                    xb = splat(builder, xv, _LV8F32)
                     if s[bl][r] is None:
                         s[bl][r] = builder.fmul(w, xb)
                     else:
                         s[bl][r] = builder.call(fma, [w, xb, s[bl][r]])
     for bl in range(nblk):
         soff = builder.add(so, ir.Constant(so.type, bl * GROUP_ROWS))
-        sc = _load_scales8(context, builder, aty[2], scale, soff)
+        sc = load_scales8(context, builder, aty[2], scale, soff)
         for r in range(nrows):
             accs[r] = builder.call(fma, [s[bl][r], sc, accs[r]])
     for r in range(nrows):
-        builder.store(accs[r], _elem_ptr(context, builder, aty[8], facc,
-                                         ir.Constant(xo.type, 8 * r), _LV8F32), align=4)
+        builder.store(accs[r], elem_ptr(context, builder, aty[8], facc,
+                                        ir.Constant(xo.type, 8 * r), _LV8F32), align=4)
     return context.get_dummy_value()
 
 
@@ -402,9 +403,9 @@ def _make_blocks_zp(nrows, nblk):
     def _blocks(typingctx, codes, cb, scale, so, zp, x, xo, kx, facc):
         """facc[r, :] = fma(block sums (u - z) . x of rows xo + r*kx, scale, facc[r, :]) for
         ``nblk`` blocks (zero points at element ``so`` like the scales)."""
-        if not (_check_array_arg(codes, types.uint8) and _is_scale_array(scale)
-                and _check_array_arg(zp, types.uint8) and _check_array_arg(x, types.float32)
-                and _check_array_arg(facc, types.float32)):
+        if not (check_array_arg(codes, types.uint8) and is_scale_array(scale)
+                and check_array_arg(zp, types.uint8) and check_array_arg(x, types.float32)
+                and check_array_arg(facc, types.float32)):
             return None
 
         def codegen(context, builder, sig, args):
@@ -443,9 +444,9 @@ def _zgroup_rows(codes, scale, zp, g, x, i0, nr, facc):
         cb = (base + b) * GROUP_BLOCK_BYTES
         if PF_BYTES_F32 > 0:
             for q in range(nb):
-                _prefetch(codes, cb + PF_BYTES_F32 + 128 * q)
-                _prefetch(codes, cb + PF_BYTES_F32 + 128 * q + 64)
-                _prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES_F32 // 16)
+                prefetch(codes, cb + PF_BYTES_F32 + 128 * q)
+                prefetch(codes, cb + PF_BYTES_F32 + 128 * q + 64)
+                prefetch(scale, (base + b + q) * GROUP_ROWS + PF_BYTES_F32 // 16)
         so = (base + b) * GROUP_ROWS
         if nr == 1:
             _zblk_r1_n(codes, cb, scale, so, zp, x, xo + b * BLOCK, kx, facc)
@@ -526,13 +527,14 @@ def linear_packed_i8_exact_zp(x: np.ndarray, packed: PackedInt4I8Zp,
     """
     m, out, ws = prepare_call(x, packed, PackedInt4I8Zp, out, workspace, PackedF32Workspace,
                               make_workspace_f32,
-                              ws_rows=1 if packed.k == packed.k_padded else None)
+                              ws_rows=1 if (isinstance(packed, PackedInt4I8Zp)
+                                            and packed.k == packed.k_padded) else None)
     if m == 0:
         return out
     k, n, kp = packed.k, packed.n, packed.k_padded
     xx = x
     if k != kp:
-        _pad_rows(x, m, k, kp, ws.xpad)
+        pad_rows(x, m, k, kp, ws.xpad)
         xx = ws.xpad[:m]
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
     if m * n * kp < SERIAL_MAX_WORK_F32:

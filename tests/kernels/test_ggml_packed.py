@@ -10,6 +10,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
+import reference as naive_ref  # noqa: E402  (tests/reference.py; `reference` is a function here)
 from olv_runtime.errors import InvalidArgument  # noqa: E402
 from olv_runtime.kernels import ggml_packed as gp  # noqa: E402
 from olv_runtime.kernels import packed_i8  # noqa: E402
@@ -42,18 +43,11 @@ def reference(name, blocks, n, k):
 
 
 def int8_model(name, blocks, x, n, k):
-    """numpy model of linear_ggml_i8: xq per 32-block, exact integer sums, float32 per block."""
-    m = x.shape[0]
-    xb = x.reshape(m, k // 32, 32)
-    amax = np.abs(xb).max(axis=2)
-    d = (amax / np.float32(127.0)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        xq = np.where(amax[..., None] > 0, np.clip(np.rint(xb / d[..., None]), -127, 127), 0)
-    xq = xq.astype(np.int64)
-    w = reference(name, blocks, n, k).astype(np.float64).reshape(n, k // 32, 32)
-    # the integer math is exact; the float combination differs from this float64 sum only by
-    # float32 rounding of a few products per block
-    return np.einsum("mbj,nbj,mb->mn", xq.astype(np.float64), w, d.astype(np.float64))
+    """numpy model of linear_ggml_i8: xq per 32-block, exact integer sums, float32 per block
+    (tests/reference.py ``linear_int8_float64``: the integer math is exact; the float
+    combination differs from this float64 sum only by float32 rounding of a few products per
+    block)."""
+    return naive_ref.linear_int8_float64(x, reference(name, blocks, n, k))
 
 
 @pytest.mark.parametrize("name", sorted(TYPES))
@@ -61,8 +55,6 @@ def int8_model(name, blocks, x, n, k):
 def test_repack_equals_the_numpy_layout_definition(name, n):
     """The compiled one-pass repack writes exactly the records of the numpy formulation (random
     bytes in every field, rows padded to a group of 8 with zero blocks)."""
-    import naive
-
     kind = gp.KINDS[name]
     bs, ts = gp.BLOCKS[kind]
     nb = 3
@@ -72,7 +64,7 @@ def test_repack_equals_the_numpy_layout_definition(name, n):
     ng = -(-n // 8)
     full = np.zeros((ng * 8, nb, ts), np.uint8)
     full[:n] = blocks
-    want = naive.ggml_records(kind, full.reshape(ng, 8, nb, ts))
+    want = naive_ref.ggml_records(kind, full.reshape(ng, 8, nb, ts))
     assert packed.data.shape == want.shape
     assert np.array_equal(packed.data, want)
 
@@ -147,8 +139,6 @@ def test_bad_arguments():
 
 def test_q4_0_to_int4_is_the_same_weight():
     """Q4_0 -> signed INT4 block-32 codes + float16 d: d * q equals gguf's dequantize bitwise."""
-    import naive
-
     rng = np.random.default_rng(5)
     n, nb = 5, 3
     blocks = rng.integers(0, 256, (n, nb, 18), dtype=np.uint8)
@@ -157,7 +147,7 @@ def test_q4_0_to_int4_is_the_same_weight():
     codes, scales = gp.q4_0_to_int4(blocks)
     assert codes.shape == (n * nb * 16,) and scales.dtype == np.float16
     assert np.array_equal(scales.view(np.uint16), d.view(np.uint16))
-    q = naive.unpack_codes(codes, 4, True, n * nb * 32).reshape(n, nb, 32)
+    q = naive_ref.unpack_codes(codes, 4, True, n * nb * 32).reshape(n, nb, 32)
     w = (scales.astype(np.float32)[..., None] * q.astype(np.float32)).reshape(n, -1)
     ref = np.asarray(gguf.quants.dequantize(blocks.reshape(n, -1), QT.Q4_0), np.float32)
     assert np.array_equal(w.view(np.uint32), ref.view(np.uint32))

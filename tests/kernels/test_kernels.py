@@ -1,4 +1,4 @@
-"""Tests of olv_runtime.kernels against tests/naive.py and onnx.reference (ONNX's own oracle)."""
+"""Tests of olv_runtime.kernels against tests/reference.py and onnx.reference (ONNX's own oracle)."""
 from __future__ import annotations
 
 import math
@@ -15,9 +15,9 @@ from olv_runtime.kernels import (
 )
 
 try:
-    from tests import naive
+    from tests import reference
 except ImportError:  # pragma: no cover - tests/ not importable as a package
-    import naive
+    import reference
 
 
 RNG = np.random.default_rng(1234)
@@ -57,7 +57,7 @@ def _int4_matrix(n, k, bs, with_zp, rng=RNG):
     kb = -(-k // bs)
     scale = (rng.random((n, kb), dtype=np.float32) + 0.05) * np.float32(0.1)
     zp = _codes((n, kb), 4, True, rng).astype(np.int8) if with_zp else None
-    return codes, naive.pack_codes(codes, 4), scale, zp
+    return codes, reference.pack_codes(codes, 4), scale, zp
 
 
 # ------------------------------------------------------------------------------------------------
@@ -84,11 +84,11 @@ def test_config_flags_and_threading_layer():
 @pytest.mark.parametrize("count", [0, 1, 7, 33, 20001])
 def test_unpack_codes(bits, signed, count):
     codes = _codes(count, bits, signed)
-    payload = naive.pack_codes(codes, bits)
+    payload = reference.pack_codes(codes, bits)
     got = unpack_codes(payload, bits, signed, count)
     assert got.dtype == (np.int8 if signed else np.uint8)
     np.testing.assert_array_equal(got.astype(np.int64), codes)
-    np.testing.assert_array_equal(naive.unpack_codes(payload, bits, signed, count), codes)
+    np.testing.assert_array_equal(reference.unpack_codes(payload, bits, signed, count), codes)
 
 
 def test_unpack_codes_sign_extension():
@@ -149,14 +149,14 @@ def test_dequantize_affine_matches_onnx(shape, axis, block_size, kind, bits, sig
         sshape = tuple(-(-d // block_size) if i == ax else d for i, d in enumerate(shape))
     scale = np.asarray(rng.standard_normal(sshape) * 0.3).astype(sdtype)
     zp = np.asarray(_codes(sshape, bits, signed, rng)) if with_zp else None
-    payload = naive.pack_codes(codes, bits)
+    payload = reference.pack_codes(codes, bits)
     got = dequantize_affine(payload, bits, signed, shape, scale,
                             None if zp is None else zp.astype(np.int8 if signed else np.uint8),
                             axis, block_size)
     assert got.dtype == np.float32 and got.shape == shape
     ref = _onnx_dequantize(codes, bits, signed, scale, zp, axis, block_size)
     np.testing.assert_array_equal(got.astype(ref.dtype), ref)  # bit-exact (NaN-free inputs)
-    np.testing.assert_array_equal(got, naive.dequantize(codes, scale, zp, ax, block_size))
+    np.testing.assert_array_equal(got, reference.dequantize(codes, scale, zp, ax, block_size))
 
 
 def test_dequantize_affine_out_and_large():
@@ -164,9 +164,9 @@ def test_dequantize_affine_out_and_large():
     codes = _codes(shape, 4, True)
     scale = RNG.random((40, 32), dtype=np.float32)
     out = np.full(shape, np.nan, np.float32)
-    res = dequantize_affine(naive.pack_codes(codes, 4), 4, True, shape, scale, None, 1, 32, out=out)
+    res = dequantize_affine(reference.pack_codes(codes, 4), 4, True, shape, scale, None, 1, 32, out=out)
     assert res is out
-    np.testing.assert_array_equal(out, naive.dequantize(codes, scale, None, 1, 32))
+    np.testing.assert_array_equal(out, reference.dequantize(codes, scale, None, 1, 32))
 
 
 def test_dequantize_affine_errors():
@@ -198,7 +198,7 @@ def test_dequantize_affine_errors():
 def test_gather_rows_int4(n, k, bs, with_zp):
     codes, payload, scale, zp = _int4_matrix(n, k, bs, with_zp)
     w = dequantize_affine(payload, 4, True, (n, k), scale, zp, 1, bs)
-    np.testing.assert_array_equal(w, naive.dequantize(codes, scale, zp, 1, bs))
+    np.testing.assert_array_equal(w, reference.dequantize(codes, scale, zp, 1, bs))
     ids = np.array([[0, n - 1, -1], [2, -n, 1]], dtype=np.int64)
     got = gather_rows_int4(payload, scale, zp, n, k, bs, ids)
     assert got.shape == (2, 3, k)
@@ -226,7 +226,7 @@ def test_gather_rows_int4_errors():
 # linear_int4 / linear_f32
 # ------------------------------------------------------------------------------------------------
 def _assert_linear_close(got, x, w):
-    ref = naive.linear(x, w)
+    ref = reference.linear(x, w)
     bound = np.abs(np.float64(x)) @ np.abs(np.float64(w)).T
     err = np.abs(got - ref)
     assert np.all(err <= 2e-6 * bound + 1e-30), float((err / (bound + 1e-30)).max())
@@ -248,7 +248,7 @@ def _assert_linear_close(got, x, w):
 def test_linear_int4(n, k, bs, m, with_zp):
     rng = np.random.default_rng(n * 1000 + k * 10 + m)
     codes, payload, scale, zp = _int4_matrix(n, k, bs, with_zp, rng)
-    w = naive.dequantize(codes, scale, zp, 1, bs)
+    w = reference.dequantize(codes, scale, zp, 1, bs)
     x = rng.standard_normal((m, k), dtype=np.float32)
     got = linear_int4(x, payload, scale, zp, n, k, bs)
     assert got.shape == (m, n) and got.dtype == np.float32
@@ -263,7 +263,7 @@ def test_linear_int4_m128_and_thread_independence():
     codes, payload, scale, zp = _int4_matrix(n, k, bs, False)
     x = RNG.standard_normal((128, k), dtype=np.float32)
     got = linear_int4(x, payload, scale, zp, n, k, bs)
-    _assert_linear_close(got, x, naive.dequantize(codes, scale, None, 1, bs))
+    _assert_linear_close(got, x, reference.dequantize(codes, scale, None, 1, bs))
     nt = config.get_num_threads()
     set_num_threads(1)
     try:
@@ -342,7 +342,7 @@ def test_rms_norm(r, d):
     eps = 1e-6
     got = rms_norm(x, w, eps)
     np.testing.assert_allclose(got, _onnx_rms(x, w, eps), rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(got, naive.rms_norm(x, w, eps), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, reference.rms_norm(x, w, eps), rtol=1e-6, atol=1e-7)
     y = x.copy()
     assert rms_norm(y, w, eps, out=y) is y  # in place
     np.testing.assert_array_equal(y, got)
@@ -379,7 +379,7 @@ def test_rotary_embedding(b, s, nh, d, rdim, interleaved):
     cos, sin = np.cos(ang), np.sin(ang)
     got = rotary_embedding(x, cos, sin, interleaved, rdim)
     np.testing.assert_array_equal(got, _onnx_rope(x, cos, sin, interleaved, rdim))
-    np.testing.assert_array_equal(got, naive.rotary_embedding(x, cos, sin, interleaved, rdim))
+    np.testing.assert_array_equal(got, reference.rotary_embedding(x, cos, sin, interleaved, rdim))
     y = x.copy()
     rotary_embedding(y, cos, sin, interleaved, rdim, out=y)
     np.testing.assert_array_equal(y, got)
@@ -435,11 +435,11 @@ def test_attention_matches_onnx(h, kvh, s, past, b):
     append_kv(pv, v3, cv)
     np.testing.assert_array_equal(ck, ck_ref)
     np.testing.assert_array_equal(cv, cv_ref)
-    np.testing.assert_array_equal(ck, naive.append_kv(pk, k3))
+    np.testing.assert_array_equal(ck, reference.append_kv(pk, k3))
 
     y = attention(q3.reshape(b, s, h, d), ck, cv, past, scale, True)
     np.testing.assert_allclose(y.reshape(b, s, h * d), y_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(y, naive.attention(q3.reshape(b, s, h, d), ck, cv, past, scale, True),
+    np.testing.assert_allclose(y, reference.attention(q3.reshape(b, s, h, d), ck, cv, past, scale, True),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -452,7 +452,7 @@ def test_attention_capacity_buffer_and_noncausal():
     v[:, :, past + s:] = np.nan
     for causal in (True, False):
         got = attention(q, k, v, past, 0.3, causal)
-        ref = naive.attention(q, k, v, past, 0.3, causal)
+        ref = reference.attention(q, k, v, past, 0.3, causal)
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     out = np.empty_like(q)
     assert attention(q, k, v, past, 0.3, True, out=out) is out

@@ -3,8 +3,8 @@
 Oracles: float64 ``x @ W.T`` of the dequantized weight (bound
 ``1e-5 * sum_k |x_k W_nk| + 1e-6``, the bound of the existing exact path, plus on the VNNI path
 (olv_runtime.kernels.packed_f32_vnni, 31-bit block fixed-point activations) the fixed-point term
-``2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk|``) and
-``linear_packed(quantize_activations=False)`` of olv_runtime.kernels.packed. Every test runs on
+``2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk|``); the int8 mode on the same packed
+copy: tests/reference.py's ``linear_int4_int8`` (bitwise). Every test runs on
 the instruction path the CPU chooses; ``isa`` parametrised tests also force the float fallback.
 """
 from __future__ import annotations
@@ -14,9 +14,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
+import reference
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels import get_num_threads, set_num_threads
-from olv_runtime.kernels.packed import linear_packed, prepack_int4
+from olv_runtime.kernels.ggml_packed import GGMLPacked
 from olv_runtime.kernels.packed_f32 import (
     PackedF32Workspace, linear_packed_i8_exact, make_workspace_f32,
 )
@@ -39,14 +40,9 @@ def isa(request):
 def _weight(n, k, rng, q=None):
     """Random symmetric INT4 weight: signed codes q [n, k], payload (row-major, low nibble
     first), scale [n, ceil(k/32)]."""
-    kb = -(-k // 32)
     if q is None:
         q = rng.integers(-8, 8, size=(n, k))
-    u = (q.reshape(-1) & 15).astype(np.uint8)
-    if u.size % 2:
-        u = np.append(u, np.uint8(0))
-    payload = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
-    scale = (rng.random((n, kb), dtype=np.float32) * 0.05 + 1e-3).astype(np.float32)
+    payload, scale, _ = reference.int4_weight(q, rng)
     return q, payload, scale
 
 
@@ -55,17 +51,7 @@ def _dequant64(q, scale):
     return q.astype(np.float64) * np.repeat(scale.astype(np.float64), 32, axis=1)[:, :k]
 
 
-def _fixed_point_term(x64, w64):
-    """2^-30 * sum_b max_{k in b}|x_k| * sum_{k in b}|W_nk| (the VNNI path's representation
-    error bound: activations in 31-bit fixed point relative to their block's largest)."""
-    m, k = x64.shape
-    kb = -(-k // 32)
-    xm = np.zeros((m, kb))
-    wa = np.zeros((w64.shape[0], kb))
-    for b in range(kb):
-        xm[:, b] = np.abs(x64[:, 32 * b:32 * b + 32]).max(axis=1)
-        wa[:, b] = np.abs(w64[:, 32 * b:32 * b + 32]).sum(axis=1)
-    return 2.0 ** -30 * (xm @ wa.T)
+_fixed_point_term = reference.fixed_point_term
 
 
 def _bound(x64, w64, fixed_point=None):
@@ -93,7 +79,7 @@ SHAPES = [(8, 32), (64, 64), (100, 40), (70, 80), (13, 33), (1, 32), (3, 7), (20
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 17])
-def test_matches_float64_and_linear_packed(n, k, m, isa):
+def test_matches_float64(n, k, m, isa):
     rng = np.random.default_rng(n * 1000 + k * 10 + m)
     q, payload, scale = _weight(n, k, rng)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -102,11 +88,6 @@ def test_matches_float64_and_linear_packed(n, k, m, isa):
     assert y.shape == (m, n) and y.dtype == np.float32
     w64 = _dequant64(q, scale)
     _check_bound(y, x, w64, "vs float64")
-    yo = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32))
-    _check_bound(yo, x, w64, "old vs float64", fixed_point=False)
-    # new vs old within the same bound (both are within it of the float64 reference)
-    x64 = x.astype(np.float64)
-    assert np.all(np.abs(y.astype(np.float64) - yo) <= _bound(x64, w64))
 
 
 @pytest.mark.parametrize("n,k", [(4864 // 4, 896), (160, 4864), (1152, 896)])
@@ -118,8 +99,6 @@ def test_qwen_shapes_parallel(n, k, m, isa):
     y = linear_packed_i8_exact(x, prepack_int4_i8(payload, scale, None, n, k, 32))
     w64 = _dequant64(q, scale)
     _check_bound(y, x, w64)
-    yo = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32))
-    assert np.all(np.abs(y.astype(np.float64) - yo) <= _bound(x.astype(np.float64), w64))
 
 
 def test_decode_exact_every_code(isa):
@@ -170,9 +149,7 @@ def test_one_packed_copy_serves_both_modes():
     x = rng.standard_normal((3, k)).astype(np.float32)
     ye = linear_packed_i8_exact(x, pk8)
     yq = linear_packed_i8(x, pk8)
-    np.testing.assert_array_equal(
-        yq, linear_packed(x, prepack_int4(payload, scale, None, n, k, 32),
-                          quantize_activations=True))
+    np.testing.assert_array_equal(yq, reference.linear_int4_int8(x, q, scale))
     _check_bound(ye, x, _dequant64(q, scale))
     assert np.abs(yq - ye).max() <= 0.02 * np.abs(ye).max()
 
@@ -243,7 +220,7 @@ def test_invalid_arguments():
     pk = prepack_int4_i8(payload, scale, None, n, k, 32)
     x = rng.standard_normal((2, k)).astype(np.float32)
     with pytest.raises(InvalidArgument, match="packed"):
-        linear_packed_i8_exact(x, prepack_int4(payload, scale, None, n, k, 32))
+        linear_packed_i8_exact(x, GGMLPacked(8, np.zeros((2, 2, 272), np.uint8), n, k))
     with pytest.raises(InvalidArgument, match="x"):
         linear_packed_i8_exact(x[:, :-1].copy(), pk)
     with pytest.raises(InvalidArgument, match="x"):
@@ -275,7 +252,7 @@ def test_one_row_group_kernel_bitwise_equals_groups_small(n, k):
         b = np.zeros((1, n), np.float32)
         facc = np.zeros(64, np.float32)
         packed_f32._groups_small(p.codes, p.scale, g0, g1, x, 0, 1, n, a, facc)
-        packed_f32._groups_m1(p.codes, p.scale, g0, g1, x, n, b, facc)
+        packed_f32.groups_m1(p.codes, p.scale, g0, g1, x, n, b, facc)
         np.testing.assert_array_equal(a, b)
         assert np.abs(a[0, 8 * g0:]).sum() > 0
 
@@ -306,21 +283,8 @@ def test_fixed_point_term_bounds_the_vnni_path(isa):
         _check_bound(y, x, w64, fixed_point=False)
 
 
-def _digits_numpy(x):
-    """The digits of the module docstring, computed independently (float64 / int64)."""
-    xb = np.zeros(32, np.float32)
-    xb[:x.size] = x
-    bits = xb.view(np.uint32) & 0x7FFFFFFF
-    e = max(int(bits.max() >> 23), 1)
-    big = 2.0 ** (30 - (e - 126))
-    X = np.rint(xb.astype(np.float64) * big).astype(np.int64)
-    D = []
-    for _ in range(3):
-        d = ((X + 128) & 255) - 128
-        D.append(d)
-        X = (X - d) >> 8
-    D.append(X)
-    return np.stack(D), np.float32(2.0 ** (e - 156)) if e >= 8 else None
+#: the digits of packed_f32_vnni's module docstring, computed independently
+_digits_numpy = reference.activation_digits
 
 
 @needs_vnni
@@ -335,7 +299,7 @@ def test_activation_digits_known_answers():
     x[2, 64:96] = np.float32(2.0) ** 127 * 1.5     # the largest binade
     x[3, 96] = -(2.0 ** 29)
     dg, bz, xsc = pv.digit_buffers(4, 8)
-    assert pv._digits_rows(x, 4, k, dg, bz, xsc) == 0
+    assert pv.digits_rows(x, 4, k, dg, bz, xsc) == 0
     for i in range(4):
         for b in range(-(-k // 32)):
             blk = x[i, 32 * b:32 * b + 32]
@@ -356,7 +320,7 @@ def test_activation_digits_known_answers():
     # a non-finite block: reported, NaN multiplier
     x[0, 40] = np.inf
     x[2, 3] = np.nan
-    assert pv._digits_rows(x, 4, k, dg, bz, xsc) == 2
+    assert pv.digits_rows(x, 4, k, dg, bz, xsc) == 2
     assert np.isnan(xsc[0, 1]) and np.isnan(xsc[2, 0]) and np.isfinite(xsc[0, 0])
 
 
@@ -394,7 +358,7 @@ def test_vnni_variants_bitwise_equal(n, k):
     p = prepack_int4_i8(payload, scale, None, n, k, 32)
     x = rng.standard_normal((1, k)).astype(np.float32)
     dg, bz, xsc = pv.digit_buffers(1, p.k_blocks)
-    pv._digits_rows(x, 1, k, dg, bz, xsc)
+    pv.digits_rows(x, 1, k, dg, bz, xsc)
     ng = p.codes.shape[0]
     facc = np.zeros(64, np.float32)
     for g0, g1 in ((0, ng), (ng // 2, ng), (1, min(ng, 6))):
@@ -402,8 +366,8 @@ def test_vnni_variants_bitwise_equal(n, k):
             continue
         a = np.zeros((1, n), np.float32)
         b = np.zeros((1, n), np.float32)
-        pv._groups_rows(p.codes, p.scale, g0, g1, 1, dg, bz, xsc, n, a, facc)
-        pv._groups_m1(p.codes, p.scale, g0, g1, dg, bz, xsc, n, b, facc)
+        pv.groups_rows(p.codes, p.scale, g0, g1, 1, dg, bz, xsc, n, a, facc)
+        pv.groups_m1(p.codes, p.scale, g0, g1, dg, bz, xsc, n, b, facc)
         np.testing.assert_array_equal(a, b)
         assert np.abs(a[0, 8 * g0:]).sum() > 0
 
@@ -423,17 +387,17 @@ def test_vnni_group_pairs_bitwise_equal_one_row_groups(n, k, m):
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[0, :32] *= 1e-30  # a block of tiny values: the fixed-point scale differs per block
     dg, bz, xsc = pv.digit_buffers(m, p.k_blocks)
-    pv._digits_rows(x, m, k, dg, bz, xsc)
+    pv.digits_rows(x, m, k, dg, bz, xsc)
     ng = p.codes.shape[0]
     facc = np.zeros(64, np.float32)
     for g0, g1 in ((0, ng), (1, ng), (0, ng - 1), (2, min(ng, 5))):
         a = np.zeros((m, n), np.float32)
-        pv._groups_rows(p.codes, p.scale, g0, g1, m, dg, bz, xsc, n, a, facc)
+        pv.groups_rows(p.codes, p.scale, g0, g1, m, dg, bz, xsc, n, a, facc)
         for i in range(m):
             d1, b1, s1 = pv.digit_buffers(1, p.k_blocks)
             d1[0], b1[0], s1[0] = dg[i], bz[i], xsc[i]
             r = np.zeros((1, n), np.float32)
-            pv._groups_m1(p.codes, p.scale, g0, g1, d1, b1, s1, n, r, facc)
+            pv.groups_m1(p.codes, p.scale, g0, g1, d1, b1, s1, n, r, facc)
             np.testing.assert_array_equal(a[i], r[0])
         assert np.abs(a[:, 8 * g0:min(n, 8 * g1)]).min(axis=1).max() > 0
         assert not a[:, :8 * g0].any() and not a[:, 8 * g1:].any()

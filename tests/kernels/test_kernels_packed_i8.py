@@ -1,16 +1,17 @@
 """Tests of olv_runtime.kernels.packed_i8 (int8-dot INT4 linear with explicit AVX2 intrinsics).
 
-Oracles: a numpy model of the same activation quantization and block math (independent of the
-numba code), and linear_packed(quantize_activations=True) of olv_runtime.kernels.packed.
+Oracle: tests/reference.py's numpy model of the same activation quantization and block math
+(``linear_int4_int8``, independent of the numba code), bitwise.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import reference
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels import get_num_threads, set_num_threads
-from olv_runtime.kernels.packed import linear_packed, prepack_int4
+from olv_runtime.kernels.ggml_packed import GGMLPacked
 from olv_runtime.kernels.packed_i8 import (
     GROUP_ROWS, PackedI8Workspace, PackedInt4I8, make_workspace_i8, prepack_int4_i8,
 )
@@ -20,39 +21,20 @@ from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
 def _weight(n, k, rng, q=None):
     """Random symmetric INT4 weight: signed codes q [n, k], payload (row-major, low nibble
     first), scale [n, ceil(k/32)]."""
-    kb = -(-k // 32)
     if q is None:
         q = rng.integers(-8, 8, size=(n, k))
-    u = (q.reshape(-1) & 15).astype(np.uint8)
-    if u.size % 2:
-        u = np.append(u, np.uint8(0))
-    payload = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
-    scale = (rng.random((n, kb), dtype=np.float32) * 0.05 + 1e-3).astype(np.float32)
+    payload, scale, _ = reference.int4_weight(q, rng)
     return q, payload, scale
 
 
-def _model(x, q, scale):
-    """numpy model: int8 per-32-block activation quantization (d = max|x|/127, rint, half to
-    even), exact integer block sums, y = sum_b float32(S_b) * (scale_b * d_b) in block order."""
-    m, k = x.shape
-    n = q.shape[0]
-    kb = -(-k // 32)
-    kp = 32 * kb
-    xp = np.zeros((m, kp), np.float32)
-    xp[:, :k] = x
-    qp = np.zeros((n, kp), np.int64)
-    qp[:, :k] = q
-    xb = xp.reshape(m, kb, 32)
-    amax = np.abs(xb).max(axis=2)                        # float32 [m, kb]
-    d = (amax / np.float32(127.0)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        v = np.rint(xb / d[:, :, None])
-    v = np.where(amax[:, :, None] > 0, np.clip(v, -127, 127), 0).astype(np.int64)
-    s = np.einsum("mbj,nbj->mnb", v, qp.reshape(n, kb, 32))  # exact int64 block sums
-    y = np.zeros((m, n), np.float32)
-    for b in range(kb):
-        y += s[:, :, b].astype(np.float32) * (scale[None, :, b] * d[:, None, b])
-    return y
+#: numpy model: int8 per-32-block activation quantization (d = max|x|/127, rint, half to even),
+#: exact integer block sums, y = sum_b float32(S_b) * (scale_b * d_b) in block order
+_model = reference.linear_int4_int8
+
+
+def _other_packed(n, k):
+    """A packed weight of another format (ggml Q8_0 records) of the same [n, k]."""
+    return GGMLPacked(8, np.zeros((-(-n // 8), k // 32, 272), np.uint8), n, k)
 
 
 SHAPES = [(8, 32), (64, 64), (100, 40), (70, 80), (13, 33), (1, 32), (3, 7), (200, 256),
@@ -61,7 +43,7 @@ SHAPES = [(8, 32), (64, 64), (100, 40), (70, 80), (13, 33), (1, 32), (3, 7), (20
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9])
-def test_matches_numpy_model_and_linear_packed(n, k, m):
+def test_matches_numpy_model(n, k, m):
     rng = np.random.default_rng(n * 1000 + k * 10 + m)
     q, payload, scale = _weight(n, k, rng)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -69,12 +51,8 @@ def test_matches_numpy_model_and_linear_packed(n, k, m):
     y = linear_packed_i8(x, pk8)
     assert y.shape == (m, n) and y.dtype == np.float32
     ref = _model(x, q, scale)
-    yq = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32), quantize_activations=True)
-    tol = 1e-5 * np.abs(yq).max()
-    assert np.abs(y - yq).max() <= tol
-    assert np.abs(y - ref).max() <= tol
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
     # integer sums are exact and the float ops per block are the same: bitwise equal
-    np.testing.assert_array_equal(y, yq)
     np.testing.assert_array_equal(y, ref)
 
 
@@ -85,9 +63,9 @@ def test_qwen_shape_parallel_matches(m):
     q, payload, scale = _weight(n, k, rng)
     x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
     y = linear_packed_i8(x, prepack_int4_i8(payload, scale, None, n, k, 32))
-    yq = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32), quantize_activations=True)
-    assert np.abs(y - yq).max() <= 1e-5 * np.abs(yq).max()
-    np.testing.assert_array_equal(y, _model(x, q, scale))
+    ref = _model(x, q, scale)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    np.testing.assert_array_equal(y, ref)
 
 
 def test_int16_worst_case_no_overflow():
@@ -200,7 +178,7 @@ def test_invalid_arguments():
     with pytest.raises(InvalidArgument, match="x"):
         linear_packed_i8(x.astype(np.float64), pk)
     with pytest.raises(InvalidArgument, match="packed"):
-        linear_packed_i8(x, prepack_int4(payload, scale, None, n, k, 32))
+        linear_packed_i8(x, _other_packed(n, k))
     with pytest.raises(InvalidArgument, match="workspace"):
         linear_packed_i8(x, pk, workspace=make_workspace_i8(1, k))
     with pytest.raises(InvalidArgument, match="workspace"):
@@ -243,7 +221,7 @@ def test_all_arguments_given_still_checked(exact):
         ("workspace", dict(workspace=mkws(1, k))),
         ("workspace", dict(workspace=mkws(2, k - 32))),
         ("workspace", dict(workspace=other_ws(2, k))),
-        ("packed", dict(packed=prepack_int4(payload, scale, None, n, k, 32))),
+        ("packed", dict(packed=_other_packed(n, k))),
     ]
     for name, kw in cases:
         args = dict(x=x, packed=pk, out=out, workspace=ws)
@@ -264,8 +242,6 @@ def test_wide_dynamic_range_activations():
     pk = prepack_int4_i8(payload, scale, None, n, k, 32)
     y = linear_packed_i8(x, pk)
     np.testing.assert_array_equal(y, _model(x, q, scale))
-    yq = linear_packed(x, prepack_int4(payload, scale, None, n, k, 32), quantize_activations=True)
-    np.testing.assert_array_equal(y, yq)
 
 
 @pytest.mark.parametrize("n,k,m", [(8, 32, 1), (100, 40, 3), (24, 1000, 5), (130, 100, 9)])
@@ -330,7 +306,7 @@ def test_vnni_instruction_is_emitted_where_the_cpu_has_it():
 
     from olv_runtime.kernels import packed_i8
 
-    fresh = njit(packed_i8._group_r1.py_func)  # cached code cannot be inspected
+    fresh = njit(packed_i8.group_r1.py_func)  # cached code cannot be inspected
     codes = np.zeros((1, 1, 128), np.uint8)
     scale = np.zeros((1, 1, 8), np.float32)
     xq = np.zeros((1, 32), np.int8)

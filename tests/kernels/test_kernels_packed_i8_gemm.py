@@ -1,6 +1,6 @@
 """Tests of olv_runtime.kernels.packed_i8_gemm (the register-blocked VNNI GEMM of prefill).
 
-Oracles: the numpy model of tests/kernels/test_kernels_packed_i8.py (same activation quantization, exact
+Oracles: the numpy model of tests/reference.py (``linear_int4_int8``: same activation quantization, exact
 integer block sums, block float math in order) and the AVX2 fallback forced with set_isa: all
 three bitwise equal (integer sums are exact; the float operations per row and block are the
 same). Shapes cover odd group counts (an unpaired last group), a partly filled last group pair
@@ -15,7 +15,8 @@ from olv_runtime.kernels import get_num_threads, packed_i8, set_num_threads
 from olv_runtime.kernels.packed_i8 import SERIAL_MAX_WORK, prepack_int4_i8
 from olv_runtime.kernels.packed_i8_gemm import linear_packed_i8
 
-from test_kernels_packed_i8 import _model, _weight
+from reference import linear_int4_int8 as _model
+from test_kernels_packed_i8 import _weight
 
 CASES = [(64, 512, 8), (90, 1000, 40), (136, 1000, 23), (100, 256, 17), (1152, 96, 9),
          (48, 4864, 12)]

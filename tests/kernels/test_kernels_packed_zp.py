@@ -2,9 +2,9 @@
 
 Oracles: onnx's ReferenceEvaluator ``DequantizeLinear`` of the UINT4 weight with its blocked
 scale and zero point (then a float64 matmul) for the exact mode, within the exact-mode bound
-``|y - y_ref| <= 1e-5 * sum_k |x_k W_nk| + 1e-6``; the tiled zero-point kernel
-``linear_packed(quantize_activations=True)`` for the int8 mode, bitwise (the same exact integer
-block sums and float operations), and the VNNI and AVX2 paths bitwise equal to each other (the
+``|y - y_ref| <= 1e-5 * sum_k |x_k W_nk| + 1e-6``; tests/reference.py's ``linear_int4_int8``
+with zero points for the int8 mode, bitwise (the same exact integer block sums and float
+operations), and the VNNI and AVX2 paths bitwise equal to each other (the
 fallback forced with ``set_isa("avx2")``). Sessions: a QDQ ``DequantizeLinear(UINT4, scale,
 zero_point) -> MatMul`` graph and a ``MatMulNBits`` with ``zero_points`` run on these kernels
 (``LinearStep.kernel``) and match onnxruntime (graph optimizations off) within 1e-4.
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import reference
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels import get_num_threads, set_num_threads
-from olv_runtime.kernels.packed import linear_packed, prepack_int4
 from olv_runtime.kernels.packed_i8 import HOST_VNNI, isa, set_isa
 from olv_runtime.kernels.packed_zp import (
     PackedInt4I8Zp, linear_packed_i8_exact_zp, linear_packed_i8_zp, prepack_int4_i8_zp,
@@ -81,12 +81,12 @@ def test_exact_mode_matches_dequantize_linear(n, k, m, scale_dtype):
 
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("n,k,m", SHAPES)
-def test_int8_mode_bitwise_tiled_and_both_isas(n, k, m, scale_dtype):
+def test_int8_mode_bitwise_reference_and_both_isas(n, k, m, scale_dtype):
     rng = np.random.default_rng(n + 3 * k + m)
     u, z, scale, payload, zp = _weight(n, k, rng, scale_dtype)
     x = rng.standard_normal((m, k)).astype(np.float32)
     p = prepack_int4_i8_zp(payload, scale, zp, n, k, 32)
-    want = linear_packed(x, prepack_int4(payload, scale, zp, n, k, 32), quantize_activations=True)
+    want = reference.linear_int4_int8(x, u - 8, scale, zp)
     got = linear_packed_i8_zp(x, p)
     np.testing.assert_array_equal(got, want)
     set_isa("avx2")
