@@ -49,6 +49,15 @@ vectorised differently): the tests bound the difference and require identical gr
 Workspace (:class:`StackWorkspace`) is allocated once per (session, thread); a call allocates
 nothing.
 
+Arguments (:mod:`.step_buffers`, as llama2.c's ``RunState``): the weights, the dimensions, the
+activations and the attention scratch arrive as four named tuples (``StepWeights``,
+``StepDims``, ``RunState``, ``AttState``; each field's shape and dtype are written beside it),
+the KV cache as a fifth: ``KVContig`` (capacity buffers) or ``KVPaged`` (block tables). One
+driver serves both caches: they differ only in step 3's write and step 4's share of the keys
+(:func:`_kv_write`, :func:`_kv_attend`: overloads chosen by the KV bundle's type when the step
+compiles, so a session compiles the one its model uses). The barrier, the atomics and the
+phase stamps live in :mod:`.step_sync`.
+
 Compile cost (cold start, issue 14). numba re-optimises and re-emits every function linked into
 a top-level function when that one is compiled, so the program is kept to what a session uses:
 the activation mode is chosen by the *type* of the int8 buffers argument (None in exact mode,

@@ -97,7 +97,8 @@ KVPaged = namedtuple("KVPaged", [
 # workspace
 # ------------------------------------------------------------------------------------------------
 class StackWorkspace:
-    """Buffers of :func:`decode_stack` for ``nt`` tasks (shared activations, per-task scratch)."""
+    """Buffers of :func:`.decoder_layers.decode_stack` for ``nt`` tasks (shared activations,
+    per-task scratch)."""
 
     def __init__(self, nt, e, n_qkv, hd, n_gu, inter, vocab, k_max):
         kp = 32 * (-(-k_max // 32))
@@ -219,7 +220,7 @@ class WeightTable:
         Per weight: address of ``codes`` (uint8 [NG, KB, 128]), address of ``scale``
         ([NG, KB, 8] float32 or uint16), NG, KB.
     codes0, scale0 : read-only views of the first weight's arrays (their numba types are the
-        types of every view :func:`_weight` makes).
+        types of every view :func:`.decoder_layers._weight` makes).
     codes, scales : lists of the arrays themselves (inspection; they keep the memory alive).
     """
 

@@ -172,7 +172,8 @@ SPIN_LIMIT = 1 << 10  # pause-spins (~26 us here, ~25 ns each) before a waiting 
 
 
 def barrier_slots(nt: int) -> int:
-    """Length of the int64 barrier array of ``nt`` tasks (:func:`_barrier`, :func:`_claim`)."""
+    """Length of the int64 barrier array of ``nt`` tasks (:func:`_barrier`,
+    :func:`.decoder_layers._claim`)."""
     return BARRIER_SLOTS + WORK_SLOTS * nt
 
 
@@ -181,7 +182,8 @@ def _barrier(bar, nt):
     """All ``nt`` tasks wait here until every one has arrived (sense by generation count).
     A waiting task spins with ``pause``, then yields its CPU (``sched_yield``) so a descheduled
     partner on a busy machine gets to run instead of the spinner burning its time slice.
-    The last task to arrive also resets the work ranges' claim offsets (:func:`_claim`) before
+    The last task to arrive also resets the work ranges' claim offsets
+    (:func:`.decoder_layers._claim`) before
     it releases the others: every task has then finished its claims of the linear before the
     barrier, and none claims from the next one yet."""
     if nt == 1:
@@ -203,5 +205,6 @@ def _barrier(bar, nt):
 
 
 def address(a: np.ndarray) -> int:
-    """The address of ``a``'s first element (for the tables of :func:`decode_stack`)."""
+    """The address of ``a``'s first element (for the tables of
+    :func:`.decoder_layers.decode_stack`)."""
     return int(a.__array_interface__["data"][0])
