@@ -525,7 +525,7 @@ class DecoderStack:
     def __getattr__(self, name):
         # the compiled step's module, weight table and driver (``_ds``, ``weights``,
         # ``run_kernel``) are made on first use: a prefill does not need them, so creating a
-        # session does not import kernels.decode_stack (warm start)
+        # session does not import kernels.decoder_layers (warm start)
         if name in ("_ds", "weights", "run_kernel"):
             self._load_kernels()
             return self.__dict__[name]
@@ -562,7 +562,7 @@ class DecoderStack:
                   # registry entries and read-only whole-buffer views, the smallest capacity;
                   # whether this call claimed in place (the pasts' own buffers, one length)
                   "last": None, "entries": [], "ro": [], "cap": 0, "steady": False,
-                  # the compiled function and its argument list (kernels.decode_stack
+                  # the compiled function and its argument list (kernels.decoder_layers
                   # .prepared_call), with the ISA choice it was built for
                   "call": None}
             self._local.st = st
@@ -621,7 +621,7 @@ class DecoderStack:
         calls will run, while this process finishes the session and runs the prefill
         (:mod:`olv_runtime.kernels.precompile`; sessions asking for the same driver share one
         worker). With any cache entry of the driver on disk nothing happens (warm start:
-        kernels.decode_stack is not even imported here)."""
+        kernels.decoder_layers is not even imported here)."""
         if self._precompile is not None:
             return
         self._precompile = False
@@ -717,7 +717,7 @@ class DecoderStack:
 
     def _kernel(self, st, nt, x0, cos, sin, logits) -> None:
         """One token through the compiled driver (``run_kernel``; the default one through the
-        argument list prepared for this thread's workspace, :func:`.kernels.decode_stack
+        argument list prepared for this thread's workspace, :func:`.kernels.decoder_layers
         .prepared_call`)."""
         x2, c1, s1, l2 = (x0.reshape(1, self.e), cos.reshape(-1), sin.reshape(-1),
                           logits.reshape(1, self.vocab))

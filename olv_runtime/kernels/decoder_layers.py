@@ -49,6 +49,15 @@ vectorised differently): the tests bound the difference and require identical gr
 Workspace (:class:`StackWorkspace`) is allocated once per (session, thread); a call allocates
 nothing.
 
+Arguments (:mod:`.step_buffers`, as llama2.c's ``RunState``): the weights, the dimensions, the
+activations and the attention scratch arrive as four named tuples (``StepWeights``,
+``StepDims``, ``RunState``, ``AttState``; each field's shape and dtype are written beside it),
+the KV cache as a fifth: ``KVContig`` (capacity buffers) or ``KVPaged`` (block tables). One
+driver serves both caches: they differ only in step 3's write and step 4's share of the keys
+(:func:`_kv_write`, :func:`_kv_attend`: overloads chosen by the KV bundle's type when the step
+compiles, so a session compiles the one its model uses). The barrier, the atomics and the
+phase stamps live in :mod:`.step_sync`.
+
 Compile cost (cold start, issue 14). numba re-optimises and re-emits every function linked into
 a top-level function when that one is compiled, so the program is kept to what a session uses:
 the activation mode is chosen by the *type* of the int8 buffers argument (None in exact mode,
@@ -77,323 +86,51 @@ from __future__ import annotations
 import inspect
 
 import numpy as np
-from llvmlite import ir
 from numba import carray, njit, prange, types
-from numba.core import cgutils
-from numba.core.extending import intrinsic, overload
+from numba.core.extending import overload
 from numba.core.typing.typeof import Purpose, typeof
-from numba.np.arrayobj import populate_array
 
-from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels.attention import shared_entries
 from olv_runtime.kernels.rope import _rope_token
 
 from . import packed_f32, packed_f32_vnni, packed_i8
 from . import paged_attention as pk
-from .attention import SLACK, TILE, _attend_rows, _merge_partials, _state_init
+from .attention import SLACK, _attend_rows, _merge_partials, _state_init
 from .config import JIT, PJIT
 from .norm import _rms_norm_row
 from .paged_attention import _paged_rows
+from .step_buffers import (
+    AttState,
+    KVContig,
+    KVPaged,
+    RunState,
+    StackWorkspace,
+    StepDims,
+    StepWeights,
+    WeightTable,
+)
+from .step_sync import (
+    BARRIER_SLOTS,
+    PHASES,
+    PROF_SLOTS,
+    WORK_SLOTS,
+    _atomic_add,
+    _atomic_load,
+    _barrier,
+    _stamp,
+    _view,
+    address,
+    barrier_slots,
+    cycles_now,
+)
 
-__all__ = ["decode_stack", "StackWorkspace", "WeightTable", "address", "BARRIER_SLOTS"]
+__all__ = ["decode_stack", "decode_stack_paged", "prepared_call", "precompile_entries",
+           "decode_stack_entry", "StackWorkspace", "WeightTable", "address", "barrier_slots",
+           "cycles_now", "BARRIER_SLOTS", "PROF_SLOTS", "PHASES"]
 
-BARRIER_SLOTS = 16  # int64 [16]: counter at 0, generation at 8 (separate cache lines)
-WORK_SLOTS = 8      # per task, after the barrier: its range's claim offset (one cache line each)
 GROUP_ROWS = packed_i8.GROUP_ROWS
 GROUP_BLOCK_BYTES = packed_i8.GROUP_BLOCK_BYTES
 _OV = dict(fastmath=False, error_model="numpy")  # the JIT flags overload implementations take
-
-
-# ------------------------------------------------------------------------------------------------
-# atomics and the barrier
-# ------------------------------------------------------------------------------------------------
-def _i64_ptr(context, builder, aty, aval, idx):
-    ary = context.make_array(aty)(context, builder, aval)
-    return builder.gep(ary.data, [idx])
-
-
-@intrinsic
-def _atomic_add(typingctx, arr, idx, val):
-    """Atomic ``arr[idx] += val`` (seq_cst); returns the old value (int64 array)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
-        v = context.cast(builder, args[2], sig.args[2], types.int64)
-        return builder.atomic_rmw("add", p, v, "seq_cst")
-    return types.int64(arr, types.intp, val), codegen
-
-
-@intrinsic
-def _atomic_load(typingctx, arr, idx):
-    """Atomic (seq_cst) load of ``arr[idx]`` (int64 array)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
-        return builder.load_atomic(p, "seq_cst", 8)
-    return types.int64(arr, types.intp), codegen
-
-
-@intrinsic
-def _atomic_store(typingctx, arr, idx, val):
-    """Atomic (seq_cst) store ``arr[idx] = val`` (int64 array)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _i64_ptr(context, builder, sig.args[0], args[0], args[1])
-        v = context.cast(builder, args[2], sig.args[2], types.int64)
-        builder.store_atomic(v, p, "seq_cst", 8)
-        return context.get_dummy_value()
-    return types.none(arr, types.intp, val), codegen
-
-
-@intrinsic
-def _pause(typingctx):
-    """Spin-wait hint (x86 ``pause``)."""
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                            "llvm.x86.sse2.pause")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-    return types.none(), codegen
-
-
-@intrinsic
-def _yield_cpu(typingctx):
-    """``sched_yield()`` (POSIX; libc is linked into the process, resolved by the JIT)."""
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
-                                            "sched_yield")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-    return types.none(), codegen
-
-
-@intrinsic
-def _view(typingctx, like, addr, shape):
-    """An array of ``like``'s exact type (dtype, rank, C layout, read-only flag) over the memory
-    at address ``addr`` with ``shape`` (a tuple of ints; C-contiguous strides), without a
-    meminfo: the caller keeps the memory alive (the Python side holds the arrays whose addresses
-    it put in the tables, :class:`olv_runtime.executor.decoder_step.DecoderStack`). numba's typed lists
-    of arrays cost seconds of compilation per process (their methods are not cached on disk) and
-    per-call boxing; tables of addresses cost neither."""
-    if not (isinstance(like, types.Array) and like.layout == "C"
-            and isinstance(addr, types.Integer) and isinstance(shape, types.BaseTuple)
-            and len(shape) == like.ndim and all(isinstance(t, types.Integer) for t in shape)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        aryty = sig.return_type
-        ary = context.make_array(aryty)(context, builder)
-        dt = context.get_data_type(aryty.dtype)
-        isz = context.get_abi_sizeof(dt)
-        intp = context.get_value_type(types.intp)
-        dims = [context.cast(builder, builder.extract_value(args[2], i), sig.args[2][i],
-                             types.intp) for i in range(aryty.ndim)]
-        strides = []
-        acc = ir.Constant(intp, isz)
-        for dim in reversed(dims):
-            strides.append(acc)
-            acc = builder.mul(acc, dim)
-        strides.reverse()
-        a = context.cast(builder, args[1], sig.args[1], types.intp)
-        data = builder.inttoptr(a, dt.as_pointer())
-        populate_array(ary, data=data, shape=dims, strides=strides,
-                       itemsize=ir.Constant(intp, isz), meminfo=None)
-        return ary._getvalue()
-    return like(like, addr, shape), codegen
-
-
-@intrinsic
-def _cycles(typingctx):
-    """The CPU's time-stamp counter (``llvm.readcyclecounter``: ``rdtsc`` on x86)."""
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
-                                            "llvm.readcyclecounter")
-        return builder.call(fn, [])
-    return types.int64(), codegen
-
-
-@njit(**JIT)
-def cycles_now():
-    """:func:`_cycles` from Python (benchmarks calibrate the counter's rate with it)."""
-    return _cycles()
-
-
-PROF_SLOTS = 32  # per task: time-stamp-counter ticks per phase (PHASES), the last stamp at 31
-PHASES = ("input norm + quantize", "qkv linear", "wait after qkv", "rope + kv write + attention",
-          "wait after attention", "merge heads", "quantize attn + o linear + residual",
-          "wait after o", "post norm + quantize", "gate/up linear + silu*up", "wait after gate/up",
-          "quantize act + down linear + residual", "wait after down",
-          "final norm + quantize + lm_head", "final wait")
-
-
-@njit(**JIT)
-def _stamp(bar, tid, nt, k):
-    """Phase profile (benchmarks only, bench/stack_phases.py): when the barrier array is longer
-    than :func:`barrier_slots` (``+ nt * PROF_SLOTS``), add the ticks since this task's last
-    stamp to its phase ``k``; with the normal array, nothing (one compare).
-
-    A function of its own, called with ``np.int64(k)`` (one specialisation, not one per literal
-    phase): numba's IR inlining at its 16 call sites cost ~1 s of the step's compilation (cold
-    start); LLVM inlines the compiled function anyway (the step's optimised code is the same)."""
-    base = BARRIER_SLOTS + WORK_SLOTS * nt
-    if bar.shape[0] >= base + nt * PROF_SLOTS:
-        o = base + tid * PROF_SLOTS
-        now = _cycles()
-        if k >= 0:
-            bar[o + k] += now - bar[o + PROF_SLOTS - 1]
-        bar[o + PROF_SLOTS - 1] = now
-
-
-SPIN_LIMIT = 1 << 10  # pause-spins (~26 us here, ~25 ns each) before a waiting task yields its CPU
-
-
-def barrier_slots(nt: int) -> int:
-    """Length of the int64 barrier array of ``nt`` tasks (:func:`_barrier`, :func:`_claim`)."""
-    return BARRIER_SLOTS + WORK_SLOTS * nt
-
-
-@njit(**JIT)
-def _barrier(bar, nt):
-    """All ``nt`` tasks wait here until every one has arrived (sense by generation count).
-    A waiting task spins with ``pause``, then yields its CPU (``sched_yield``) so a descheduled
-    partner on a busy machine gets to run instead of the spinner burning its time slice.
-    The last task to arrive also resets the work ranges' claim offsets (:func:`_claim`) before
-    it releases the others: every task has then finished its claims of the linear before the
-    barrier, and none claims from the next one yet."""
-    if nt == 1:
-        return
-    gen = _atomic_load(bar, 8)
-    if _atomic_add(bar, 0, 1) == nt - 1:
-        _atomic_store(bar, 0, 0)
-        for r in range(nt):
-            _atomic_store(bar, BARRIER_SLOTS + WORK_SLOTS * r, 0)
-        _atomic_add(bar, 8, 1)
-    else:
-        spins = 0
-        while _atomic_load(bar, 8) == gen:
-            if spins < SPIN_LIMIT:
-                _pause()
-                spins += 1
-            else:
-                _yield_cpu()
-
-
-# ------------------------------------------------------------------------------------------------
-# workspace
-# ------------------------------------------------------------------------------------------------
-class StackWorkspace:
-    """Buffers of :func:`decode_stack` for ``nt`` tasks (shared activations, per-task scratch)."""
-
-    def __init__(self, nt, e, n_qkv, hd, n_gu, inter, vocab, k_max):
-        kp = 32 * (-(-k_max // 32))
-        kb = kp // 32
-        self.nt = nt
-        self.xa = np.zeros((1, e), np.float32)
-        self.xb = np.zeros((1, e), np.float32)
-        self.qkv = np.zeros((1, n_qkv), np.float32)
-        self.attn = np.zeros((1, hd), np.float32)
-        self.qp = np.zeros((nt, 1, hd), np.float32)        # private rotated queries
-        self._qp3 = None
-        self.gu = np.zeros((1, n_gu), np.float32)
-        self.act = np.zeros((1, inter), np.float32)
-        self.hx = np.zeros((nt, 1, e), np.float32)          # private normed activations
-        self.xq = packed_i8._aligned_empty((nt, 1, kp), np.int8)
-        self.xq[...] = 0
-        self.xd = np.zeros((nt, 1, kb), np.float32)
-        self.xs8 = np.zeros((nt, 1, kb), np.int32)
-        self.facc8 = np.zeros((nt, 1, GROUP_ROWS), np.float32)
-        self.facc32 = np.zeros((nt, packed_f32.ROWS_MAX * GROUP_ROWS), np.float32)
-        # exact mode on the VNNI path: per-task activation digits (packed_f32_vnni)
-        self.dgt = tuple(a.reshape((nt, 1) + a.shape[1:]) for a in
-                         packed_f32_vnni.digit_buffers(nt, kb if packed_i8.HOST_VNNI else 0))
-        self.bar = np.zeros(barrier_slots(nt), np.int64)
-        self.vocab = vocab
-        self.i8 = (self.xq, self.xd, self.xs8, self.facc8)  # int8 mode's per-task buffers
-        self._att = None
-        self._q3 = None
-
-    def qprivate(self, n_heads, d):
-        """Per-task rotated queries ``[nt, 1, H*D]`` and the same memory as ``[nt, H, D]``."""
-        if self.qp.shape[2] != n_heads * d:
-            raise InvalidArgument(f"qprivate: {n_heads} x {d} query features, the workspace "
-                                  f"holds {self.qp.shape[2]}")
-        if self._qp3 is None:
-            self._qp3 = self.qp.reshape(self.nt, n_heads, d)
-        return self.qp, self._qp3
-
-    def q3(self, n_heads, d):
-        """The query part of ``qkv`` viewed as float32 [H, D] (no copy)."""
-        if self._q3 is None or self._q3[0] is not self.qkv:
-            self._q3 = (self.qkv, self.qkv[0, :n_heads * d].reshape(n_heads, d))
-        return self._q3[1]
-
-    def attention(self, n_heads, n_kv, d, width=TILE):
-        """Attention buffers: per task partial max/sum/output ``pm, pl [nt, H]``, ``po [nt, H,
-        D]``, the private merged output ``attn_p [nt, 1, H*D]``, scores/probabilities
-        ``[nt, H/KVH, width]`` and the tile max ``[nt, H/KVH]``."""
-        a = self._att
-        if a is None or a[4].shape[2] != width + SLACK:
-            nt, g = self.nt, n_heads // n_kv
-            a = self._att = (np.zeros((nt, n_heads), np.float32),
-                             np.zeros((nt, n_heads), np.float32),
-                             np.zeros((nt, n_heads, d), np.float32),
-                             np.zeros((nt, 1, n_heads * d), np.float32),
-                             np.zeros((nt, g, width + SLACK), np.float32),
-                             np.zeros((nt, g, width + SLACK), np.float32),
-                             np.zeros((nt, g), np.float32))
-        return a
-
-    def paged(self, d, width, n_kv, bs, n_heads):
-        """Paged-step scratch: one decoded block and head ``[nt, BS, D]`` with its row
-        multipliers ``[nt, BS + 16]``, a tile's block list ``[nt, width, 2]`` int64, the new
-        key/value rows ``[nt, 2, KVH*D]``; the int8 queries of int8-activation mode
-        (:func:`~.paged_attention._quantize_heads`): codes and INT4-order codes ``[nt, H, D]``
-        int8, ``qmul [nt, H]`` float32, ``qsum [nt, H]`` int32; the partial softmax max/sum
-        ``pm, pl [nt, H]`` and the tile max ``[nt, H/KVH]`` of the paged step. Rows of the
-        small per-task arrays are padded to whole 64-byte lines (views of ``[nt, >= 16]``
-        arrays): the tasks update them all through the attention, and two tasks' rows in one
-        cache line would bounce it between the cores."""
-        a = getattr(self, "_paged", None)
-        if a is None or a[2].shape[1] != width or a[0].shape[1] != bs or a[4].shape[1] != n_heads:
-            nt = self.nt
-
-            def padded(n, dtype):  # [nt, n] rows 64-byte aligned apart
-                w = -(-n // 16) * 16
-                return np.zeros((nt, w), dtype)[:, :n]
-
-            a = self._paged = (np.zeros((nt, bs, d), np.float32),
-                               np.zeros((nt, bs + SLACK), np.float32),
-                               np.zeros((nt, width, 2), np.int64),
-                               np.zeros((nt, 2, n_kv * d), np.float32),
-                               np.zeros((nt, n_heads, d), np.int8),
-                               np.zeros((nt, n_heads, d), np.int8),
-                               padded(n_heads, np.float32),
-                               padded(n_heads, np.int32),
-                               padded(n_heads, np.float32),
-                               padded(n_heads, np.float32),
-                               padded(n_heads // n_kv, np.float32))
-        return a
-
-    @property
-    def nbytes(self) -> int:
-        return int(sum(getattr(self, a).nbytes for a in (
-            "xa", "xb", "qkv", "attn", "qp", "gu", "act", "hx", "xq", "xd", "xs8", "facc8",
-            "facc32", "bar"))) + sum(a.nbytes for a in (self._att or ())) + sum(
-                a.nbytes for a in self.dgt)
-
-    def exact_buffers(self, quant):
-        """The per-task activation buffers argument of the compiled step: int8 mode's
-        ``(xq, xd, xs8, facc8)``, exact mode's digits ``(dg, bz, xsc)`` on the VNNI path
-        (:mod:`.packed_f32_vnni`), or None (exact mode, float path)."""
-        if quant:
-            return self.i8
-        return self.dgt if packed_i8.use_vnni() else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -607,16 +344,17 @@ def _weight(wt, w, codes0, scale0):
 
 
 @njit(inline="always", **JIT)
-def _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h, qkv,
-                f32, bar, vnni):
+def _layer_head(tid, nt, i8, x, li, w, h, qkv, f32, bar, vnni):
     """Steps 1-2: input norm (private), q/k/v projection (+ bias); barrier."""
     e = x.shape[1]
-    _rms_norm_row(x[0], norms[2 * li], eps, h[0])
-    cw, sw = _weight(wt, 4 * li, codes0, scale0)
+    _rms_norm_row(x[0], w.norms[2 * li], w.eps, h[0])
+    cw, sw = _weight(w.wt, 4 * li, w.codes0, w.scale0)
     _quantize(i8, h, e, cw.shape[1])
     _stamp(bar, tid, nt, np.int64(0))
-    _linear_part(tid, nt, i8, cw, sw, h, qkv, f32, vnni, bar, has_bias[li], biases[li:li + 1])
-    _prefetch_part(tid, nt, wt, 4 * li + 1, codes0, scale0)  # the output projection's start
+    _linear_part(tid, nt, i8, cw, sw, h, qkv, f32, vnni, bar, w.has_bias[li],
+                 w.biases[li:li + 1])
+    # the output projection's start
+    _prefetch_part(tid, nt, w.wt, 4 * li + 1, w.codes0, w.scale0)
     _stamp(bar, tid, nt, np.int64(1))
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(2))
@@ -632,20 +370,22 @@ def _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p):
 
 
 @njit(inline="always", **JIT)
-def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps, inter, attn, h,
-                gu, act, f32, bar, vnni):
+def _layer_tail(tid, nt, i8, x, nxt, li, w, dims, rs, attn, h, f32, bar):
     """Steps 5-8 (output projection + residual, post norm, gate/up, SiLU*up, down + residual);
     returns the new residual buffer and the flip flag. Before each barrier a task prefetches
     the start of its share of the next weight (:func:`_prefetch_part`)."""
-    w = 4 * li
+    wt, codes0, scale0 = w.wt, w.codes0, w.scale0
+    xa, xb, gu, act = rs.xa, rs.xb, rs.gu, rs.act
+    inter, vnni = dims.inter, dims.vnni
+    wi = 4 * li
     hd = attn.shape[1]
     e = x.shape[1]
     xn = xa if nxt == 0 else xb
-    cw, sw = _weight(wt, w + 1, codes0, scale0)
+    cw, sw = _weight(wt, wi + 1, codes0, scale0)
     _quantize(i8, attn, hd, cw.shape[1])
     _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni, bar, _YES, x)
     _stamp(bar, tid, nt, np.int64(6))
-    cw, sw = _weight(wt, w + 2, codes0, scale0)
+    cw, sw = _weight(wt, wi + 2, codes0, scale0)
     ng = cw.shape[0]
     # gate rows [0, inter), up rows [inter, 2 inter): when no 8-row group straddles the two,
     # each task takes the same groups of both halves and applies SiLU * up to its own rows
@@ -664,7 +404,7 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
     nxt = 1 - nxt
     xn = xa if nxt == 0 else xb
     # 6: post-attention norm (private), gate/up projection
-    _rms_norm_row(x[0], norms[2 * li + 1], eps, h[0])
+    _rms_norm_row(x[0], w.norms[2 * li + 1], w.eps, h[0])
     _quantize(i8, h, e, cw.shape[1])
     _stamp(bar, tid, nt, np.int64(8))
     if halves:
@@ -684,15 +424,15 @@ def _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
         _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni, bar, _NO, gu)
         _barrier(bar, nt)
         _silu_mul(gu, act, inter, tid * inter // nt, (tid + 1) * inter // nt)
-    _prefetch_part(tid, nt, wt, w + 3, codes0, scale0)
+    _prefetch_part(tid, nt, wt, wi + 3, codes0, scale0)
     _stamp(bar, tid, nt, np.int64(9))
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(10))
     # 8: down projection + residual
-    cw, sw = _weight(wt, w + 3, codes0, scale0)
+    cw, sw = _weight(wt, wi + 3, codes0, scale0)
     _quantize(i8, act, inter, cw.shape[1])
     _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni, bar, _YES, x)
-    _prefetch_part(tid, nt, wt, w + 4, codes0, scale0)  # next layer's qkv, or the lm_head
+    _prefetch_part(tid, nt, wt, wi + 4, codes0, scale0)  # next layer's qkv, or the lm_head
     _stamp(bar, tid, nt, np.int64(11))
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(12))
@@ -721,14 +461,12 @@ def _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, p0, p1):
 
 
 @njit(inline="always", **JIT)
-def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
-             bar):
+def _lm_head(tid, nt, i8, x, n_layers, w, h, logits, f32, vnni, bar):
     """Final norm (private), ``logits = . @ Wlm.T``; a last barrier (it resets the claim
     offsets for the next call)."""
     e = x.shape[1]
-    _rms_norm_row(x[0], norms[2 * n_layers], eps, h[0])
-    wl = 4 * n_layers
-    cw, sw = _weight(wt, wl, codes0, scale0)
+    _rms_norm_row(x[0], w.norms[2 * n_layers], w.eps, h[0])
+    cw, sw = _weight(w.wt, 4 * n_layers, w.codes0, w.scale0)
     _quantize(i8, h, e, cw.shape[1])
     _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni, bar, _NO, logits)
     _stamp(bar, tid, nt, np.int64(13))
@@ -736,136 +474,90 @@ def _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits
     _stamp(bar, tid, nt, np.int64(14))
 
 
-@njit(**JIT)
-def _stack_thread(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
-                  kvt, kv0, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-                  inter, xa, xb, qkv, qpa, qpa3, gu, act, hx, i8ws, facc32, bar,
-                  logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
-    n_layers = tpos.shape[0]
-    hd = n_heads * d
-    kvd = n_kv * d
-    group = n_heads // n_kv
-    qp = qpa[tid]  # this task's rotated queries [1, H*D], as [H, D]
-    q3 = qpa3[tid]
-    h = hx[tid]
-    i8 = _task_i8(i8ws, tid)  # None in exact mode
-    f32 = facc32[tid]
-    sc = asc[tid]
-    p = ap[tid]
-    mx = amx[tid]
-    attn = attn_p[tid]
-    # residual stream: x0 -> xa -> xb -> xa ... (each write goes to the buffer x is not in)
-    x = x0
-    nxt = 0  # 0: the next write goes to xa, 1: to xb
-    _stamp(bar, tid, nt, np.int64(-1))  # phase profile (benchmarks only): the start
-    for li in range(n_layers):
-        _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h,
-                    qkv, f32, bar, vnni)
-        # 3: RoPE: every task rotates all query heads into its private copy; the task whose
-        #    key range ends with the new key (the last one) rotates the key heads and writes
-        #    k and v into slot t of the capacity buffers -- no other task reads slot t, so no
-        #    barrier before the attention
-        t = tpos[li]
-        cap = kvt[li, 2]
-        kb = _view(kv0, kvt[li, 0], (1, n_kv, cap, d))
-        vb = _view(kv0, kvt[li, 1], (1, n_kv, cap, d))
-        for i in range(hd):
-            qp[0, i] = qkv[0, i]
-        for hh in range(n_heads):
-            _rope_head(qp, hh * d, cos, sin, interleaved, rdim)
-        if tid == nt - 1:
+# ------------------------------------------------------------------------------------------------
+# the KV cache: where a key/value position is (contiguous capacity buffers or paged blocks)
+# ------------------------------------------------------------------------------------------------
+def _kv_write(kv, tid, li, g, qkv, dims):
+    """Step 3's write (the last task only): kv head ``g``'s new key (rotated, in ``qkv[0, H*D +
+    g*D:]``) and value (``qkv[0, (H + KVH)*D + g*D:]``) of layer ``li`` into the cache: slot
+    ``kv.pos[li]`` of the capacity buffers (:class:`~.step_buffers.KVContig`), or row
+    ``kv.pos[li]`` of the open block (:class:`~.step_buffers.KVPaged`, through the task's
+    ``kvnew`` rows; float32, or float16 rounded to nearest even). Chosen by the type of ``kv``
+    when the step compiles (an ``overload``): a session compiles one of the two."""
+
+
+def _kv_attend(kv, tid, nt, li, q3, att, dims):
+    """Step 4, this task's share: the partial softmax states ``att.pm/pl/po[tid]`` of every
+    query head over its share of layer ``li``'s keys (flash-decoding split): keys ``[tid (t +
+    1) / nt, (tid + 1) (t + 1) / nt)`` of the capacity buffers (:func:`~.attention._attend_rows`,
+    t = ``kv.pos[li]``), or blocks ``[tid nb / nt, (tid + 1) nb / nt)`` of the block table, one
+    softmax tile of blocks at a time for every kv head (:func:`~.paged_attention._paged_rows`;
+    with ``kv.iq`` the queries are quantized to int8 first). Chosen at compile time by the type
+    of ``kv``, as :func:`_kv_write`."""
+
+
+def _is_kv(kv, cls):
+    return isinstance(kv, types.NamedTuple) and kv.instance_class is cls
+
+
+@overload(_kv_write, jit_options=_OV)
+def _ov_kv_write(kv, tid, li, g, qkv, dims):
+    if _is_kv(kv, KVContig):
+        def impl(kv, tid, li, g, qkv, dims):
+            n_kv, d = dims.n_kv, dims.d
+            hd = dims.n_heads * d
+            kvd = n_kv * d
+            t = kv.pos[li]
+            cap = kv.kvt[li, 2]
+            kb = _view(kv.kv0, kv.kvt[li, 0], (1, n_kv, cap, d))
+            vb = _view(kv.kv0, kv.kvt[li, 1], (1, n_kv, cap, d))
+            for i in range(d):
+                kb[0, g, t, i] = qkv[0, hd + g * d + i]
+                vb[0, g, t, i] = qkv[0, hd + kvd + g * d + i]
+        return impl
+    if _is_kv(kv, KVPaged):
+        def impl(kv, tid, li, g, qkv, dims):
+            d = dims.d
+            hd = dims.n_heads * d
+            kvd = dims.n_kv * d
+            kvn = kv.kvnew[tid]
+            for i in range(d):
+                kvn[0, g * d + i] = qkv[0, hd + g * d + i]
+                kvn[1, g * d + i] = qkv[0, hd + kvd + g * d + i]
+            _write_open_row(kv.tabs[li], kv.nblk[li], g, kv.bs, d, kv.pos[li], kvn, g * d)
+        return impl
+    return None
+
+
+@overload(_kv_attend, jit_options=_OV)
+def _ov_kv_attend(kv, tid, nt, li, q3, att, dims):
+    if _is_kv(kv, KVContig):
+        def impl(kv, tid, nt, li, q3, att, dims):
+            n_kv, d = dims.n_kv, dims.d
+            group = dims.n_heads // n_kv
+            t = kv.pos[li]
+            cap = kv.kvt[li, 2]
+            kb = _view(kv.kv0, kv.kvt[li, 0], (1, n_kv, cap, d))
+            vb = _view(kv.kv0, kv.kvt[li, 1], (1, n_kv, cap, d))
+            sc, p, mx = att.asc[tid], att.ap[tid], att.amx[tid]
+            j0 = tid * (t + 1) // nt
+            j1 = (tid + 1) * (t + 1) // nt
             for g in range(n_kv):
-                _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
-                for i in range(d):
-                    kb[0, g, t, i] = qkv[0, hd + g * d + i]
-                    vb[0, g, t, i] = qkv[0, hd + kvd + g * d + i]
-        # 4: this task's share of the t + 1 keys for every kv head (flash-decoding split);
-        #    barrier; every task merges the partial states into its private output
-        j0 = tid * (t + 1) // nt
-        j1 = (tid + 1) * (t + 1) // nt
-        for g in range(n_kv):
-            hs = g * group
-            m = pm[tid, hs:hs + group]
-            l = pl[tid, hs:hs + group]
-            o = po[tid, hs:hs + group]
-            _state_init(m, l, o, group)
-            _attend_rows(q3[hs:hs + group], group, kb[0, g], vb[0, g], j0, j1, att_scale, m, l,
-                         o, sc, p, mx)
-        _stamp(bar, tid, nt, np.int64(3))
-        _barrier(bar, nt)
-        _stamp(bar, tid, nt, np.int64(4))
-        _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
-        _stamp(bar, tid, nt, np.int64(5))
-        x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
-                             inter, attn, h, gu, act, f32, bar, vnni)
-    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
-             bar)
+                hs = g * group
+                m = att.pm[tid, hs:hs + group]
+                l = att.pl[tid, hs:hs + group]
+                o = att.po[tid, hs:hs + group]
+                _state_init(m, l, o, group)
+                _attend_rows(q3[hs:hs + group], group, kb[0, g], vb[0, g], j0, j1,
+                             dims.att_scale, m, l, o, sc, p, mx)
+        return impl
+    if _is_kv(kv, KVPaged):
+        def impl(kv, tid, nt, li, q3, att, dims):
+            _paged_share(kv, tid, nt, li, q3, att, dims)
+        return impl
+    return None
 
 
-@njit(**PJIT)
-def _stack_par(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
-               n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb, qkv, qpa, qpa3, gu,
-               act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx):
-    for tid in prange(nt):
-        # int64 like the serial entry's tid (the prange index is unsigned): one specialisation
-        # of _stack_thread serves both
-        _stack_thread(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
-                      kvt, kv0, tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-                      inter, xa, xb, qkv, qpa, qpa3, gu, act, hx, i8ws, facc32, bar, logits,
-                      vnni, pm, pl, po, attn_p, asc, ap, amx)
-
-
-def address(a: np.ndarray) -> int:
-    """The address of ``a``'s first element (for the tables of :func:`decode_stack`)."""
-    return int(a.__array_interface__["data"][0])
-
-
-class WeightTable:
-    """The packed weights of a stack as an address table (views of the arrays, not copies).
-
-    Parameters
-    ----------
-    packed : list of :class:`~.packed_i8.PackedInt4I8`
-        4 per layer (qkv, o, gate_up, down), then the lm_head; one scale dtype, C-contiguous.
-
-    Attributes
-    ----------
-    wt : int64 [W, 4]
-        Per weight: address of ``codes`` (uint8 [NG, KB, 128]), address of ``scale``
-        ([NG, KB, 8] float32 or uint16), NG, KB.
-    codes0, scale0 : read-only views of the first weight's arrays (their numba types are the
-        types of every view :func:`_weight` makes).
-    codes, scales : lists of the arrays themselves (inspection; they keep the memory alive).
-    """
-
-    def __init__(self, packed):
-        wt = np.zeros((len(packed), 4), np.int64)
-        sdt = packed[0].scale.dtype
-        for i, p in enumerate(packed):
-            c, sc = p.codes, p.scale
-            ng, kb = c.shape[0], c.shape[1]
-            if (c.dtype != np.uint8 or c.shape != (ng, kb, GROUP_BLOCK_BYTES) or sc.dtype != sdt
-                    or sc.shape != (ng, kb, GROUP_ROWS) or not c.flags.c_contiguous
-                    or not sc.flags.c_contiguous):
-                raise InvalidArgument(f"weight {i}: not the packed layout (codes {c.dtype} "
-                                 f"{c.shape}, scale {sc.dtype} {sc.shape})")
-            wt[i] = (address(c), address(sc), ng, kb)
-        self.wt = wt
-        self.codes = [p.codes for p in packed]  # the arrays the addresses point into
-        self.scales = [p.scale for p in packed]
-        self.codes0 = _readonly(packed[0].codes)
-        self.scale0 = _readonly(packed[0].scale)
-
-
-def _readonly(a):
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
-# ------------------------------------------------------------------------------------------------
-# the paged variant: block tables instead of capacity buffers (compiled only for paged models)
-# ------------------------------------------------------------------------------------------------
 @njit(**JIT)
 def _write_open_row(tab, nb, g, bs, d, t_in, src, off):
     """Write the key ``src[0, off:off+D]`` and value ``src[1, off:off+D]`` as token ``t_in`` of kv
@@ -885,44 +577,73 @@ def _write_open_row(tab, nb, g, bs, d, t_in, src, off):
                 dst16[i] = pk._f32_to_half(src[side, off + i])
 
 
-@njit(**JIT)
-def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps,
-                        tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim, interleaved,
-                        att_scale, inter, xa, xb, qkv, qpa, qpa3, kvnew, gu, act, hx, i8ws,
-                        facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap, amx, ascr, armul,
-                        apend, iq, aqi, aqip, aqmul, aqsum):
-    n_layers = len(tabs)
-    hd = n_heads * d
-    kvd = n_kv * d
+@njit(inline="always", **JIT)
+def _paged_share(kv, tid, nt, li, q3, att, dims):
+    """:func:`_kv_attend` over a block table (see there)."""
+    n_heads, n_kv = dims.n_heads, dims.n_kv
     group = n_heads // n_kv
-    qp = qpa[tid]  # this task's rotated queries [1, H*D], as [H, D]
-    q3 = qpa3[tid]
-    h = hx[tid]
+    att_scale = dims.att_scale
+    tab = kv.tabs[li]
+    nb = kv.nblk[li]
+    qi, qip, qmul, qsum = kv.qi[tid], kv.qip[tid], kv.qmul[tid], kv.qsum[tid]
+    sc, p, mx = att.asc[tid], att.ap[tid], att.amx[tid]
+    pm, pl, po = att.pm, att.pl, att.po
+    scr, rmul, pend = kv.scr[tid], kv.rmul[tid], kv.pend[tid]
+    if kv.iq:  # int8 queries for INT8/INT4 key blocks (every task quantizes all heads)
+        pk._quantize_heads(q3, 0, n_heads, att_scale, qi, qip, qmul, qsum)
+    b0 = tid * nb // nt
+    b1 = (tid + 1) * nb // nt
+    for g in range(n_kv):
+        hs = g * group
+        _state_init(pm[tid, hs:hs + group], pl[tid, hs:hs + group], po[tid, hs:hs + group],
+                    group)
+    # one softmax tile of blocks at a time for every kv head: a block slot ([KVH, BS, D]) is
+    # read whole, in address order, before the next one
+    tb = max((sc.shape[1] - SLACK) // kv.bs, 1)
+    for c0 in range(b0, b1, tb):
+        c1 = min(c0 + tb, b1)
+        for g in range(n_kv):
+            hs = g * group
+            _paged_rows(q3[hs:hs + group], group, tab, c0, c1, g, kv.bs, 0, False, att_scale,
+                        pm[tid, hs:hs + group], pl[tid, hs:hs + group], po[tid, hs:hs + group],
+                        sc, p, mx, scr, rmul, pend, kv.iq, qi[hs:hs + group], qip[hs:hs + group],
+                        qmul[hs:hs + group], qsum[hs:hs + group], dims.vnni, b1,
+                        n_kv if g == 0 else 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the driver
+# ------------------------------------------------------------------------------------------------
+@njit(**JIT)
+def _stack_thread(tid, nt, x0, cos, sin, logits, bar, i8ws, w, dims, rs, att, kv):
+    """Task ``tid``'s program of one decode token (the module docstring's steps 1-8 per layer,
+    then the lm_head): ``x0`` float32 [1, E] the token's embedding, ``cos, sin`` float32
+    [rdim/2] of its position, ``logits`` float32 [1, V] (written), ``bar`` int64 the barrier
+    array (:func:`~.step_sync.barrier_slots`), ``i8ws`` the per-task activation buffers
+    (:meth:`~.step_buffers.StackWorkspace.exact_buffers`), then the bundles of
+    :mod:`.step_buffers`: ``w`` StepWeights, ``dims`` StepDims, ``rs`` RunState, ``att``
+    AttState, ``kv`` KVContig or KVPaged (one compiled specialisation per KV type)."""
+    n_layers = kv.pos.shape[0]
+    n_heads, n_kv, d = dims.n_heads, dims.n_kv, dims.d
+    rdim, interleaved = dims.rdim, dims.interleaved
+    hd = n_heads * d
+    qkv = rs.qkv
+    qp = rs.qpa[tid]  # this task's rotated queries [1, H*D], as [H, D]
+    q3 = rs.qpa3[tid]
+    h = rs.hx[tid]
     i8 = _task_i8(i8ws, tid)  # None in exact mode
-    f32 = facc32[tid]
-    sc = asc[tid]
-    p = ap[tid]
-    mx = amx[tid]
-    scr = ascr[tid]
-    rmul = armul[tid]
-    pend = apend[tid]
-    attn = attn_p[tid]
-    kv = kvnew[tid]
-    qi = aqi[tid]
-    qip = aqip[tid]
-    qmul = aqmul[tid]
-    qsum = aqsum[tid]
+    f32 = rs.facc32[tid]
+    attn = att.attn_p[tid]
+    # residual stream: x0 -> xa -> xb -> xa ... (each write goes to the buffer x is not in)
     x = x0
-    nxt = 0
+    nxt = 0  # 0: the next write goes to xa, 1: to xb
+    _stamp(bar, tid, nt, np.int64(-1))  # phase profile (benchmarks only): the start
     for li in range(n_layers):
-        _layer_head(tid, nt, i8, x, li, wt, codes0, scale0, biases, has_bias, norms, eps, h,
-                    qkv, f32, bar, vnni)
-        tab = tabs[li]
-        nb = nblk[li]
-        # RoPE: every task rotates all query heads into its private copy; the last task, whose
-        # share of the blocks ends with the open block, rotates the key heads and writes the
-        # new key and value there -- no other task reads the open block: no barrier before the
-        # attention (as the contiguous step)
+        _layer_head(tid, nt, i8, x, li, w, h, qkv, f32, bar, dims.vnni)
+        # 3: RoPE: every task rotates all query heads into its private copy; the task whose
+        #    share of the keys ends with the new one (the last) rotates the key heads and
+        #    writes k and v to the cache -- no other task reads that position, so no barrier
+        #    before the attention
         for i in range(hd):
             qp[0, i] = qkv[0, i]
         for hh in range(n_heads):
@@ -930,55 +651,54 @@ def _stack_thread_paged(tid, nt, x0, wt, codes0, scale0, biases, has_bias, norms
         if tid == nt - 1:
             for g in range(n_kv):
                 _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
-                for i in range(d):
-                    kv[0, g * d + i] = qkv[0, hd + g * d + i]
-                    kv[1, g * d + i] = qkv[0, hd + kvd + g * d + i]
-                _write_open_row(tab, nb, g, bs, d, tin[li], kv, g * d)
-        if iq:  # int8 queries for INT8/INT4 key blocks (every task quantizes all heads)
-            pk._quantize_heads(q3, 0, n_heads, att_scale, qi, qip, qmul, qsum)
-        b0 = tid * nb // nt
-        b1 = (tid + 1) * nb // nt
-        for g in range(n_kv):
-            hs = g * group
-            _state_init(pm[tid, hs:hs + group], pl[tid, hs:hs + group], po[tid, hs:hs + group],
-                        group)
-        # one softmax tile of blocks at a time for every kv head: a block slot ([KVH, BS, D])
-        # is read whole, in address order, before the next one
-        tb = max((sc.shape[1] - SLACK) // bs, 1)
-        for c0 in range(b0, b1, tb):
-            c1 = min(c0 + tb, b1)
-            for g in range(n_kv):
-                hs = g * group
-                _paged_rows(q3[hs:hs + group], group, tab, c0, c1, g, bs, 0, False, att_scale,
-                            pm[tid, hs:hs + group], pl[tid, hs:hs + group],
-                            po[tid, hs:hs + group], sc, p, mx, scr, rmul, pend, iq,
-                            qi[hs:hs + group], qip[hs:hs + group], qmul[hs:hs + group],
-                            qsum[hs:hs + group], vnni, b1, n_kv if g == 0 else 0)
+                _kv_write(kv, tid, li, g, qkv, dims)
+        # 4: this task's share of the keys for every kv head; barrier; every task merges the
+        #    partial states into its private output
+        _kv_attend(kv, tid, nt, li, q3, att, dims)
+        _stamp(bar, tid, nt, np.int64(3))
         _barrier(bar, nt)
-        _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p)
-        x, nxt = _layer_tail(tid, nt, i8, x, xa, xb, nxt, li, wt, codes0, scale0, norms, eps,
-                             inter, attn, h, gu, act, f32, bar, vnni)
-    _lm_head(tid, nt, i8, x, n_layers, wt, codes0, scale0, norms, eps, h, logits, f32, vnni,
-             bar)
+        _stamp(bar, tid, nt, np.int64(4))
+        _merge_heads(tid, nt, n_heads, d, att.pm, att.pl, att.po, att.attn_p)
+        _stamp(bar, tid, nt, np.int64(5))
+        x, nxt = _layer_tail(tid, nt, i8, x, nxt, li, w, dims, rs, attn, h, f32, bar)
+    _lm_head(tid, nt, i8, x, n_layers, w, h, logits, f32, dims.vnni, bar)
 
 
 @njit(**PJIT)
-def _stack_par_paged(nt, x0, wt, codes0, scale0, biases, has_bias, norms, eps, tabs, nblk, tin,
-                     bs, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, xa, xb,
-                     qkv, qpa, qpa3, kvnew, gu, act, hx, i8ws, facc32, bar, logits, vnni, pm, pl,
-                     po, attn_p, asc, ap, amx, ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum):
+def _stack_par(nt, x0, cos, sin, logits, bar, i8ws, w, dims, rs, att, kv):
+    """The parallel entry: one region of ``nt`` tasks, each :func:`_stack_thread`."""
     for tid in prange(nt):
-        _stack_thread_paged(np.int64(tid), nt, x0, wt, codes0, scale0, biases, has_bias, norms,
-                            eps, tabs, nblk, tin, bs, cos, sin, n_heads, n_kv, d, rdim,
-                            interleaved, att_scale, inter, xa, xb, qkv, qpa, qpa3, kvnew, gu,
-                            act, hx, i8ws, facc32, bar, logits, vnni, pm, pl, po, attn_p, asc, ap,
-                            amx, ascr, armul, apend, iq, aqi, aqip, aqmul, aqsum)
+        # int64 like the serial entry's tid (the prange index is unsigned): one specialisation
+        # of _stack_thread serves both
+        _stack_thread(np.int64(tid), nt, x0, cos, sin, logits, bar, i8ws, w, dims, rs, att, kv)
+
+
+def _bundles(quant, weights, biases, has_bias, norms, eps, n_heads, n_kv, d, rdim, interleaved,
+             att_scale, inter, ws, att):
+    """The arguments of the compiled step after the KV bundle's: ``(i8ws, StepWeights,
+    StepDims, RunState, AttState)``."""
+    qpa, qpa3 = ws.qprivate(n_heads, d)
+    return (ws.exact_buffers(quant),
+            StepWeights(weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps),
+            StepDims(n_heads, n_kv, d, rdim, interleaved, att_scale, inter,
+                     packed_i8.use_vnni()),
+            RunState(ws.xa, ws.xb, ws.qkv, qpa, qpa3, ws.gu, ws.act, ws.hx, ws.facc32),
+            AttState(*att))
+
+
+def _entry(nt, args):
+    """The compiled entry and its argument list: the parallel driver with ``nt`` first, or with
+    one task the per-thread program itself as the serial entry (no second top-level driver)."""
+    if nt > 1:
+        return _stack_par, (nt,) + args
+    return _stack_thread, (0, 1) + args
 
 
 def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tabs, nblk,
                        tin, block_size, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
                        inter, ws, logits):
-    """:func:`decode_stack` over paged KV caches (compiled at the first call, for paged models).
+    """:func:`decode_stack` over paged KV caches (the same driver, compiled for a
+    :class:`~.step_buffers.KVPaged` bundle at the first call, for paged models).
 
     Instead of capacity buffers, each layer's cache is a block table
     (:mod:`.paged_attention`) and the weights are a :class:`WeightTable`: ``tabs`` a typed list of int64 [>= nblk[l], TABLE_COLS] arrays
@@ -999,15 +719,12 @@ def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tab
     scr, rmul, pend, kvnew, qi, qip, qmul, qsum, pm, pl, amx = ws.paged(d, w, n_kv,
                                                                     int(block_size), n_heads)
     att = (pm, pl) + tuple(att[2:6]) + (amx,)  # line-padded per-task max/sum rows
-    args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, tabs,
-            nblk, tin, int(block_size), cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale,
-            inter, ws.xa, ws.xb, ws.qkv, *ws.qprivate(n_heads, d), kvnew, ws.gu, ws.act, ws.hx,
-            ws.exact_buffers(quant), ws.facc32, ws.bar, logits, packed_i8.use_vnni(), *att,
-            scr, rmul, pend, bool(quant), qi, qip, qmul, qsum)
-    if nt > 1:
-        _stack_par_paged(nt, *args)
-    else:  # the per-thread program is the serial entry (as in decode_stack)
-        _stack_thread_paged(0, 1, *args)
+    kv = KVPaged(tabs, nblk, tin, int(block_size), scr, rmul, pend, kvnew, bool(quant), qi, qip,
+                 qmul, qsum)
+    rest = _bundles(quant, weights, biases, has_bias, norms, eps, n_heads, n_kv, d, rdim,
+                    interleaved, att_scale, inter, ws, att)
+    fn, args = _entry(nt, (x0, cos, sin, logits, ws.bar) + rest + (kv,))
+    fn(*args)
     return logits
 
 
@@ -1048,21 +765,15 @@ def decode_stack(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0,
 
 def _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
                 n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws, logits):
-    args = (x0, weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps, kvt, kv0,
-            tpos, cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws.xa, ws.xb,
-            ws.qkv, *ws.qprivate(n_heads, d), ws.gu, ws.act, ws.hx, ws.exact_buffers(quant),
-            ws.facc32,
-            ws.bar, logits, packed_i8.use_vnni(), *ws.attention(n_heads, n_kv, d))
-    if nt > 1:
-        return _stack_par, (nt,) + args
-    # the per-thread program itself is the serial entry (no second top-level driver)
-    return _stack_thread, (0, 1) + args
+    rest = _bundles(quant, weights, biases, has_bias, norms, eps, n_heads, n_kv, d, rdim,
+                    interleaved, att_scale, inter, ws, ws.attention(n_heads, n_kv, d))
+    return _entry(nt, (x0, cos, sin, logits, ws.bar) + rest + (KVContig(kvt, kv0, tpos),))
 
 
 #: Positions, in the argument list of :func:`_stack_call`'s compiled function, of the values that
 #: change from one token to the next (x0, cos, sin, logits), after its 1 (parallel entry: nt)
 #: or 2 (serial entry: tid, nt) leading arguments. Checked by :func:`prepared_call`.
-_VARYING = (0, 11, 12, 31)
+_VARYING = (0, 1, 2, 3)
 
 
 def prepared_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos, cos, sin,
@@ -1070,7 +781,7 @@ def prepared_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0
     """:func:`decode_stack`'s compiled function and argument list, built once for a workspace:
     ``(fn, args, (i_x0, i_cos, i_sin, i_logits))``. A caller whose other arguments stay the
     same objects (the tables are updated in place) runs a token with
-    ``args[i_x0] = x0; ...; fn(*args)`` instead of rebuilding the 40 arguments."""
+    ``args[i_x0] = x0; ...; fn(*args)`` instead of rebuilding the argument list."""
     fn, args = _stack_call(nt, quant, x0, weights, biases, has_bias, norms, eps, kvt, kv0, tpos,
                            cos, sin, n_heads, n_kv, d, rdim, interleaved, att_scale, inter, ws,
                            logits)
@@ -1112,7 +823,9 @@ def _prefill_entries(entry) -> list:
     fn, sig = entry
     if fn is _stack_thread or fn is _stack_par:
         names = list(inspect.signature(fn.py_func).parameters)
-        codes_t, scale_t = sig[names.index("codes0")], sig[names.index("scale0")]
+        w_t = sig[names.index("w")]  # the StepWeights bundle's type
+        codes_t = w_t.types[StepWeights._fields.index("codes0")]
+        scale_t = w_t.types[StepWeights._fields.index("scale0")]
         i8ws = sig[names.index("i8ws")]
         dg_t = (types.Array(types.int8, 2, "C"), types.Array(types.int32, 2, "C"), f2)
         if (isinstance(i8ws, types.BaseTuple) and len(i8ws) == 3
