@@ -3,12 +3,13 @@ KVH=2, D=64, block_size 16), one thread, the loop of the compiled paged decode s
 (:func:`olv_runtime.kernels.decoder_layers._stack_thread_paged`: one softmax tile of blocks at a
 time for every kv head, int8 queries as in int8-activation mode), split into phases:
 
-* ``full``: :func:`~olv_runtime.kernels.paged_attention._paged_rows` over every tile (scores,
-  online softmax, ``p @ V``, prefetch, block bookkeeping);
-* ``scores``: the block scores alone (:func:`~.paged_attention._block_scores_i8`: INT8/INT4
-  keys against the int8 queries);
+* ``full``: :func:`~olv_runtime.kernels.paged_attention._paged_rows` over every tile, as the
+  step calls it (:func:`~.paged_attention._attend_blocks`: scores, online softmax, ``p @ V``,
+  prefetch, block bookkeeping);
+* ``scores``: the block scores alone (:func:`~olv_runtime.kernels.paged_blocks._block_scores_i8`:
+  INT8/INT4 keys against the int8 queries);
 * ``scores+softmax``: the same plus the online-softmax update of each tile;
-* ``p@V``: the value side alone (:func:`~.paged_attention._block_accum`: INT8/INT4 codes
+* ``p@V``: the value side alone (:func:`~olv_runtime.kernels.paged_blocks._block_accum`: INT8/INT4 codes
   decoded in registers, times the row scales).
 
 ``hot``: the cache stays in L2/L3 between repetitions (median of 20 x 7 calls); ``cold``: a
@@ -52,6 +53,7 @@ def _run(qg, table, nb, reps, vnni, tb, mode):
     qsum = np.zeros(ng, np.int32)
     o = np.zeros((ng, d), np.float32)
     pk._quantize_heads(qg, 0, ng, np.float32(0.125), qi, qip, qmul, qsum)
+    qq = pk.Int8Query(True, vnni, qi, qip, qmul, qsum)
     m2 = np.empty((KVH, ng), np.float32)
     l2 = np.empty((KVH, ng), np.float32)
     o2 = np.empty((KVH, ng, d), np.float32)
@@ -78,10 +80,9 @@ def _run(qg, table, nb, reps, vnni, tb, mode):
                                         table[bi, pk.T_VSADDR], table[bi, pk.T_VPT], g, BS, d,
                                         BS, o, scr, rmul)
                     else:
-                        pk._block_scores_i8(qi, qip, qmul, qsum, ng, table[bi, pk.T_KFMT],
-                                            table[bi, pk.T_KADDR], table[bi, pk.T_KSADDR],
-                                            table[bi, pk.T_KPT], g, BS, d, BS, sc, c, mx, rmul,
-                                            vnni)
+                        pk._block_scores_i8(qq, ng, table[bi, pk.T_KFMT], table[bi, pk.T_KADDR],
+                                            table[bi, pk.T_KSADDR], table[bi, pk.T_KPT], g, BS,
+                                            d, BS, sc, c, mx, rmul)
                     c += BS
                 if mode == 2:
                     _softmax_tile(sc, ng, c, mx, m, l, o, p)
