@@ -53,7 +53,6 @@ def _run(qg, table, nb, reps, vnni, tb, mode):
     qsum = np.zeros(ng, np.int32)
     o = np.zeros((ng, d), np.float32)
     pk._quantize_heads(qg, 0, ng, np.float32(0.125), qi, qip, qmul, qsum)
-    qq = pk.Int8Query(True, vnni, qi, qip, qmul, qsum)
     m2 = np.empty((KVH, ng), np.float32)
     l2 = np.empty((KVH, ng), np.float32)
     o2 = np.empty((KVH, ng, d), np.float32)
@@ -80,9 +79,10 @@ def _run(qg, table, nb, reps, vnni, tb, mode):
                                         table[bi, pk.T_VSADDR], table[bi, pk.T_VPT], g, BS, d,
                                         BS, o, scr, rmul)
                     else:
-                        pk._block_scores_i8(qq, ng, table[bi, pk.T_KFMT], table[bi, pk.T_KADDR],
-                                            table[bi, pk.T_KSADDR], table[bi, pk.T_KPT], g, BS,
-                                            d, BS, sc, c, mx, rmul)
+                        pk._block_scores_i8(qi, qip, qmul, qsum, ng,
+                                            (table[bi, pk.T_KFMT], table[bi, pk.T_KADDR],
+                                             table[bi, pk.T_KSADDR], table[bi, pk.T_KPT]), g, BS,
+                                            d, BS, sc, c, mx, rmul, vnni)
                     c += BS
                 if mode == 2:
                     _softmax_tile(sc, ng, c, mx, m, l, o, p)

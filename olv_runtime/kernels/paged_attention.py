@@ -154,11 +154,15 @@ def _attend_blocks(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, st, ws, qq
     ``ws.rmul`` then [BS + 16]). The rows of kv heads ``g .. g + pfh - 1`` of blocks before
     ``bmax`` are prefetched :data:`PREFETCH_BLOCKS` ahead (``pfh`` 0: none)."""
     d = qg.shape[1]
-    iq = qq.on and d % 64 == 0
-    w = ws.sc.shape[1] - SLACK
+    # the bundles unpacked once per call (a field read inside the loop would update the
+    # array's reference count per block)
+    on, vnni, qi, qip, qmul, qsum = qq
+    sc, p, mx, scr, rmul, pend = ws
+    iq = on and d % 64 == 0
+    w = sc.shape[1] - SLACK
     c = 0
     npend = 0
-    _tile_max_init(ws.mx, ng)
+    _tile_max_init(mx, ng)
     for bi in range(b0, b1):
         nk = table[bi, T_LEN]
         if causal:
@@ -171,17 +175,17 @@ def _attend_blocks(qg, ng, table, b0, b1, g, bs, qpos, causal, scale, st, ws, qq
             _flush(table, npend, ng, g, bs, d, c, st, ws)
             c = 0
             npend = 0
-            _tile_max_init(ws.mx, ng)
+            _tile_max_init(mx, ng)
         kf = table[bi, T_KFMT]
         if iq and (kf == 2 or kf == 3):
-            _block_scores_i8(qq, ng, kf, table[bi, T_KADDR], table[bi, T_KSADDR],
-                             table[bi, T_KPT], g, bs, d, nk, ws.sc, c, ws.mx, ws.rmul)
+            _block_scores_i8(qi, qip, qmul, qsum, ng, (kf, table[bi, T_KADDR],
+                             table[bi, T_KSADDR], table[bi, T_KPT]), g, bs, d, nk, sc, c, mx,
+                             rmul, vnni)
         else:
             _block_scores(qg, ng, kf, table[bi, T_KADDR], table[bi, T_KSADDR],
-                          table[bi, T_KPT], g, bs, d, nk, scale, ws.sc, c, ws.mx, ws.scr,
-                          ws.rmul)
-        ws.pend[npend, 0] = bi
-        ws.pend[npend, 1] = nk
+                          table[bi, T_KPT], g, bs, d, nk, scale, sc, c, mx, scr, rmul)
+        pend[npend, 0] = bi
+        pend[npend, 1] = nk
         npend += 1
         c += nk
     if c:

@@ -265,19 +265,17 @@ def _quantize_heads(q, h0, h1, scale, qi, qip, qmul, qsum):
 
 
 @njit(**JIT)
-def _block_scores_i8(qq, ng, fmt, addr, saddr, pt, g, bs, d, nk, sc, c0, mx, rmul):
+def _block_scores_i8(qi, qip, qmul, qsum, ng, kside, g, bs, d, nk, sc, c0, mx, rmul, vnni):
     """Scores of the first ``nk`` tokens of an INT8/INT4 key block side against the int8
-    queries ``qq`` (:class:`Int8Query`: ``qi``/``qip`` [ng, D]) into ``sc[:, c0:]``:
-    ``float32(S) * (qmul[hh] * k_scale[t])`` with ``S`` the exact integer dot product
-    (:func:`~.paged_ir._qk16_i8`; ``rmul`` needs 16 slots past the block's last multiple of
-    16). The side: format ``fmt`` (2 or 3), slot address ``addr``, scale address ``saddr``,
-    per-token scales ``pt``, kv head ``g``, block size ``bs``, head size ``d``; ``mx[hh]``
-    tracks the max."""
-    qi = qq.qi
-    qip = qq.qip
-    qmul = qq.qmul
-    qsum = qq.qsum
-    vnni = qq.vnni
+    queries ``qi``/``qip`` int8 [ng, D] (``qmul`` float32, ``qsum`` int32 [ng]:
+    :func:`_quantize_heads`) into ``sc[:, c0:]``: ``float32(S) * (qmul[hh] * k_scale[t])`` with
+    ``S`` the exact integer dot product (:func:`~.paged_ir._qk16_i8`; ``rmul`` float32 needs 16
+    slots past the block's last multiple of 16); ``mx[hh]`` tracks the max. ``kside``: the
+    side's (format 2 or 3, slot address, scale address, per-token scales) of the block-table
+    row (int64 4-tuple); kv head ``g``, block size ``bs``, head size ``d``; ``vnni`` the
+    instruction path. (The table's scalars, not the query arrays, are bundled: a tuple of
+    arrays costs reference-count updates per block.)"""
+    fmt, addr, saddr, pt = kside
     if pt:
         kst = carray(_f32p(saddr + g * bs * 4), (nk,))
         for t in range(nk):
@@ -381,14 +379,15 @@ def _flush(table, npend, ng, g, bs, d, c, st, ws):
     """The softmax update of a tile of ``c`` scored keys (``ws.sc[:, :c]``) into ``st``
     (:class:`SoftmaxState`), then ``o += p @ V`` over the tile's ``npend`` blocks
     (``ws.pend``: table row, tokens) of kv head ``g``."""
-    p = ws.p
-    _softmax_tile(ws.sc, ng, c, ws.mx, st.m, st.l, st.o, p)
+    m, l, o = st
+    sc, p, mx, scr, rmul, pend = ws
+    _softmax_tile(sc, ng, c, mx, m, l, o, p)
     c0 = 0
     for k in range(npend):
-        bi = ws.pend[k, 0]
-        nk = ws.pend[k, 1]
+        bi = pend[k, 0]
+        nk = pend[k, 1]
         _block_accum(p, c0, ng, table[bi, T_VFMT], table[bi, T_VADDR], table[bi, T_VSADDR],
-                     table[bi, T_VPT], g, bs, d, nk, st.o, ws.scr, ws.rmul)
+                     table[bi, T_VPT], g, bs, d, nk, o, scr, rmul)
         c0 += nk
 
 
