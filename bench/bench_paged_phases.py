@@ -3,12 +3,13 @@ KVH=2, D=64, block_size 16), one thread, the loop of the compiled paged decode s
 (:func:`olv_runtime.kernels.decoder_layers._stack_thread_paged`: one softmax tile of blocks at a
 time for every kv head, int8 queries as in int8-activation mode), split into phases:
 
-* ``full``: :func:`~olv_runtime.kernels.paged_attention._paged_rows` over every tile (scores,
-  online softmax, ``p @ V``, prefetch, block bookkeeping);
-* ``scores``: the block scores alone (:func:`~.paged_attention._block_scores_i8`: INT8/INT4
-  keys against the int8 queries);
+* ``full``: :func:`~olv_runtime.kernels.paged_attention._attend_blocks` over every tile, as the
+  step calls it (:func:`~.paged_attention._attend_blocks`: scores, online softmax, ``p @ V``,
+  prefetch, block bookkeeping);
+* ``scores``: the block scores alone (:func:`~olv_runtime.kernels.paged_blocks._block_scores_i8`:
+  INT8/INT4 keys against the int8 queries);
 * ``scores+softmax``: the same plus the online-softmax update of each tile;
-* ``p@V``: the value side alone (:func:`~.paged_attention._block_accum`: INT8/INT4 codes
+* ``p@V``: the value side alone (:func:`~olv_runtime.kernels.paged_blocks._block_accum`: INT8/INT4 codes
   decoded in registers, times the row scales).
 
 ``hot``: the cache stays in L2/L3 between repetitions (median of 20 x 7 calls); ``cold``: a
@@ -61,10 +62,11 @@ def _run(qg, table, nb, reps, vnni, tb, mode):
                 _state_init(m2[g], l2[g], o2[g], ng)
             for c0 in range(0, nb, tb):
                 for g in range(KVH):
-                    pk._paged_rows(qg, ng, table, c0, min(c0 + tb, nb), g, BS, 0, False,
-                                   np.float32(0.125), m2[g], l2[g], o2[g], sc, p, mx, scr, rmul,
-                                   pend, True, qi, qip, qmul, qsum, vnni, nb,
-                                   KVH if g == 0 else 0)
+                    pk._attend_blocks(qg, ng, table, c0, min(c0 + tb, nb), g, BS, 0, False,
+                                      np.float32(0.125), pk.SoftmaxState(m2[g], l2[g], o2[g]),
+                                      pk.TileScratch(sc, p, mx, scr, rmul, pend),
+                                      pk.Int8Query(True, vnni, qi, qip, qmul, qsum), nb,
+                                      KVH if g == 0 else 0)
             continue
         for g in range(KVH):
             for c0 in range(0, nb, tb):
@@ -78,10 +80,10 @@ def _run(qg, table, nb, reps, vnni, tb, mode):
                                         table[bi, pk.T_VSADDR], table[bi, pk.T_VPT], g, BS, d,
                                         BS, o, scr, rmul)
                     else:
-                        pk._block_scores_i8(qi, qip, qmul, qsum, ng, table[bi, pk.T_KFMT],
-                                            table[bi, pk.T_KADDR], table[bi, pk.T_KSADDR],
-                                            table[bi, pk.T_KPT], g, BS, d, BS, sc, c, mx, rmul,
-                                            vnni)
+                        pk._block_scores_i8(qi, qip, qmul, qsum, ng,
+                                            (table[bi, pk.T_KFMT], table[bi, pk.T_KADDR],
+                                             table[bi, pk.T_KSADDR], table[bi, pk.T_KPT]), g, BS,
+                                            d, BS, sc, c, mx, rmul, vnni)
                     c += BS
                 if mode == 2:
                     _softmax_tile(sc, ng, c, mx, m, l, o, p)

@@ -230,6 +230,42 @@ def test_session_private_fields_stay_in_the_executor():
     assert not bad, bad
 
 
+MAX_MODULE_LINES = 1000
+MAX_FUNCTION_LINES = 120
+MAX_JITTED_PARAMETERS = 16
+GENERATED = {"olv_runtime.proto.onnx_light_pb2"}
+
+
+def _jitted(node) -> bool:
+    names = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
+    return any(n.split(".")[-1] in ("njit", "jit", "lazy_njit") for n in names)
+
+
+def _n_params(node) -> int:
+    a = node.args
+    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg)
+
+
+def test_sizes_a_reader_can_hold():
+    """No module over 1000 lines, no function over 120 lines, no jitted function over 16
+    parameters (generated code aside)."""
+    big, long_, wide = [], [], []
+    for module, path in MODULES.items():
+        if module in GENERATED:
+            continue
+        src = path.read_text()
+        if src.count("\n") > MAX_MODULE_LINES:
+            big.append(f"{module}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_.append(f"{module}.{node.name}: {n} lines")
+                if _jitted(node) and _n_params(node) > MAX_JITTED_PARAMETERS:
+                    wide.append(f"{module}.{node.name}: {_n_params(node)} parameters")
+    assert not (big or long_ or wide), (big, long_, wide)
+
+
 def test_the_checks_see_what_they_check(tmp_path):
     """The scanner itself: a function-level import, a cycle and an upward edge are found."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
@@ -240,6 +276,9 @@ def test_the_checks_see_what_they_check(tmp_path):
     assert _layer("olv_runtime.kernels.packed") < _layer("olv_runtime.executor.session")
     assert _layer("olv_runtime.cli") > _layer("olv_runtime")
     assert "olv_runtime.kernels.decoder_layers" in LAZY["olv_runtime.executor.decoder_step"]
+    wide = ast.parse("@njit(**JIT)\ndef f(" + ", ".join(f"a{i}" for i in range(17)) + "):\n    pass\n")
+    fn = wide.body[0]
+    assert _jitted(fn) and _n_params(fn) == 17
 
 
 def test_import_olv_runtime_imports_no_optional_package():

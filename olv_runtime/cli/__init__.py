@@ -604,14 +604,8 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="olv",
-        description="olv_runtime: quantized LLM decode on the CPU (ONNX + encoded values + persistent state).",
-    )
-    p.add_argument("--version", action="version", version=f"olv_runtime {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_convert_parser(sub) -> None:
+    """``olv convert``."""
     c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Llama checkpoint directory "
                                        "or a GGUF file (qwen2/qwen3/llama) to ONNX")
     c.add_argument("checkpoint_dir", help="directory with config.json and *.safetensors, or a .gguf "
@@ -630,6 +624,66 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache: past/present tensors, or paged blocks (dense, INT8, INT4, "
                         "mixed by age); see docs/kv_cache.md")
     c.set_defaults(func=cmd_convert)
+
+
+def _add_tool_parsers(sub, add_run_opts) -> None:
+    """``olv make-checkpoint``, ``demo``, ``inspect``, ``compile`` and ``export-standard``."""
+    mk = sub.add_parser("make-checkpoint",
+                        help="write a small random Qwen2 checkpoint folder with a real tokenizer "
+                             "and a chat template (no download, no torch)")
+    mk.add_argument("directory", help="new (or empty) folder to write")
+    mk.add_argument("--seed", type=_non_negative, default=0, help="weights seed (default: 0)")
+    mk.add_argument("--layers", type=_positive, default=4, help="decoder layers (default: 4)")
+    mk.set_defaults(func=cmd_make_checkpoint)
+
+    d = sub.add_parser("demo", help="build a small random Qwen2 model locally, convert it, generate")
+    d.add_argument("--workdir", help="where to write the checkpoint and model (default: a temp dir)")
+    d.add_argument("--max-new-tokens", type=_positive, default=32,
+                   help="tokens to generate (default: 32)")
+    d.add_argument("--seed", type=_non_negative, default=0,
+                   help="seed of the random weights (default: 0)")
+    add_run_opts(d)
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("inspect", help="list a model's struct types, encoded values, bindings "
+                                       "and compiled entries (with their hit/miss status)")
+    i.add_argument("model", help=".onnx model")
+    i.add_argument("-v", "--verbose", action="store_true",
+                   help="also: every encoded value (with its scale / zero point), every dense "
+                        "initializer and where each payload is stored, the operator counts")
+    add_run_opts(i)
+    i.set_defaults(func=cmd_inspect)
+
+    k = sub.add_parser("compile", help="persist the prepacked weights for this CPU (seed 004 "
+                                       "compiled entries) so sessions skip repacking")
+    k.add_argument("model", help="input .onnx model")
+    k.add_argument("output", help="output .onnx path (payloads in OUTPUT.data and "
+                                  "OUTPUT.compiled beside it)")
+    k.add_argument("-v", "--verbose", action="store_true", help="one line per compiled weight")
+    add_run_opts(k)
+    k.set_defaults(func=cmd_compile)
+
+    x = sub.add_parser("export-standard",
+                       help="write a model as standard ONNX (DequantizeLinear, decoder nodes)")
+    x.add_argument("model", help="olv model (.onnx)")
+    x.add_argument("output", help="output .onnx path")
+    x.add_argument("--feedback", action="store_true",
+                   help="lower persistent bindings to caller-managed past/present feedback "
+                        "(otherwise a model with bindings is rejected)")
+    x.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
+                   help="write payloads to OUTPUT.data (auto: when the model exceeds 256 MiB)")
+    x.set_defaults(func=cmd_export_standard)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="olv",
+        description="olv_runtime: quantized LLM decode on the CPU (ONNX + encoded values + persistent state).",
+    )
+    p.add_argument("--version", action="version", version=f"olv_runtime {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_convert_parser(sub)
 
     def add_run_opts(q):
         q.add_argument("--threads", type=_positive, default=None,
@@ -682,51 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_opts(b)
     b.set_defaults(func=cmd_bench)
 
-    mk = sub.add_parser("make-checkpoint",
-                        help="write a small random Qwen2 checkpoint folder with a real tokenizer "
-                             "and a chat template (no download, no torch)")
-    mk.add_argument("directory", help="new (or empty) folder to write")
-    mk.add_argument("--seed", type=_non_negative, default=0, help="weights seed (default: 0)")
-    mk.add_argument("--layers", type=_positive, default=4, help="decoder layers (default: 4)")
-    mk.set_defaults(func=cmd_make_checkpoint)
-
-    d = sub.add_parser("demo", help="build a small random Qwen2 model locally, convert it, generate")
-    d.add_argument("--workdir", help="where to write the checkpoint and model (default: a temp dir)")
-    d.add_argument("--max-new-tokens", type=_positive, default=32,
-                   help="tokens to generate (default: 32)")
-    d.add_argument("--seed", type=_non_negative, default=0,
-                   help="seed of the random weights (default: 0)")
-    add_run_opts(d)
-    d.set_defaults(func=cmd_demo)
-
-    i = sub.add_parser("inspect", help="list a model's struct types, encoded values, bindings "
-                                       "and compiled entries (with their hit/miss status)")
-    i.add_argument("model", help=".onnx model")
-    i.add_argument("-v", "--verbose", action="store_true",
-                   help="also: every encoded value (with its scale / zero point), every dense "
-                        "initializer and where each payload is stored, the operator counts")
-    add_run_opts(i)
-    i.set_defaults(func=cmd_inspect)
-
-    k = sub.add_parser("compile", help="persist the prepacked weights for this CPU (seed 004 "
-                                       "compiled entries) so sessions skip repacking")
-    k.add_argument("model", help="input .onnx model")
-    k.add_argument("output", help="output .onnx path (payloads in OUTPUT.data and "
-                                  "OUTPUT.compiled beside it)")
-    k.add_argument("-v", "--verbose", action="store_true", help="one line per compiled weight")
-    add_run_opts(k)
-    k.set_defaults(func=cmd_compile)
-
-    x = sub.add_parser("export-standard",
-                       help="write a model as standard ONNX (DequantizeLinear, decoder nodes)")
-    x.add_argument("model", help="olv model (.onnx)")
-    x.add_argument("output", help="output .onnx path")
-    x.add_argument("--feedback", action="store_true",
-                   help="lower persistent bindings to caller-managed past/present feedback "
-                        "(otherwise a model with bindings is rejected)")
-    x.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
-                   help="write payloads to OUTPUT.data (auto: when the model exceeds 256 MiB)")
-    x.set_defaults(func=cmd_export_standard)
+    _add_tool_parsers(sub, add_run_opts)
     return p
 
 

@@ -56,8 +56,14 @@ def _unpack_range(payload, bits, signed, start, stop, out):
 
 
 @njit(**JIT)
-def _dequant_range(payload, bits, signed, f0, f1, inner, dim, bs,
-                   scale, s_o, s_d, s_i, zp, z_o, z_d, z_i, out):
+def _dequant_range(payload, bits, signed, f0, f1, inner, dim, bs, scale, s_st, zp, z_st, out):
+    """Decoded elements ``out[f0:f1]`` (float32) of an affine-quantized tensor viewed as
+    ``[outer, dim, inner]``: ``(code - zp) * scale`` with the scale and zero point of block
+    ``d // bs`` along ``dim``; ``s_st = (s_o, s_d, s_i)`` and ``z_st = (z_o, z_d, z_i)`` the
+    element strides (int) of the flat ``scale`` and ``zp`` arrays per (outer, block, inner)
+    index."""
+    s_o, s_d, s_i = s_st
+    z_o, z_d, z_i = z_st
     i = f0 % inner
     t = f0 // inner
     d = t % dim
@@ -110,7 +116,7 @@ def _dequant_par(payload, bits, signed, inner, dim, bs,
     for c in prange(nchunks):
         f0 = c * _CHUNK
         _dequant_range(payload, bits, signed, f0, min(f0 + _CHUNK, total), inner, dim, bs,
-                       scale, s_o, s_d, s_i, zp, z_o, z_d, z_i, out)
+                       scale, (s_o, s_d, s_i), zp, (z_o, z_d, z_i), out)
 
 
 @njit(**PJIT)

@@ -98,7 +98,7 @@ from . import paged_attention as pk
 from .attention import SLACK, _attend_rows, _merge_partials, _state_init
 from .config import JIT, PJIT
 from .norm import _rms_norm_row
-from .paged_attention import _paged_rows
+from .paged_attention import Int8Query, SoftmaxState, TileScratch, _attend_blocks
 from .step_buffers import (
     AttState,
     KVContig,
@@ -491,7 +491,7 @@ def _kv_attend(kv, tid, nt, li, q3, att, dims):
     query head over its share of layer ``li``'s keys (flash-decoding split): keys ``[tid (t +
     1) / nt, (tid + 1) (t + 1) / nt)`` of the capacity buffers (:func:`~.attention._attend_rows`,
     t = ``kv.pos[li]``), or blocks ``[tid nb / nt, (tid + 1) nb / nt)`` of the block table, one
-    softmax tile of blocks at a time for every kv head (:func:`~.paged_attention._paged_rows`;
+    softmax tile of blocks at a time for every kv head (:func:`~.paged_attention._attend_blocks`;
     with ``kv.iq`` the queries are quantized to int8 first). Chosen at compile time by the type
     of ``kv``, as :func:`_kv_write`."""
 
@@ -604,11 +604,13 @@ def _paged_share(kv, tid, nt, li, q3, att, dims):
         c1 = min(c0 + tb, b1)
         for g in range(n_kv):
             hs = g * group
-            _paged_rows(q3[hs:hs + group], group, tab, c0, c1, g, kv.bs, 0, False, att_scale,
-                        pm[tid, hs:hs + group], pl[tid, hs:hs + group], po[tid, hs:hs + group],
-                        sc, p, mx, scr, rmul, pend, kv.iq, qi[hs:hs + group], qip[hs:hs + group],
-                        qmul[hs:hs + group], qsum[hs:hs + group], dims.vnni, b1,
-                        n_kv if g == 0 else 0)
+            _attend_blocks(q3[hs:hs + group], group, tab, c0, c1, g, kv.bs, 0, False, att_scale,
+                           SoftmaxState(pm[tid, hs:hs + group], pl[tid, hs:hs + group],
+                                        po[tid, hs:hs + group]),
+                           TileScratch(sc, p, mx, scr, rmul, pend),
+                           Int8Query(kv.iq, dims.vnni, qi[hs:hs + group], qip[hs:hs + group],
+                                     qmul[hs:hs + group], qsum[hs:hs + group]),
+                           b1, n_kv if g == 0 else 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -708,7 +710,7 @@ def decode_stack_paged(nt, quant, x0, weights, biases, has_bias, norms, eps, tab
     block, so no barrier before the attention (the bookkeeping -- slot claim, allocation,
     sealing -- is the caller's, :meth:`olv_runtime.kv.paged.PagedKV.decode_begin` /
     ``decode_end``); step 4 runs
-    :func:`~.paged_attention._paged_rows` over this task's share of the blocks for every kv head
+    :func:`~.paged_attention._attend_blocks` over this task's share of the blocks for every kv head
     and merges the partial states as the contiguous step does. In int8-activation mode
     (``quant``) the scores of INT8/INT4 key blocks are integer dot products against the query
     heads quantized to int8 (``paged_attention(..., int8_query=True)``: one scale per head,
