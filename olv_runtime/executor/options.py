@@ -24,12 +24,13 @@ class SessionOptions:
         ``olv.Decode`` materialises its tensor (counted in ``bytes_dequantized``): a reference
         mode for tests.
     prepack : bool
-        Repack INT4 block-32 linear weights once into the tiled kernel layout (default True;
-        a layout change only, the values are those of the encoded initializer).
+        Repack INT4 block-32 linear weights once into the 8-row group layout of
+        :mod:`olv_runtime.kernels.packed_i8` (default True; a layout change only, the values are
+        those of the encoded initializer).
     quantize_activations : bool
         Quantize activations per 32-block to int8 for integer dot products in the INT4 linear
         layers (as llama.cpp and onnxruntime accuracy level 4 do). Faster, approximate: off by
-        default; see kernels/packed.py for the tolerance.
+        default; see :mod:`olv_runtime.kernels.packed` for the tolerance.
     compiled_decode : bool
         Run the decoder layers of a one-token call as one compiled step (default True; see
         :mod:`olv_runtime.executor.decoder_step`): no Python per operator, one parallel region per token.
