@@ -2,8 +2,8 @@
 no import hidden inside a function, configuration read in one module.
 
 The module graph is read from the source (ast), not from a running interpreter: every
-``import`` / ``from ... import`` at module level (``if TYPE_CHECKING:`` blocks aside: they never
-run) and every ``lazy_module("...")`` declaration (olv_runtime.lazy) is an edge.
+``import`` / ``from ... import`` at module level and every ``lazy_module("...")`` declaration
+(olv_runtime.lazy) is an edge.
 """
 from __future__ import annotations
 
@@ -86,11 +86,6 @@ def _resolve(module: str, is_pkg: bool, node) -> list[str]:
     return out
 
 
-def _is_type_checking(node) -> bool:
-    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
-                                                                   "typing.TYPE_CHECKING")
-
-
 def _scan():
     """(module-level edges, lazy edges, function-level imports, importlib users, environ users)"""
     edges, lazy, inner, dynamic, environ = {}, {}, [], set(), set()
@@ -101,8 +96,6 @@ def _scan():
 
         def walk(node, in_func):
             for ch in ast.iter_child_nodes(node):
-                if _is_type_checking(ch):
-                    continue
                 func = in_func or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                   ast.Lambda))
                 if isinstance(ch, (ast.Import, ast.ImportFrom)):

@@ -1,4 +1,5 @@
-"""Rewrites over a :class:`~olv_runtime.builder.GraphBuilder` that keep every declaration
+"""Rewrites over a :class:`~olv_runtime.builder.GraphBuilder` (the argument ``b`` of every pass:
+graph.py calls them, so this module does not import it) that keep every declaration
 consistent (seed 000 "GraphBuilder, shape inference and serialization", seed 002 "Serialization
 and passes").
 
@@ -16,7 +17,6 @@ and passes").
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
 
 from olv_runtime.builder.context import SymEncodedValue
 from olv_runtime.builder.errors import (
@@ -33,14 +33,11 @@ from olv_runtime.builder.inference import (
 from olv_runtime.io import Model
 from olv_runtime.proto import GraphProto, ModelProto, TensorProto
 
-if TYPE_CHECKING:  # annotations only: graph.py calls these passes
-    from olv_runtime.builder.graph import GraphBuilder
-
 __all__ = ["remove_dead_nodes", "dedup_initializers", "rename_value", "replace_uses",
            "remove_node", "remove_output", "remove_input"]
 
 
-def remove_dead_nodes(b: GraphBuilder, *, initializers: bool = True) -> int:
+def remove_dead_nodes(b, *, initializers: bool = True) -> int:
     """Remove nodes no graph output depends on; then (``initializers``) unread initializers that
     are not graph inputs. Returns the number of nodes removed."""
     live = set(b.outputs)
@@ -64,7 +61,7 @@ def remove_dead_nodes(b: GraphBuilder, *, initializers: bool = True) -> int:
     return len(removed)
 
 
-def _drop_initializers(b: GraphBuilder, names) -> None:
+def _drop_initializers(b, names) -> None:
     names = set(names)
     if not names:
         return
@@ -79,7 +76,7 @@ def _drop_initializers(b: GraphBuilder, names) -> None:
             b.ctx.remove(name)
 
 
-def _payload(b: GraphBuilder, msg) -> bytes | tuple:
+def _payload(b, msg) -> bytes | tuple:
     """The payload bytes, read through the source model for external data; without a source,
     the external location triple itself (then only identical references merge)."""
     if msg.data_location == TensorProto.EXTERNAL:
@@ -92,7 +89,7 @@ def _payload(b: GraphBuilder, msg) -> bytes | tuple:
     return msg.raw_data
 
 
-def dedup_initializers(b: GraphBuilder) -> dict[str, str]:
+def dedup_initializers(b) -> dict[str, str]:
     """Merge duplicate initializers (see the module docstring); returns ``{removed: kept}``.
 
     Initializers that are graph inputs (overridable by feeds) or graph outputs are never merged.
@@ -142,7 +139,7 @@ def dedup_initializers(b: GraphBuilder) -> dict[str, str]:
     return merged
 
 
-def replace_uses(b: GraphBuilder, old: str, new: str) -> int:
+def replace_uses(b, old: str, new: str) -> int:
     """Redirect every read of ``old`` (node inputs, subgraph outer reads) to ``new``; returns
     the number of nodes changed. Graph outputs are not changed (use :func:`rename_value`)."""
     count = 0
@@ -173,7 +170,7 @@ def _rename_in_subgraph(g: GraphProto, old: str, new: str) -> None:
             vi.name = new
 
 
-def rename_value(b: GraphBuilder, old: str, new: str) -> None:
+def rename_value(b, old: str, new: str) -> None:
     """Rename a value (input, initializer or node output) everywhere: producers, readers,
     graph inputs/outputs, value_info, and the persistent bindings selecting it.
 
@@ -214,7 +211,7 @@ def rename_value(b: GraphBuilder, old: str, new: str) -> None:
     b.ctx.rename(old, new)
 
 
-def remove_node(b: GraphBuilder, name: str):
+def remove_node(b, name: str):
     """Remove the node named ``name``; returns it.
 
     Raises
@@ -252,13 +249,13 @@ def remove_node(b: GraphBuilder, name: str):
     return node
 
 
-def remove_output(b: GraphBuilder, name: str, *, drop_binding: bool = False) -> None:
+def remove_output(b, name: str, *, drop_binding: bool = False) -> None:
     """Remove graph output ``name``. A bound output needs ``drop_binding=True``, which removes
     its binding in the same step (never silently)."""
     _remove_io(b, "output", name, drop_binding)
 
 
-def remove_input(b: GraphBuilder, name: str, *, drop_binding: bool = False) -> None:
+def remove_input(b, name: str, *, drop_binding: bool = False) -> None:
     """Remove graph input ``name`` (no node may still read it). A bound input needs
     ``drop_binding=True``."""
     bound = b.binding_of(name)
@@ -270,7 +267,7 @@ def remove_input(b: GraphBuilder, name: str, *, drop_binding: bool = False) -> N
         b.ctx.remove(name)
 
 
-def _remove_io(b: GraphBuilder, section: str, name: str, drop_binding: bool) -> None:
+def _remove_io(b, section: str, name: str, drop_binding: bool) -> None:
     seq = getattr(b.graph, section)
     idx = [i for i, vi in enumerate(seq) if vi.name == name]
     if not idx:

@@ -121,6 +121,34 @@ def _skip_norm(step, constants):
             step.outputs[0], total)
 
 
+def _match_mlp(norm_step, gu_step, silu_step, down_step, x1, constants, n0, qkv, o):
+    """The second half of a pre-norm decoder layer after the attention residual ``x1``: RMSNorm,
+    the merged gate|up linear, SiLU*mul, the down linear adding ``x1``, with the sizes the
+    compiled step needs (every linear's K the hidden size, no biases on o/gate|up/down, both
+    norms of one eps). Returns ``(post norm, gate|up, down)`` or None. Shared by the contiguous
+    and the paged layer matchers."""
+    n1 = _norm(norm_step, constants)
+    if n1 is None or norm_step.inputs[0] != x1:
+        return None
+    gu = _linear(gu_step, 2)
+    if (gu is None or gu_step.inputs != (norm_step.outputs[0],) or len(gu.ns) != 2
+            or gu.ns[0] != gu.ns[1]):
+        return None
+    if (silu_step.kind != "SiluMul" or not isinstance(silu_step.impl, SiluMul)
+            or silu_step.inputs != gu_step.outputs):
+        return None
+    down = _linear(down_step, 1, residual=True)
+    if down is None or down_step.inputs != (silu_step.outputs[0], x1):
+        return None
+    e = o.n
+    if (qkv.k != e or gu.k != e or down.n != e or down.k != gu.ns[0]
+            or n0[0].shape != (e,) or n1[0].shape != (e,) or n0[1] != n1[1]):
+        return None
+    if o.bias is not None or gu.bias is not None or down.bias is not None:
+        return None
+    return n1, gu, down
+
+
 def _match_layer(steps, i, x, constants):
     """The layer starting at ``steps[i]`` reading residual ``x``; returns (layer dict, next x) or
     None."""
@@ -158,24 +186,10 @@ def _match_layer(steps, i, x, constants):
     if o is None or s3.inputs != (attn, x) or o.k != nh * d:
         return None
     x1 = s3.outputs[0]
-    n1 = _norm(s4, constants)
-    if n1 is None or s4.inputs[0] != x1:
+    mlp = _match_mlp(s4, s5, s6, s7, x1, constants, n0, qkv, o)
+    if mlp is None:
         return None
-    h2 = s4.outputs[0]
-    gu = _linear(s5, 2)
-    if gu is None or s5.inputs != (h2,) or len(gu.ns) != 2 or gu.ns[0] != gu.ns[1]:
-        return None
-    if s6.kind != "SiluMul" or not isinstance(s6.impl, SiluMul) or s6.inputs != s5.outputs:
-        return None
-    down = _linear(s7, 1, residual=True)
-    if down is None or s7.inputs != (s6.outputs[0], x1):
-        return None
-    e = o.n
-    if (qkv.k != e or gu.k != e or down.n != e or down.k != gu.ns[0]
-            or n0[0].shape != (e,) or n1[0].shape != (e,) or n0[1] != n1[1]):
-        return None
-    if o.bias is not None or gu.bias is not None or down.bias is not None:
-        return None
+    n1, gu, down = mlp
     layer = dict(norm_in=n0[0], norm_post=n1[0], eps=n0[1], qkv=qkv, o=o,
                  gu=gu, down=down, heads=nh, kv_heads=nkv, head_dim=d, rotary_dim=r,
                  interleaved=bool(ra.interleaved), scale_attr=ra.scale_attr,

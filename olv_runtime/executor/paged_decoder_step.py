@@ -28,6 +28,7 @@ from olv_runtime.executor.decoder_step import (
     DecoderStack,
     _consistent,
     _linear,
+    _match_mlp,
     _norm,
     run_leaks,
 )
@@ -84,23 +85,10 @@ def _match_layer(steps, i, x, constants):
     if o is None or s5.inputs != (attn, x) or o.k != nh * d:
         return None
     x1 = s5.outputs[0]
-    n1 = _norm(s6, constants)
-    if n1 is None or s6.inputs[0] != x1:
+    mlp = _match_mlp(s6, s7, s8, s9, x1, constants, n0, qkv, o)
+    if mlp is None:
         return None
-    gu = _linear(s7, 2)
-    if gu is None or s7.inputs != (s6.outputs[0],) or len(gu.ns) != 2 or gu.ns[0] != gu.ns[1]:
-        return None
-    if s8.kind != "SiluMul" or s8.inputs != s7.outputs:
-        return None
-    down = _linear(s9, 1, residual=True)
-    if down is None or s9.inputs != (s8.outputs[0], x1):
-        return None
-    e = o.n
-    if (qkv.k != e or gu.k != e or down.n != e or down.k != gu.ns[0]
-            or n0[0].shape != (e,) or n1[0].shape != (e,) or n0[1] != n1[1]):
-        return None
-    if o.bias is not None or gu.bias is not None or down.bias is not None:
-        return None
+    n1, gu, down = mlp
     layer = dict(steps=[s0, s1, s2, s3, s4, s5, s6, s7, s8, s9], norm_in=n0[0], norm_post=n1[0],
                  eps=n0[1], qkv=qkv, o=o, gu=gu, down=down, op=pa, heads=nh,
                  kv_heads=nkv, head_dim=d, rotary_dim=r, interleaved=bool(rq.attrs["interleaved"]),
