@@ -37,6 +37,7 @@ from olv_runtime.errors import (  # noqa: F401,E402  (the exceptions the README 
     UnsupportedOperatorError,
     ValidationError,
 )
+from olv_runtime.engine import Engine, EngineStats, RequestOutput, RequestResult  # noqa: F401
 from olv_runtime.executor.session import InferenceSession, NodeArg, SessionOptions  # noqa: F401
 from olv_runtime.generation.generate import (  # noqa: F401
     GenerationResult,

@@ -35,6 +35,7 @@ LAYERS = (
     ("executor",),
     ("state",),
     ("generation",),
+    ("engine",),
     ("builder",),
     ("models",),
     ("__init__",),  # the package's public names (olv_runtime/__init__.py)

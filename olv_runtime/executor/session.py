@@ -46,6 +46,7 @@ from olv_runtime.executor.decoder_step import prestart_precompile
 from olv_runtime.executor.options import MAX_KV_CAPACITY, MAX_KV_GROWTH, SessionOptions  # noqa: F401
 from olv_runtime.executor.passes import optimize
 from olv_runtime.executor.program import DecodeProgram, _SlotPlan
+from olv_runtime.executor.rows import rows_program
 from olv_runtime.executor.steps import (
     LAST_ONLY,
     EncodedGather,
@@ -725,6 +726,15 @@ class InferenceSession:
         False otherwise (ignored). ``generate`` recycles the logits so decode allocates nothing.
         """
         return self.buffer_pool().recycle(array)
+
+    def rows_program(self):
+        """``(RowsProgram, "")`` when the plan can run rows of many sequences over a block pool
+        (:mod:`olv_runtime.executor.rows`, the batching engine's forward), else ``(None, reason)``;
+        made once per session."""
+        d = self.__dict__
+        if "_rows" not in d:
+            d["_rows"] = rows_program(self)
+        return d["_rows"]
 
     def decode_program(self) -> "DecodeProgram | None":
         """The plan's :class:`DecodeProgram` (None when the plan is not of its form)."""

@@ -1,0 +1,211 @@
+"""Attention of rows from many sequences over one pool of KV blocks (the batching engine's step).
+
+A step of :class:`olv_runtime.engine.Engine` runs ``R`` rows at once: decode rows of running
+sequences and chunks of prompts, each row at its own position in its own sequence. Their keys and
+values live in one pool of fixed-size blocks shared by every sequence (vLLM's paged attention;
+llama.cpp's unified KV cache), per layer ``[NB, KVH, BS, D]``; a sequence is a block table (the
+pool's block ids in position order). Row ``r`` of sequence ``s`` at position ``p`` attends keys
+``0..p`` of ``s`` (causal): blocks ``0 .. p // BS`` of its table, the last one up to ``p % BS``.
+
+Each task is one (row, kv head) pair and serves the kv head's ``H/KVH`` query heads, exactly as the
+contiguous prefill attention (:func:`olv_runtime.kernels.attention._attend_task`): the same
+online-softmax tile function (:func:`~olv_runtime.kernels.attention._attend_rows`) is called once
+per block, over the block's rows. When the block size is a multiple of the tile
+(:data:`~olv_runtime.kernels.attention.TILE`, 64), the tiles are the contiguous kernel's, so a row's
+output is bitwise what the contiguous prefill computes for it; in every case a row's output depends
+only on its query and its sequence's keys -- never on the other rows of the step, on how the prompt
+was chunked, or on which block ids the pool handed out (batch invariance).
+
+Storage formats of the pool (``kv_dtype``): float32 (read in place), float16 (uint16 bits, read
+through a float32 scratch of one block) and int8 (symmetric, one float32 scale per token and kv
+head, written by :func:`quantize_rows`; read through the scratch). A token's stored form depends on
+that token's values alone.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from olv_runtime.errors import InvalidArgument
+
+from .attention import SLACK, TILE, _attend_rows, _state_finish, _state_init
+from .config import JIT, PJIT
+from .paged_ir import _half_to_f32
+
+__all__ = ["FORMATS", "attend_rows", "quantize_rows", "write_rows"]
+
+#: Pool storage formats: name -> numpy dtype of the stored K/V elements.
+FORMATS = {"float32": np.float32, "float16": np.uint16, "int8": np.int8}
+
+
+@njit(inline="always", **JIT)
+def _decode_block(src, scl, blk, g, n, fmt, dst):
+    """Rows ``0..n`` of block ``blk``, kv head ``g`` into ``dst`` float32 [BS, D]:
+    fmt 1 = float16 bits, 2 = int8 times the per-token scale ``scl[blk, g, t]``."""
+    d = dst.shape[1]
+    if fmt == 1:
+        for t in range(n):
+            for i in range(d):
+                dst[t, i] = _half_to_f32(src[blk, g, t, i])
+    else:
+        for t in range(n):
+            s = scl[blk, g, t]
+            for i in range(d):
+                dst[t, i] = np.float32(src[blk, g, t, i]) * s
+
+
+@njit(inline="always", **JIT)
+def _task_f32(task, q, kp, vp, tables, row_seq, pos, scale, bs, out):
+    kvh = kp.shape[1]
+    h_n = q.shape[1]
+    group = h_n // kvh
+    r = task // kvh
+    g = task - r * kvh
+    p = pos[r]
+    tab = tables[row_seq[r]]
+    m = np.empty(group, np.float32)
+    l = np.empty(group, np.float32)
+    sc = np.empty((group, TILE + SLACK), np.float32)
+    pr = np.empty((group, TILE + SLACK), np.float32)
+    mx = np.empty(group, np.float32)
+    o = out[r, g * group:(g + 1) * group]
+    _state_init(m, l, o, group)
+    qg = q[r, g * group:(g + 1) * group]
+    zero = np.int64(0)
+    for b in range(p // bs + 1):
+        n = np.int64(min(bs, p + 1 - b * bs))
+        blk = tab[b]
+        _attend_rows(qg, group, kp[blk, g], vp[blk, g], zero, n, scale, m, l, o, sc, pr, mx)
+    _state_finish(l, o, group, o)
+
+
+@njit(inline="always", **JIT)
+def _task_enc(task, q, kp, vp, ks, vs, fmt, tables, row_seq, pos, scale, bs, out):
+    kvh = kp.shape[1]
+    d = kp.shape[3]
+    h_n = q.shape[1]
+    group = h_n // kvh
+    r = task // kvh
+    g = task - r * kvh
+    p = pos[r]
+    tab = tables[row_seq[r]]
+    m = np.empty(group, np.float32)
+    l = np.empty(group, np.float32)
+    sc = np.empty((group, TILE + SLACK), np.float32)
+    pr = np.empty((group, TILE + SLACK), np.float32)
+    mx = np.empty(group, np.float32)
+    kb = np.empty((bs, d), np.float32)
+    vb = np.empty((bs, d), np.float32)
+    o = out[r, g * group:(g + 1) * group]
+    _state_init(m, l, o, group)
+    qg = q[r, g * group:(g + 1) * group]
+    zero = np.int64(0)
+    for b in range(p // bs + 1):
+        n = np.int64(min(bs, p + 1 - b * bs))
+        blk = tab[b]
+        _decode_block(kp, ks, blk, g, n, fmt, kb)
+        _decode_block(vp, vs, blk, g, n, fmt, vb)
+        _attend_rows(qg, group, kb, vb, zero, n, scale, m, l, o, sc, pr, mx)
+    _state_finish(l, o, group, o)
+
+
+@njit(**PJIT)
+def _attend_f32_par(q, kp, vp, tables, row_seq, pos, scale, bs, out):
+    for task in prange(q.shape[0] * kp.shape[1]):
+        _task_f32(task, q, kp, vp, tables, row_seq, pos, scale, bs, out)
+
+
+@njit(**PJIT)
+def _attend_enc_par(q, kp, vp, ks, vs, fmt, tables, row_seq, pos, scale, bs, out):
+    for task in prange(q.shape[0] * kp.shape[1]):
+        _task_enc(task, q, kp, vp, ks, vs, fmt, tables, row_seq, pos, scale, bs, out)
+
+
+def attend_rows(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, k_scale, v_scale,
+                tables: np.ndarray, row_seq: np.ndarray, pos: np.ndarray, scale: float,
+                out: np.ndarray) -> np.ndarray:
+    """Causal GQA attention of ``R`` rows, each over its own sequence's blocks.
+
+    Parameters
+    ----------
+    q : float32 [R, H, D], C-contiguous
+        The rows' rotated queries.
+    k_pool, v_pool : [NB, KVH, BS, D], C-contiguous, one layer of the pool
+        float32, uint16 (float16 bits) or int8 (see ``k_scale``). ``H % KVH == 0``.
+    k_scale, v_scale : float32 [NB, KVH, BS] or None
+        Per token and kv head scales of an int8 pool (None otherwise).
+    tables : int32 [S, MB]
+        Block table per sequence of the step (pool block ids in position order).
+    row_seq : int32 [R]
+        The sequence (row of ``tables``) of each row.
+    pos : int64 [R]
+        Each row's position; its keys ``0..pos`` must have been written.
+    scale : float
+        Multiplies ``q . k`` (float32).
+    out : float32 [R, H, D], C-contiguous
+
+    Returns
+    -------
+    ``out``.
+
+    Raises
+    ------
+    InvalidArgument
+        Shapes or dtypes that disagree, a position beyond its table.
+    """
+    r_n, h_n, d = q.shape
+    _, kvh, bs, d2 = k_pool.shape
+    if (q.dtype != np.float32 or d2 != d or h_n % kvh or v_pool.shape != k_pool.shape
+            or out.shape != q.shape or out.dtype != np.float32 or row_seq.shape != (r_n,)
+            or pos.shape != (r_n,) or tables.dtype != np.int32 or tables.ndim != 2):
+        raise InvalidArgument(
+            f"attend_rows: q {q.dtype}{list(q.shape)}, pool {k_pool.dtype}{list(k_pool.shape)}, "
+            f"tables {tables.dtype}{list(tables.shape)}, row_seq {list(row_seq.shape)}, "
+            f"pos {list(pos.shape)}, out {out.dtype}{list(out.shape)} do not agree")
+    if r_n and int(pos.max()) // bs >= tables.shape[1]:
+        raise InvalidArgument(f"attend_rows: a position {int(pos.max())} is beyond the block "
+                              f"table ({tables.shape[1]} blocks of {bs})")
+    sc = np.float32(scale)
+    if k_pool.dtype == np.float32:
+        _attend_f32_par(q, k_pool, v_pool, tables, row_seq, pos, sc, np.int64(bs), out)
+    else:
+        fmt = 1 if k_pool.dtype == np.uint16 else 2
+        if fmt == 1:
+            k_scale = v_scale = _NO_SCALE
+        _attend_enc_par(q, k_pool, v_pool, k_scale, v_scale, np.int64(fmt), tables, row_seq,
+                        pos, sc, np.int64(bs), out)
+    return out
+
+
+_NO_SCALE = np.zeros((1, 1, 1), np.float32)
+
+
+def quantize_rows(x: np.ndarray):
+    """Symmetric int8 of ``x`` float32 [R, KVH, D] with one scale per (row, kv head):
+    ``scale = max|x| / 127`` (1 where the row is zero), ``q = rint(x / scale)``. Returns
+    ``(q int8 [R, KVH, D], scale float32 [R, KVH])``; each row's result depends on that row only."""
+    amax = np.abs(x).max(axis=2)
+    scale = (amax / np.float32(127.0)).astype(np.float32)
+    scale[scale == 0] = 1.0
+    q = np.rint(x / scale[:, :, None]).clip(-127, 127).astype(np.int8)
+    return q, scale
+
+
+def write_rows(k_pool, v_pool, k_scale, v_scale, blocks: np.ndarray, offsets: np.ndarray,
+               k: np.ndarray, v: np.ndarray) -> None:
+    """Store rows ``k``, ``v`` float32 [R, KVH, D] at (block ``blocks[r]``, row ``offsets[r]``) of
+    one layer of the pool, in the pool's format (float16 rounds to nearest even; int8 per
+    :func:`quantize_rows`)."""
+    if k_pool.dtype == np.float32:
+        k_pool[blocks, :, offsets, :] = k
+        v_pool[blocks, :, offsets, :] = v
+    elif k_pool.dtype == np.uint16:
+        k_pool[blocks, :, offsets, :] = k.astype(np.float16).view(np.uint16)
+        v_pool[blocks, :, offsets, :] = v.astype(np.float16).view(np.uint16)
+    else:
+        qk, sk = quantize_rows(k)
+        qv, sv = quantize_rows(v)
+        k_pool[blocks, :, offsets, :] = qk
+        v_pool[blocks, :, offsets, :] = qv
+        k_scale[blocks, :, offsets] = sk
+        v_scale[blocks, :, offsets] = sv

@@ -1,0 +1,104 @@
+"""One pool of KV blocks for many sequences (the batching engine's KV cache).
+
+The pool is allocated once, at its full size, when the engine is made: per layer, keys and values
+``[NB, KVH, BS, D]`` in the storage format ``kv_dtype`` (float32, float16 or int8 with a float32
+scale per token and kv head; :mod:`olv_runtime.kernels.row_attention`). Nothing here knows which
+sequence owns a block: the engine's block manager (:mod:`olv_runtime.engine.blocks`) hands out block
+ids and keeps the tables; this class stores rows and runs attention over tables. Writing a token
+never moves another (0 bytes copied per decode token for KV).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from olv_runtime.errors import InvalidArgument
+from olv_runtime.kernels import row_attention as ra
+
+__all__ = ["KV_DTYPES", "KVBlockPool"]
+
+#: ``kv_dtype`` values the pool stores.
+KV_DTYPES = tuple(ra.FORMATS)
+
+
+class KVBlockPool:
+    """Keys and values of ``n_blocks`` blocks of ``block_size`` tokens, for every layer.
+
+    Parameters
+    ----------
+    n_layers, n_blocks, kv_heads, block_size, head_dim : int
+        Geometry (all >= 1).
+    kv_dtype : str
+        "float32", "float16" or "int8".
+
+    Attributes
+    ----------
+    k, v : ndarray [L, NB, KVH, BS, D]
+        float32, uint16 (float16 bits) or int8.
+    k_scale, v_scale : float32 [L, NB, KVH, BS] or None
+        Per token and kv head scales (int8 only).
+
+    Raises
+    ------
+    InvalidArgument
+        A size < 1, an unknown ``kv_dtype``, or a pool over 2**40 bytes.
+    """
+
+    def __init__(self, n_layers: int, n_blocks: int, kv_heads: int, block_size: int,
+                 head_dim: int, kv_dtype: str = "float32"):
+        for name, v in (("n_layers", n_layers), ("n_blocks", n_blocks), ("kv_heads", kv_heads),
+                        ("block_size", block_size), ("head_dim", head_dim)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise InvalidArgument(f"KVBlockPool: {name} must be an integer >= 1, got {v!r}")
+        if kv_dtype not in ra.FORMATS:
+            raise InvalidArgument(f"kv_dtype must be one of {list(ra.FORMATS)}, got {kv_dtype!r}")
+        self.kv_dtype = kv_dtype
+        self.n_layers, self.n_blocks = int(n_layers), int(n_blocks)
+        self.kv_heads, self.block_size, self.head_dim = int(kv_heads), int(block_size), int(head_dim)
+        shape = (self.n_layers, self.n_blocks, self.kv_heads, self.block_size, self.head_dim)
+        dt = np.dtype(ra.FORMATS[kv_dtype])
+        per_token = self.bytes_per_token()
+        total = per_token * self.n_blocks * self.block_size
+        if total > 1 << 40:
+            raise InvalidArgument(f"KVBlockPool: {total} bytes asked for ({n_blocks} blocks of "
+                                  f"{block_size} tokens x {per_token} bytes), over 1 TiB")
+        self.k = np.zeros(shape, dt)
+        self.v = np.zeros(shape, dt)
+        if kv_dtype == "int8":
+            self.k_scale = np.ones(shape[:4], np.float32)
+            self.v_scale = np.ones(shape[:4], np.float32)
+        else:
+            self.k_scale = self.v_scale = None
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes over all layers (keys, values and int8 scales)."""
+        el = np.dtype(ra.FORMATS[self.kv_dtype]).itemsize
+        b = 2 * self.n_layers * self.kv_heads * self.head_dim * el
+        if self.kv_dtype == "int8":
+            b += 2 * self.n_layers * self.kv_heads * 4
+        return b
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds."""
+        n = self.k.nbytes + self.v.nbytes
+        if self.k_scale is not None:
+            n += self.k_scale.nbytes + self.v_scale.nbytes
+        return n
+
+    def _scales(self, layer: int):
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def write(self, layer: int, blocks: np.ndarray, offsets: np.ndarray, k: np.ndarray,
+              v: np.ndarray) -> None:
+        """Store ``k``, ``v`` float32 [R, KVH, D] of ``layer`` at (``blocks[r]``, ``offsets[r]``)."""
+        ks, vs = self._scales(layer)
+        ra.write_rows(self.k[layer], self.v[layer], ks, vs, blocks, offsets, k, v)
+
+    def attend(self, layer: int, q: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
+               pos: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:
+        """:func:`olv_runtime.kernels.row_attention.attend_rows` over ``layer``."""
+        ks, vs = self._scales(layer)
+        return ra.attend_rows(q, self.k[layer], self.v[layer], ks, vs, tables, row_seq, pos,
+                              scale, out)
