@@ -184,7 +184,8 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, config: GenerationConfig | dict | None = None, *,
-                    callback: Callable[[int], object] | None = None) -> int:
+                    callback: Callable[[int], object] | None = None,
+                    logits_processor: Callable[[list, np.ndarray], object] | None = None) -> int:
         """Queue a request; returns its id. Thread-safe; every argument is checked here and a bad
         one changes nothing.
 
@@ -198,6 +199,14 @@ class Engine:
         callback : callable, optional
             ``callback(token_id)`` after each new token; an exception in it ends this request
             alone (finish reason "error").
+        logits_processor : callable, optional
+            ``logits_processor(token_history, logits_row)`` before each selection:
+            ``token_history`` is the request's tokens (prompt then generated, a list of int, not
+            to be modified), ``logits_row`` the raw scores ``[vocab]`` float32, changed in place
+            (e.g. disallowed ids set to ``-inf``: a grammar's token mask). If the object has an
+            ``accept(token_id)`` method it is called with each chosen token. Logprobs stay those
+            of the raw logits. An exception in either ends this request alone (finish reason
+            "error").
 
         Raises
         ------
@@ -213,6 +222,9 @@ class Engine:
         _check_ids(ids, self.vocab, "prompt_ids", allow_empty=False)
         if callback is not None and not callable(callback):
             raise InvalidArgument(f"callback must be callable, got {type(callback).__name__}")
+        if logits_processor is not None and not callable(logits_processor):
+            raise InvalidArgument(f"logits_processor must be callable, got "
+                                  f"{type(logits_processor).__name__}")
         if config.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need the engine's tokenizer (Engine(..., "
                                   "tokenizer=...))")
@@ -243,7 +255,7 @@ class Engine:
         with self._lock:
             rid = next(self._ids)
             req = Request(rid, ids, config, eos, limit, rng, self.tokenizer, callback,
-                          next(self._arrivals))
+                          next(self._arrivals), logits_processor)
             self.requests[rid] = req
             self._incoming.append(req)
         self._wake.set()
@@ -469,13 +481,20 @@ class Engine:
     def _emit(self, req: Request, row: np.ndarray, outputs) -> None:
         """Choose the request's next token from ``row``, record it, check its stop conditions."""
         try:
+            raw, proc = row, req.logits_processor
+            if proc is not None:
+                if req.lps is not None:
+                    raw = row.copy()  # logprobs are of the raw logits
+                proc(req.tokens, row)
             if req.argmax_only:
                 tok = int(row.argmax())
                 if not math.isfinite(row[tok]):
                     check_finite(row, tok)
             else:
                 tok = select_token(row, req.tokens, req.params, req.rng)
-            lp = [token_logprob(row, tok, req.config.top_logprobs)] if req.lps is not None \
+            if proc is not None and hasattr(proc, "accept"):
+                proc.accept(tok)
+            lp = [token_logprob(raw, tok, req.config.top_logprobs)] if req.lps is not None \
                 else None
             if lp:
                 req.lps.extend(lp)

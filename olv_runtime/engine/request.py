@@ -95,7 +95,8 @@ class Request:
     """
 
     def __init__(self, rid: int, prompt: np.ndarray, config: GenerationConfig, eos: set,
-                 limit: int | None, rng, tokenizer, callback, arrival: int):
+                 limit: int | None, rng, tokenizer, callback, arrival: int,
+                 logits_processor=None):
         self.id = rid
         self.prompt_len = int(prompt.size)
         self.tokens: list[int] = [int(t) for t in prompt.tolist()]
@@ -106,6 +107,7 @@ class Request:
         self.limit = limit
         self.rng = rng
         self.callback = callback
+        self.logits_processor = logits_processor
         self.arrival = arrival
         self.out: list[int] = []
         self.lps: list[TokenLogprob] | None = [] if config.logprobs else None

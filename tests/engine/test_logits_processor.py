@@ -1,0 +1,107 @@
+"""Engine.add_request(..., logits_processor=...): a per-request hook on the logits row before each
+selection (a grammar's token mask), told each chosen token through ``accept``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from olv_runtime import Engine
+from olv_runtime.errors import InvalidArgument
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_models):
+    return Engine(tiny_chat_models["float32"], max_batch=4, kv_cache_tokens=1024)
+
+
+class OnlyIds:
+    """Allows ``ids`` only; records what it saw."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+        self.histories, self.accepted = [], []
+
+    def __call__(self, history, row):
+        assert row.dtype == np.float32 and row.ndim == 1
+        self.histories.append(list(history))
+        keep = row[self.ids].copy()
+        row[:] = -np.inf
+        row[self.ids] = keep
+
+    def accept(self, tok):
+        self.accepted.append(tok)
+
+
+def test_mask_restricts_tokens_and_accept_sees_each(engine):
+    prompt = [5, 6, 7, 8]
+    proc = OnlyIds([40, 41, 42])
+    rid = engine.add_request(prompt, dict(max_new_tokens=6, eos_token_id=None),
+                             logits_processor=proc)
+    outs = list(engine.stream(rid))
+    ids = [t for o in outs for t in o.token_ids]
+    assert len(ids) == 6 and set(ids) <= {40, 41, 42}
+    assert proc.accepted == ids
+    # the history passed before token i is the prompt plus the i tokens chosen before it
+    assert proc.histories == [prompt + ids[:i] for i in range(6)]
+    engine.result(rid)
+
+
+def test_mask_with_sampling_and_batched_neighbours_unchanged(engine):
+    """A masked request among unmasked ones: the others' tokens are those of a solo run."""
+    solo = engine.generate([[9, 10, 11]], dict(max_new_tokens=5, eos_token_id=None))[0]
+    proc = OnlyIds([50, 60])
+    r1 = engine.add_request([1, 2, 3], dict(max_new_tokens=5, temperature=1.0, seed=3,
+                                            eos_token_id=None), logits_processor=proc)
+    r2 = engine.add_request([9, 10, 11], dict(max_new_tokens=5, eos_token_id=None))
+    while engine.has_unfinished():
+        engine.step()
+    a, b = engine.result(r1), engine.result(r2)
+    assert set(a.ids.tolist()) <= {50, 60} and len(a.ids) == 5
+    assert b.ids.tolist() == solo.ids.tolist()
+
+
+def test_logprobs_are_of_the_raw_logits(engine):
+    free = engine.generate([[3, 4, 5]], dict(max_new_tokens=1, eos_token_id=None, logprobs=True,
+                                             top_logprobs=3))[0]
+    forced = free.logprobs[0].top[2][0]  # the third most likely token, forced by the mask
+    rid = engine.add_request([3, 4, 5], dict(max_new_tokens=1, eos_token_id=None,
+                                             logprobs=True, top_logprobs=3),
+                             logits_processor=OnlyIds([forced]))
+    list(engine.stream(rid))
+    res = engine.result(rid)
+    assert res.ids.tolist() == [forced]
+    assert res.logprobs[0].logprob == free.logprobs[0].top[2][1]
+    assert res.logprobs[0].top == free.logprobs[0].top
+
+
+def test_processor_error_ends_its_request_alone(engine):
+    def boom(history, row):
+        raise RuntimeError("mask failed")
+
+    r1 = engine.add_request([1, 2], dict(max_new_tokens=3, eos_token_id=None),
+                            logits_processor=boom)
+    r2 = engine.add_request([1, 2], dict(max_new_tokens=3, eos_token_id=None))
+    while engine.has_unfinished():
+        engine.step()
+    a, b = engine.result(r1), engine.result(r2)
+    assert a.finish_reason == "error" and "mask failed" in str(a.error)
+    assert b.finish_reason == "length" and len(b.ids) == 3
+
+
+def test_every_id_masked_is_an_error_not_a_token(engine):
+    def none_allowed(history, row):
+        row[:] = -np.inf
+
+    rid = engine.add_request([1, 2], dict(max_new_tokens=3, eos_token_id=None),
+                             logits_processor=none_allowed)
+    list(engine.stream(rid))
+    res = engine.result(rid)
+    assert res.finish_reason == "error" and "every entry -inf" in str(res.error)
+    assert res.ids.size == 0
+
+
+def test_not_callable_is_refused(engine):
+    before = engine.stats().waiting
+    with pytest.raises(InvalidArgument, match="logits_processor must be callable"):
+        engine.add_request([1, 2], None, logits_processor=42)
+    assert engine.stats().waiting == before
