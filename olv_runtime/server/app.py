@@ -152,11 +152,13 @@ class ServerState:
                     eng.result(rid)
                 self.abandoned.discard(rid)
 
-    def abandon(self, rid: int) -> None:
+    def abandon(self, rid: int, timing=None) -> None:
         """Cancel a request nobody reads any more (client gone, handler cancelled)."""
         eng = self.served.engine
         eng.cancel(rid)
         self.abandoned.add(rid)
+        if timing is not None:
+            timing.end("cancelled")
 
 
 def _error(exc: ApiError, metrics: Metrics | None = None) -> JSONResponse:
@@ -270,6 +272,7 @@ class _Timing:
         self.t0 = self.last = time.perf_counter()
         self.first = True
         self.n = 0
+        self.ended = False
 
     def output(self, out) -> None:
         if not out.token_ids:
@@ -280,6 +283,9 @@ class _Timing:
         self.n += len(out.token_ids)
 
     def end(self, reason: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
         self.m.e2e.observe(time.perf_counter() - self.t0)
         self.m.prompt_tokens.inc(self.n_prompt)
         self.m.generated_tokens.inc(self.n)
@@ -370,7 +376,7 @@ async def _whole(st: ServerState, request: Request, req: ParsedRequest, rid: int
         watch.cancel()
         if not work.done():  # the client left (or this handler was cancelled)
             work.cancel()
-            st.abandon(rid)
+            st.abandon(rid, timing)
     if not work.done() or work.cancelled():
         return Response(status_code=499)
     work.result()
@@ -425,13 +431,13 @@ async def _generate(st: ServerState, request: Request, kind: str) -> Response:
                     with contextlib.suppress(InvalidArgument):
                         eng.result(rid)
                 else:
-                    st.abandon(rid)
+                    st.abandon(rid, timing)
         return _EventStream(_events(st, req, rid, cid, timing), on_close)
     try:
         return await _whole(st, request, req, rid, cid, timing)
     except BaseException:
         if rid in eng.requests and not eng.requests[rid].finished:
-            st.abandon(rid)
+            st.abandon(rid, timing)
         raise
 
 
