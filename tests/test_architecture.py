@@ -36,6 +36,7 @@ LAYERS = (
     ("state",),
     ("generation",),
     ("engine",),
+    ("server",),  # the HTTP server on the engine (optional extra: starlette, uvicorn, ...)
     ("builder",),
     ("models",),
     ("__init__",),  # the package's public names (olv_runtime/__init__.py)

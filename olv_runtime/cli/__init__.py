@@ -1,4 +1,4 @@
-"""The ``olv`` command line: convert, compile, generate, chat, eval, bench, demo, inspect,
+"""The ``olv`` command line: convert, compile, generate, chat, eval, serve, bench, demo, inspect,
 export-standard.
 
 Run ``olv --help`` or ``olv COMMAND --help``.
@@ -35,6 +35,7 @@ from olv_runtime.cli.common import (  # noqa: F401
     _tokenizer_for,
 )
 from olv_runtime.cli.eval import add_eval_parser
+from olv_runtime.cli.serve import add_serve_parser
 from olv_runtime.decoding import resolve
 from olv_runtime.errors import LayoutError, OlvError, OutputError, SidecarError
 from olv_runtime.executor.decoder_step import prestart_precompile
@@ -723,6 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_chat_parser(sub, add_run_opts)
     add_eval_parser(sub, add_run_opts)
+    add_serve_parser(sub, add_run_opts)
 
     b = sub.add_parser("bench", help="measure prefill and decode tokens per second")
     b.add_argument("model", help="converted .onnx model")

@@ -135,8 +135,22 @@ class ServerState:
             self.loaded.set()
 
     def begin_drain(self) -> None:
-        """Refuse new requests (503) from now on; in-flight ones go on."""
+        """Refuse new requests (503) from now on; in-flight ones go on, and those still running
+        after 80 % of ``shutdown_timeout`` are cancelled: they end properly (a finish reason
+        "length", ``[DONE]``) before the server stops waiting for them."""
+        if self.draining:
+            return
         self.draining = True
+        timer = threading.Timer(0.8 * self.options.shutdown_timeout, self.cancel_all)
+        timer.daemon = True
+        timer.start()
+
+    def cancel_all(self) -> None:
+        """Cancel every request of the engine (shutdown)."""
+        if self.served is not None:
+            eng = self.served.engine
+            for rid in list(eng.requests):
+                eng.cancel(rid)
 
     def reap(self) -> None:
         """Forget abandoned (cancelled) requests that have ended."""

@@ -102,7 +102,8 @@ def serve(loader, *, host: str = "127.0.0.1", port: int = 8000,
 
     app = create_app(loader, options, on_load_error=on_load_error)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=options.shutdown_timeout,
+                            # a backstop: the application cancels what still runs at 80 %
+                            timeout_graceful_shutdown=options.shutdown_timeout + 1.0,
                             access_log=False)
     server = _Server(config, app.state.olv)
     # uvicorn restores the handlers it found and raises the signal again once it has stopped:

@@ -16,9 +16,7 @@ BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
         "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def slow(served_model):
-    """A server whose engine takes >= 20 ms per step (a request of 150 tokens lasts >= 3 s)."""
+def _slow_loader(served_model):
     def loader():
         served = load_served(served_model, model_name="tiny", max_batch=4, kv_cache_tokens=2048)
         eng = served.engine
@@ -30,8 +28,13 @@ def slow(served_model):
 
         eng.step = slow_step  # the background loop calls self.step()
         return served
+    return loader
 
-    srv = LiveServer(loader, ServeOptions(shutdown_timeout=2))
+
+@pytest.fixture(scope="module")
+def slow(served_model):
+    """A server whose engine takes >= 20 ms per step (a request of 150 tokens lasts >= 3 s)."""
+    srv = LiveServer(_slow_loader(served_model), ServeOptions(shutdown_timeout=2))
     try:
         srv.wait_ready()
         yield srv
@@ -106,3 +109,27 @@ def test_metrics(slow):
         assert _metric(text, name) == 0, name
     assert 'olv_requests_total{finish_reason="cancelled"}' in text
     assert 'olv_requests_total{finish_reason="length"}' in text
+
+
+def test_drain_ends_in_flight_streams_properly(served_model):
+    """Shutdown: new requests get 503; a stream still running at 80 % of shutdown_timeout is
+    cancelled and ends with a finish reason and [DONE] (not a cut connection)."""
+    srv = LiveServer(_slow_loader(served_model), ServeOptions(shutdown_timeout=1.0))
+    try:
+        srv.wait_ready()
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", srv.url + "/v1/chat/completions",
+                          json={**BODY, "stream": True}) as r:
+                it = r.iter_lines()
+                assert next(it).startswith("data: ")
+                t0 = time.monotonic()
+                srv.state.begin_drain()
+                assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+                lines = [ln for ln in it if ln]
+            elapsed = time.monotonic() - t0
+        assert lines[-1] == "data: [DONE]"
+        assert '"finish_reason": "length"' in lines[-2]
+        assert 0.6 < elapsed < 2.5  # cancelled at 0.8 s, long before 150 tokens at >= 20 ms
+        _wait_idle(srv)
+    finally:
+        srv.stop()
