@@ -38,6 +38,16 @@ def test_missing_model_is_a_usage_error(tmp_path):
     assert r.returncode == 2 and "no such model file" in r.stderr
 
 
+def test_a_model_that_fails_to_load_exits_1(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not an onnx model at all")
+    r = subprocess.run([sys.executable, "-m", "olv_runtime.cli", "serve", str(bad), "--port",
+                        str(_free_port()), "--log-level", "warning"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "loading failed" in r.stderr
+
+
 @pytest.fixture
 def proc(served_model):
     port = _free_port()
