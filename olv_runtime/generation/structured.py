@@ -93,11 +93,6 @@ class GrammarLogitsProcessor:
         if not self.matcher.consume_token(int(token_id)):
             raise GrammarError(f"grammar refused token {token_id}: {self.matcher.get_error()}")
 
-    @property
-    def complete(self) -> bool:
-        """The grammar has matched a whole document (only eos may follow)."""
-        return bool(self.matcher.is_stopped() or self.matcher.is_accepting())
-
 
 class GrammarCompiler:
     """Makes :class:`GrammarLogitsProcessor` objects for one tokenizer and model.

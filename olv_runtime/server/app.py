@@ -281,8 +281,8 @@ def _config(served: Served, req: ParsedRequest, n_prompt: int) -> GenerationConf
 class _Timing:
     """One request's latencies into the metrics."""
 
-    def __init__(self, metrics: Metrics, n_prompt: int):
-        self.m, self.n_prompt = metrics, n_prompt
+    def __init__(self, metrics: Metrics, n_prompt: int, grammar=None):
+        self.m, self.n_prompt, self.grammar = metrics, n_prompt, grammar
         self.t0 = self.last = time.perf_counter()
         self.first = True
         self.n = 0
@@ -304,6 +304,9 @@ class _Timing:
         self.m.prompt_tokens.inc(self.n_prompt)
         self.m.generated_tokens.inc(self.n)
         self.m.requests.labels(reason).inc()
+        g = self.grammar
+        if g is not None and g.masks:
+            self.m.mask.observe(g.mask_seconds / g.masks)
 
 
 class _EventStream(StreamingResponse):
@@ -435,7 +438,7 @@ async def _generate(st: ServerState, request: Request, kind: str) -> Response:
         raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
     except InvalidArgument as exc:
         raise ApiError(400, str(exc), param=param) from None
-    timing = _Timing(st.metrics, len(ids))
+    timing = _Timing(st.metrics, len(ids), proc)
     cid = new_id(kind)
     if req.stream:
         def on_close():

@@ -73,6 +73,10 @@ class Metrics:
                                         "generated tokens of finished requests", registry=r)
         self.requests = Counter("olv_requests", "finished requests by finish reason",
                                 ["finish_reason"], registry=r)
+        self.mask = Histogram("olv_grammar_mask_seconds", "structured output: mean time to "
+                              "compute and apply the token mask, per token of a request",
+                              buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
+                                       5e-3, 1e-2, 2.5e-2), registry=r)
         self.http_errors = Counter("olv_http_errors", "error responses by status", ["status"],
                                    registry=r)
         r.register(_EngineCollector(engine_fn))

@@ -193,8 +193,7 @@ def _common(body: Mapping, kind: str, known: set) -> ParsedRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"must be a string, got {type(model).__name__}", "invalid_type")
-    n = _integer(body, "n", 1, 1, 1)
-    del n  # one choice per request
+    _integer(body, "n", 1, 1, 1)  # one choice per request
     max_tokens = _integer(body, "max_tokens", 0, 2**31 - 1, None)
     if kind == "chat":
         mct = _integer(body, "max_completion_tokens", 0, 2**31 - 1, None)

@@ -152,6 +152,10 @@ def test_json_object_output_parses(client):
                                   seed=2, extra_body={"response_format": {
                                       "type": "json_schema", "json_schema": {"schema": schema}}})
     jsonschema.validate(json.loads(r.choices[0].text), schema)
+    # the mask cost per token is reported
+    text = httpx.get(str(client.base_url).replace("/v1/", "/metrics"), timeout=10).text
+    count = [ln for ln in text.splitlines() if ln.startswith("olv_grammar_mask_seconds_count")]
+    assert count and float(count[0].split()[1]) >= 1
 
 
 def test_concurrent_streams_equal_solo_runs(client):
