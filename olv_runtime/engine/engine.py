@@ -328,7 +328,11 @@ class Engine:
                 self._step_fallback(outputs)
             self._stats.steps += 1
             for o in outputs:
-                self.requests[o.request_id].push(o)
+                # a request another thread already collected (result() once it saw it finished)
+                # has nobody left to tell
+                req = self.requests.get(o.request_id)
+                if req is not None:
+                    req.push(o)
             return outputs
 
     def _take_incoming(self, outputs) -> None:

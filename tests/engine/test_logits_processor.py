@@ -105,3 +105,25 @@ def test_not_callable_is_refused(engine):
     with pytest.raises(InvalidArgument, match="logits_processor must be callable"):
         engine.add_request([1, 2], None, logits_processor=42)
     assert engine.stats().waiting == before
+
+
+def test_result_taken_during_the_step_that_finished_it(engine):
+    """A request cancelled and collected by another thread (Engine.result as soon as it reads
+    ``finished``) while the step that finished it still runs: the step goes on (a server's
+    reaper does this; the engine's loop used to die with a KeyError)."""
+    r2 = engine.add_request([4, 5], dict(max_new_tokens=5, eos_token_id=None))
+    engine.step()
+    taken = []
+
+    def collect_r2(tok):  # runs inside the next step, after r2 was finished by its cancel
+        if not taken:
+            taken.append(engine.result(r2))
+
+    r1 = engine.add_request([1, 2], dict(max_new_tokens=2, eos_token_id=None),
+                            callback=collect_r2)
+    engine.cancel(r2)
+    while engine.has_unfinished():
+        engine.step()
+    assert taken and taken[0].finish_reason == "cancelled"
+    assert engine.result(r1).finish_reason == "length"
+    assert r2 not in engine.requests

@@ -67,3 +67,12 @@ def live(served_model):
         yield srv
     finally:
         srv.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """An exception in a server or engine thread fails the server test it happens in (the
+    engine's loop dying would otherwise show as a client timeout, or not at all)."""
+    mark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+    for item in items:
+        if "tests/server/" in str(item.path).replace("\\", "/"):
+            item.add_marker(mark)

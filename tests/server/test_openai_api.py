@@ -175,7 +175,7 @@ def test_concurrent_streams_equal_solo_runs(client):
 
 
 @pytest.fixture(scope="module")
-def client_int4(tiny_chat_models):
+def live_int4(tiny_chat_models):
     """A server of the INT4 conversion (the engine's exact mode is bitwise batch-invariant on
     it; on the float32-weight conversion logprobs differ by ~1e-7 between solo and batched
     rows, an engine matter reported to its owner)."""
@@ -187,11 +187,16 @@ def client_int4(tiny_chat_models):
                      ServeOptions(shutdown_timeout=2))
     try:
         srv.wait_ready()
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=60,
-                           max_retries=0) as c:
-            yield c
+        yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client_int4(live_int4):
+    with openai.OpenAI(base_url=live_int4.url + "/v1", api_key="none", timeout=60,
+                       max_retries=0) as c:
+        yield c
 
 
 def test_same_seed_same_logprobs_whatever_the_concurrency(client_int4):
@@ -217,3 +222,53 @@ def test_same_seed_same_logprobs_whatever_the_concurrency(client_int4):
             others += [ex.submit(other, i) for i in range(n // 2, n)]
             assert t.result() == solo
             assert all(o.result().finish_reason for o in others)
+
+
+def test_many_clients_some_leaving(live_int4):
+    """24 concurrent streams of random lengths, 3 of them leaving after their first tokens: no
+    server error, every completed text equals the engine's own run of the same request, and the
+    KV blocks are all free afterwards."""
+    import random
+    import time
+
+    rng = random.Random(0)
+    served = live_int4.state.served
+    tok, eng = served.tokenizer, served.engine
+    jobs = [(" ".join(rng.choice(["ab", "cd", "ef", "gh"]) for _ in range(rng.randrange(1, 40))),
+             rng.randrange(1, 20)) for _ in range(24)]
+    leaving = {3, 11, 19}
+
+    def run(i):
+        prompt, n = jobs[i]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        text, done = "", False
+        with httpx.Client(timeout=60) as c, c.stream("POST", live_int4.url + "/v1/completions",
+                                                     json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if i in leaving:
+                    return None  # the connection closes here, mid-stream
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    obj = json.loads(line[6:])
+                    assert "error" not in obj, obj
+                    text += obj["choices"][0]["text"]
+        assert done
+        return text
+
+    with concurrent.futures.ThreadPoolExecutor(24) as ex:
+        got = list(ex.map(run, range(24)))
+    want = eng.generate([tok.encode(p).ids for p, _ in jobs],
+                        [dict(max_new_tokens=n, eos_token_id=None) for _, n in jobs])
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i not in leaving:
+            assert g == w.text, i
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = eng.stats()
+        if s.blocks_used == 0 and s.running == 0 and not eng.requests:
+            break
+        time.sleep(0.05)
+    assert (s.blocks_used, s.running, len(eng.requests)) == (0, 0, 0), s
