@@ -84,7 +84,6 @@ class EngineStats:
     blocks_used: int = 0
     blocks_total: int = 0
     max_rows_in_step: int = 0
-    bytes_copied_kv: int = 0      # KV bytes moved between blocks (always 0: blocks never move)
 
 
 def _session(model, session_options) -> InferenceSession:

@@ -24,7 +24,8 @@ that token's values alone.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core.extending import overload
 
 from olv_runtime.errors import InvalidArgument
 
@@ -37,21 +38,31 @@ __all__ = ["FORMATS", "attend_rows", "quantize_rows", "write_rows"]
 #: Pool storage formats: name -> numpy dtype of the stored K/V elements.
 FORMATS = {"float32": np.float32, "float16": np.uint16, "int8": np.int8}
 
+_OV = {"fastmath": False, "error_model": "numpy"}  # the JIT flags overload implementations take
 
-@njit(inline="always", **JIT)
-def _decode_block(src, scl, blk, g, n, fmt, dst):
-    """Rows ``0..n`` of block ``blk``, kv head ``g`` into ``dst`` float32 [BS, D]:
-    fmt 1 = float16 bits, 2 = int8 times the per-token scale ``scl[blk, g, t]``."""
-    d = dst.shape[1]
-    if fmt == 1:
-        for t in range(n):
-            for i in range(d):
-                dst[t, i] = _half_to_f32(src[blk, g, t, i])
-    else:
+
+def _decode_block(src, scl, blk, g, n, dst):
+    """Rows ``0..n`` of block ``blk``, kv head ``g`` into ``dst`` float32 [BS, D]: float16 bits
+    (uint16 pool) converted, or int8 times the per-token scale ``scl[blk, g, t]``."""
+
+
+@overload(_decode_block, jit_options=_OV)
+def _ov_decode_block(src, scl, blk, g, n, dst):
+    if src.dtype == types.uint16:
+        def f16(src, scl, blk, g, n, dst):
+            d = dst.shape[1]
+            for t in range(n):
+                for i in range(d):
+                    dst[t, i] = _half_to_f32(src[blk, g, t, i])
+        return f16
+
+    def i8(src, scl, blk, g, n, dst):
+        d = dst.shape[1]
         for t in range(n):
             s = scl[blk, g, t]
             for i in range(d):
                 dst[t, i] = np.float32(src[blk, g, t, i]) * s
+    return i8
 
 
 @njit(inline="always", **JIT)
@@ -80,7 +91,7 @@ def _task_f32(task, q, kp, vp, tables, row_seq, pos, scale, bs, out):
 
 
 @njit(inline="always", **JIT)
-def _task_enc(task, q, kp, vp, ks, vs, fmt, tables, row_seq, pos, scale, bs, out):
+def _task_enc(task, q, kp, vp, ks, vs, tables, row_seq, pos, scale, bs, out):
     kvh = kp.shape[1]
     d = kp.shape[3]
     h_n = q.shape[1]
@@ -103,8 +114,8 @@ def _task_enc(task, q, kp, vp, ks, vs, fmt, tables, row_seq, pos, scale, bs, out
     for b in range(p // bs + 1):
         n = np.int64(min(bs, p + 1 - b * bs))
         blk = tab[b]
-        _decode_block(kp, ks, blk, g, n, fmt, kb)
-        _decode_block(vp, vs, blk, g, n, fmt, vb)
+        _decode_block(kp, ks, blk, g, n, kb)
+        _decode_block(vp, vs, blk, g, n, vb)
         _attend_rows(qg, group, kb, vb, zero, n, scale, m, l, o, sc, pr, mx)
     _state_finish(l, o, group, o)
 
@@ -116,9 +127,9 @@ def _attend_f32_par(q, kp, vp, tables, row_seq, pos, scale, bs, out):
 
 
 @njit(**PJIT)
-def _attend_enc_par(q, kp, vp, ks, vs, fmt, tables, row_seq, pos, scale, bs, out):
+def _attend_enc_par(q, kp, vp, ks, vs, tables, row_seq, pos, scale, bs, out):
     for task in prange(q.shape[0] * kp.shape[1]):
-        _task_enc(task, q, kp, vp, ks, vs, fmt, tables, row_seq, pos, scale, bs, out)
+        _task_enc(task, q, kp, vp, ks, vs, tables, row_seq, pos, scale, bs, out)
 
 
 def attend_rows(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, k_scale, v_scale,
@@ -169,11 +180,10 @@ def attend_rows(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, k_scale, 
     if k_pool.dtype == np.float32:
         _attend_f32_par(q, k_pool, v_pool, tables, row_seq, pos, sc, np.int64(bs), out)
     else:
-        fmt = 1 if k_pool.dtype == np.uint16 else 2
-        if fmt == 1:
+        if k_pool.dtype == np.uint16:
             k_scale = v_scale = _NO_SCALE
-        _attend_enc_par(q, k_pool, v_pool, k_scale, v_scale, np.int64(fmt), tables, row_seq,
-                        pos, sc, np.int64(bs), out)
+        _attend_enc_par(q, k_pool, v_pool, k_scale, v_scale, tables, row_seq, pos, sc,
+                        np.int64(bs), out)
     return out
 
 

@@ -68,6 +68,9 @@ class KVBlockPool:
             self.v_scale = np.ones(shape[:4], np.float32)
         else:
             self.k_scale = self.v_scale = None
+        #: bytes stored by :meth:`write` (keys, values and scales of the rows written): the
+        #: engine writes each token once, where it stays (nothing is moved between blocks)
+        self.bytes_written = 0
 
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers (keys, values and int8 scales)."""
@@ -95,6 +98,7 @@ class KVBlockPool:
         """Store ``k``, ``v`` float32 [R, KVH, D] of ``layer`` at (``blocks[r]``, ``offsets[r]``)."""
         ks, vs = self._scales(layer)
         ra.write_rows(self.k[layer], self.v[layer], ks, vs, blocks, offsets, k, v)
+        self.bytes_written += len(blocks) * (self.bytes_per_token() // self.n_layers)
 
     def attend(self, layer: int, q: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
                pos: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:
