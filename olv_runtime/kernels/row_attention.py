@@ -29,7 +29,14 @@ from numba.core.extending import overload
 
 from olv_runtime.errors import InvalidArgument
 
-from .attention import SLACK, TILE, _attend_rows, _state_finish, _state_init
+from .attention import (
+    ATTENTION_PARALLEL_WORK,
+    SLACK,
+    TILE,
+    _attend_rows,
+    _state_finish,
+    _state_init,
+)
 from .config import JIT, PJIT
 from .paged_ir import _half_to_f32
 
@@ -126,6 +133,18 @@ def _attend_f32_par(q, kp, vp, tables, row_seq, pos, scale, bs, out):
         _task_f32(task, q, kp, vp, tables, row_seq, pos, scale, bs, out)
 
 
+@njit(**JIT)
+def _attend_f32_ser(q, kp, vp, tables, row_seq, pos, scale, bs, out):
+    for task in range(q.shape[0] * kp.shape[1]):
+        _task_f32(task, q, kp, vp, tables, row_seq, pos, scale, bs, out)
+
+
+@njit(**JIT)
+def _attend_enc_ser(q, kp, vp, ks, vs, tables, row_seq, pos, scale, bs, out):
+    for task in range(q.shape[0] * kp.shape[1]):
+        _task_enc(task, q, kp, vp, ks, vs, tables, row_seq, pos, scale, bs, out)
+
+
 @njit(**PJIT)
 def _attend_enc_par(q, kp, vp, ks, vs, tables, row_seq, pos, scale, bs, out):
     for task in prange(q.shape[0] * kp.shape[1]):
@@ -177,13 +196,17 @@ def attend_rows(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, k_scale, 
         raise InvalidArgument(f"attend_rows: a position {int(pos.max())} is beyond the block "
                               f"table ({tables.shape[1]} blocks of {bs})")
     sc = np.float32(scale)
+    # the same tasks serially or over the threads (a parallel start costs more than a few
+    # short rows' work, as in the contiguous kernel)
+    par = r_n * kvh > 1 and (int(pos.sum()) + r_n) * h_n * d >= ATTENTION_PARALLEL_WORK
     if k_pool.dtype == np.float32:
-        _attend_f32_par(q, k_pool, v_pool, tables, row_seq, pos, sc, np.int64(bs), out)
+        fn = _attend_f32_par if par else _attend_f32_ser
+        fn(q, k_pool, v_pool, tables, row_seq, pos, sc, np.int64(bs), out)
     else:
         if k_pool.dtype == np.uint16:
             k_scale = v_scale = _NO_SCALE
-        _attend_enc_par(q, k_pool, v_pool, k_scale, v_scale, tables, row_seq, pos, sc,
-                        np.int64(bs), out)
+        fn = _attend_enc_par if par else _attend_enc_ser
+        fn(q, k_pool, v_pool, k_scale, v_scale, tables, row_seq, pos, sc, np.int64(bs), out)
     return out
 
 
