@@ -8,8 +8,8 @@ from tokenizers import Tokenizer
 
 import olv_runtime
 from olv_runtime import Engine, GenerationConfig
-from olv_runtime.cli import main
 from olv_runtime.cli import batch as cli_batch
+from olv_runtime.cli import main
 
 
 def test_generate_batch_jsonl(tiny_chat_models, tmp_path, capsys):

@@ -7,13 +7,12 @@ import logging
 
 import numpy as np
 import pytest
+from gguf_models import write_gguf
 
 import olv_runtime
 from olv_runtime import Engine, GenerationConfig, InferenceSession, SessionOptions
 from olv_runtime.errors import ContextLengthError, InvalidArgument, StateError
 from olv_runtime.executor.rows import rows_program
-
-from gguf_models import write_gguf
 
 
 # -- models -----------------------------------------------------------------------------------
