@@ -324,7 +324,8 @@ def test_gguf_q4_k_m_quickstart(tmp_path):
     out = run_bash(script, tmp_path, env).stdout
     assert "(512, 256)" in out  # decode_value of up_proj: [intermediate, hidden]
     assert (tmp_path / "std.onnx").is_file() and (tmp_path / "tokenizer.json").is_file()
-    assert out.startswith("The capital of France is")
+    assert "GGUF tensors referenced in place, 0 bytes copied" in out
+    assert "\nThe capital of France is" in out
 
 
 def test_onnxruntime_genai_recipe(tmp_path):
@@ -340,6 +341,7 @@ def test_onnxruntime_genai_recipe(tmp_path):
 
 def test_torch_export_and_qdq_recipes(tmp_path, monkeypatch):
     import onnx
+    import onnxruntime
 
     import olv_runtime
 
@@ -354,10 +356,15 @@ def test_torch_export_and_qdq_recipes(tmp_path, monkeypatch):
     assert ops.count("DequantizeLinear") >= 4 * 7, ops  # 4 layers x q, k, v, o, gate, up, down
     kinds = [k for k, _ in namespace["steps"]]
     assert "DequantizeLinear" not in kinds and kinds.count("Linear") >= 4 * 4
-    ids = np.array([[5, 6, 7]], dtype=np.int64)
-    (got,) = olv_runtime.InferenceSession("qwen2_qdq.onnx").run(None, {"input_ids": ids})
-    (ref,) = olv_runtime.InferenceSession("qwen2.onnx").run(None, {"input_ids": ids})
-    assert got.shape == ref.shape and np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    ids = {"input_ids": np.array([[5, 6, 7, 8, 9]], dtype=np.int64)}
+    (got,) = olv_runtime.InferenceSession("qwen2_qdq.onnx").run(None, ids)
+    so = onnxruntime.SessionOptions()  # its QDQ -> MatMulNBits fusion with float activations
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    (ref,) = onnxruntime.InferenceSession("qwen2_qdq.onnx", so,
+                                          providers=["CPUExecutionProvider"]).run(None, ids)
+    vocab = json.loads((tmp_path / "path/to/Qwen2.5-0.5B-Instruct/config.json").read_text())
+    assert got.shape == ref.shape == (1, 5, vocab["vocab_size"])
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
 RATE = re.compile(r"[\d.]+ tok/s")
@@ -391,7 +398,7 @@ def test_eval_block(tmp_path):
     shutil.copytree(tmp_path / "ckpt", tmp_path / "path" / "to" / "hf-checkpoint")
     words = ["the", "capital", "of", "france", "is", "paris", "and", "the", "capital", "of", "italy", "is", "rome"]
     rng = np.random.default_rng(0)
-    (tmp_path / "wiki.test.raw").write_text(" ".join(rng.choice(words, 300)) + "\n")
+    (tmp_path / "wiki.test.raw").write_text(" ".join(rng.choice(words, 80)) + "\n")
     script = block_text("eval")
     m = re.search(r"pip install '(\w+)\[(\w+)\]'", script)
     assert m and m.group(1) == "olv_runtime" and m.group(2) in extras()
