@@ -33,7 +33,7 @@ def add_engine_options(q: argparse.ArgumentParser, positive) -> None:
     q.add_argument("--kv-cache-tokens", type=positive, default=None,
                    help="--batch: tokens of KV the engine's pool holds over all requests "
                         "(default: max-batch x min(context, 2048))")
-    q.add_argument("--kv-dtype", choices=["float32", "float16", "int8"], default="float32",
+    q.add_argument("--kv-dtype", choices=["float32", "float16", "int8", "int4"], default="float32",
                    help="--batch: storage of the engine's KV pool (default: float32)")
 
 

@@ -119,7 +119,8 @@ class Engine:
         Tokens per block (and the prefix cache's granularity); a multiple of 64 keeps the
         attention tiles of the contiguous kernel (prefill logits bitwise ``generate``'s).
     kv_dtype : str
-        Pool storage: "float32", "float16" or "int8" (per token and kv head scales).
+        Pool storage: "float32", "float16", "int8" or "int4" (int8/int4: a scale per token and
+        kv head).
     session_options : SessionOptions, optional
         For the session made from ``model`` (``quantize_activations=True``: int8 mode).
     max_tokens_per_step : int

@@ -17,8 +17,9 @@ only on its query and its sequence's keys -- never on the other rows of the step
 was chunked, or on which block ids the pool handed out (batch invariance).
 
 Storage formats of the pool (``kv_dtype``): float32 (read in place), float16 (uint16 bits, read
-through a float32 scratch of one block) and int8 (symmetric, one float32 scale per token and kv
-head, written by :func:`quantize_rows`; read through the scratch). A token's stored form depends on
+through a float32 scratch of one block), int8 and int4 (symmetric, one float32 scale per token
+and kv head, written by :func:`quantize_rows`; int4 two per byte, element ``2i`` in the low
+nibble, stored as ``q + 8``; read through the scratch). A token's stored form depends on
 that token's values alone.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .paged_ir import _half_to_f32
 __all__ = ["FORMATS", "attend_rows", "quantize_rows", "write_rows"]
 
 #: Pool storage formats: name -> numpy dtype of the stored K/V elements.
-FORMATS = {"float32": np.float32, "float16": np.uint16, "int8": np.int8}
+FORMATS = {"float32": np.float32, "float16": np.uint16, "int8": np.int8, "int4": np.uint8}
 
 _OV = {"fastmath": False, "error_model": "numpy"}  # the JIT flags overload implementations take
 
@@ -62,6 +63,16 @@ def _ov_decode_block(src, scl, blk, g, n, dst):
                 for i in range(d):
                     dst[t, i] = _half_to_f32(src[blk, g, t, i])
         return f16
+    if src.dtype == types.uint8:
+        def i4(src, scl, blk, g, n, dst):
+            half = dst.shape[1] // 2
+            for t in range(n):
+                s = scl[blk, g, t]
+                for i in range(half):
+                    b = np.int32(src[blk, g, t, i])
+                    dst[t, 2 * i] = np.float32((b & 15) - 8) * s
+                    dst[t, 2 * i + 1] = np.float32((b >> 4) - 8) * s
+        return i4
 
     def i8(src, scl, blk, g, n, dst):
         d = dst.shape[1]
@@ -100,7 +111,7 @@ def _task_f32(task, q, kp, vp, tables, row_seq, pos, scale, bs, out):
 @njit(inline="always", **JIT)
 def _task_enc(task, q, kp, vp, ks, vs, tables, row_seq, pos, scale, bs, out):
     kvh = kp.shape[1]
-    d = kp.shape[3]
+    d = q.shape[2]  # the head dim (an int4 pool stores D/2 bytes per row)
     h_n = q.shape[1]
     group = h_n // kvh
     r = task // kvh
@@ -185,6 +196,8 @@ def attend_rows(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, k_scale, 
     """
     r_n, h_n, d = q.shape
     _, kvh, bs, d2 = k_pool.shape
+    if k_pool.dtype == np.uint8:  # int4: two per byte
+        d2 *= 2
     if (q.dtype != np.float32 or d2 != d or h_n % kvh or v_pool.shape != k_pool.shape
             or out.shape != q.shape or out.dtype != np.float32 or row_seq.shape != (r_n,)
             or pos.shape != (r_n,) or tables.dtype != np.int32 or tables.ndim != 2):
@@ -213,21 +226,28 @@ def attend_rows(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, k_scale, 
 _NO_SCALE = np.zeros((1, 1, 1), np.float32)
 
 
-def quantize_rows(x: np.ndarray):
-    """Symmetric int8 of ``x`` float32 [R, KVH, D] with one scale per (row, kv head):
-    ``scale = max|x| / 127`` (1 where the row is zero), ``q = rint(x / scale)``. Returns
-    ``(q int8 [R, KVH, D], scale float32 [R, KVH])``; each row's result depends on that row only."""
+def quantize_rows(x: np.ndarray, qmax: int = 127):
+    """Symmetric quantization of ``x`` float32 [R, KVH, D] with one scale per (row, kv head):
+    ``scale = max|x| / qmax`` (1 where the row is zero), ``q = rint(x / scale)`` in
+    ``[-qmax, qmax]`` (127: int8, 7: int4). Returns ``(q int8 [R, KVH, D], scale float32
+    [R, KVH])``; each row's result depends on that row only."""
     amax = np.abs(x).max(axis=2)
-    scale = (amax / np.float32(127.0)).astype(np.float32)
+    scale = (amax / np.float32(qmax)).astype(np.float32)
     scale[scale == 0] = 1.0
-    q = np.rint(x / scale[:, :, None]).clip(-127, 127).astype(np.int8)
+    q = np.rint(x / scale[:, :, None]).clip(-qmax, qmax).astype(np.int8)
     return q, scale
+
+
+def _pack_int4(q: np.ndarray) -> np.ndarray:
+    """int8 [R, KVH, D] in [-7, 7] -> uint8 [R, KVH, D/2]: ``(q[2i] + 8) | (q[2i+1] + 8) << 4``."""
+    u = (q + 8).astype(np.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
 def write_rows(k_pool, v_pool, k_scale, v_scale, blocks: np.ndarray, offsets: np.ndarray,
                k: np.ndarray, v: np.ndarray) -> None:
     """Store rows ``k``, ``v`` float32 [R, KVH, D] at (block ``blocks[r]``, row ``offsets[r]``) of
-    one layer of the pool, in the pool's format (float16 rounds to nearest even; int8 per
+    one layer of the pool, in the pool's format (float16 rounds to nearest even; int8 and int4 per
     :func:`quantize_rows`)."""
     if k_pool.dtype == np.float32:
         k_pool[blocks, :, offsets, :] = k
@@ -236,9 +256,10 @@ def write_rows(k_pool, v_pool, k_scale, v_scale, blocks: np.ndarray, offsets: np
         k_pool[blocks, :, offsets, :] = k.astype(np.float16).view(np.uint16)
         v_pool[blocks, :, offsets, :] = v.astype(np.float16).view(np.uint16)
     else:
-        qk, sk = quantize_rows(k)
-        qv, sv = quantize_rows(v)
-        k_pool[blocks, :, offsets, :] = qk
-        v_pool[blocks, :, offsets, :] = qv
+        int4 = k_pool.dtype == np.uint8
+        qk, sk = quantize_rows(k, 7 if int4 else 127)
+        qv, sv = quantize_rows(v, 7 if int4 else 127)
+        k_pool[blocks, :, offsets, :] = _pack_int4(qk) if int4 else qk
+        v_pool[blocks, :, offsets, :] = _pack_int4(qv) if int4 else qv
         k_scale[blocks, :, offsets] = sk
         v_scale[blocks, :, offsets] = sv

@@ -118,7 +118,7 @@ def test_batch_invariance(models, name, int8):
         assert got.finish_reason == solo.finish_reason == "length"
 
 
-@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8", "int4"])
 def test_batch_invariance_encoded_pool(models, kv_dtype):
     sess = _session(models, "qwen2", True)
     rng = np.random.default_rng(11)
@@ -401,3 +401,38 @@ def test_fallback_runs_rows_one_by_one(tiny_chat_dir, tmp_path, caplog):
     res = eng.generate(prompts, cfg)
     for p, r in zip(prompts, res):
         assert r.ids.tolist() == olv_runtime.generate_result(sess, p, cfg).ids.tolist()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8", "int4"])
+def test_pool_formats_attend_as_the_dequantized_keys(kv_dtype):
+    """Row attention over an encoded pool = attention over what the pool stores, dequantized
+    (float64 reference): the storage error is the only error."""
+    from olv_runtime.kernels import row_attention as ra
+    from olv_runtime.kv.block_pool import KVBlockPool
+
+    rng = np.random.default_rng(0)
+    pool = KVBlockPool(1, 6, 2, 16, 8, kv_dtype)
+    n = 40
+    k = rng.standard_normal((n, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((n, 2, 8)).astype(np.float32)
+    tab = np.array([[4, 0, 2]], np.int32)
+    pos = np.arange(n, dtype=np.int64)
+    pool.write(0, tab[0, pos // 16].astype(np.int64), pos % 16, k, v)
+    assert pool.bytes_written == n * pool.bytes_per_token()
+    q = rng.standard_normal((n, 4, 8)).astype(np.float32)
+    out = np.empty_like(q)
+    pool.attend(0, q, tab, np.zeros(n, np.int32), pos, 0.35, out)
+    if kv_dtype in ("int8", "int4"):
+        qmax = 127 if kv_dtype == "int8" else 7
+        qk, sk = ra.quantize_rows(k, qmax)
+        qv, sv = ra.quantize_rows(v, qmax)
+        k, v = qk * sk[:, :, None], qv * sv[:, :, None]
+    elif kv_dtype == "float16":
+        k, v = k.astype(np.float16), v.astype(np.float16)
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    for r in range(n):
+        for hh in range(4):
+            s = k64[:r + 1, hh // 2] @ q[r, hh].astype(np.float64) * 0.35
+            p = np.exp(s - s.max())
+            ref = (p / p.sum()) @ v64[:r + 1, hh // 2]
+            np.testing.assert_allclose(out[r, hh], ref, rtol=1e-5, atol=1e-5)
