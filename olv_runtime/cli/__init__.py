@@ -20,6 +20,12 @@ import numpy as np
 
 import olv_runtime
 from olv_runtime import __version__
+from olv_runtime.cli.batch import (
+    add_engine_options,
+    batch_sizes,
+    cmd_bench_batch,
+    cmd_generate_batch,
+)
 from olv_runtime.cli.chat import (
     add_chat_parser,
     add_context_option,
@@ -281,6 +287,8 @@ def _print_compile_wait(stats) -> None:
 
 
 def cmd_generate(args) -> int:
+    if args.batch is not None:  # many prompts through the batching engine
+        return cmd_generate_batch(args)
     path = pathlib.Path(args.model)
     ids = _parse_ids(args.prompt_ids) if args.prompt is None else None  # before any loading
     cache = getattr(args, "prompt_cache", None)
@@ -325,6 +333,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.batch is not None:  # aggregate decode rates of the batching engine
+        return cmd_bench_batch(args)
     model = olv_runtime.load(args.model)
     _check_positions(args.prompt_len, args.new_tokens, model, args.context_limit)
     sess = olv_runtime.InferenceSession(model, _session_options(args))
@@ -698,6 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json beside the model)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated, e.g. 1,2,3")
+    src.add_argument("--batch", metavar="FILE",
+                     help="one prompt per line: all of them through the batching engine, one "
+                          "JSON object per prompt on stdout (text, ids, finish_reason, ...)")
     g.add_argument("--max-new-tokens", type=_positive, default=32,
                    help="tokens to generate, >= 1 (default: 32)")
     g.add_argument("--output", choices=["auto", "text", "ids"], default="auto",
@@ -719,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print the kernel diagnostics: the warm-up prefill, the seconds "
                         "spent compiling or waiting for kernels, the time from import to the "
                         "first and second token (olv demo always prints them)")
+    add_engine_options(g, _positive)
     add_run_opts(g)
     g.set_defaults(func=cmd_generate)
 
@@ -734,6 +748,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per run (default: 64)")
     b.add_argument("--runs", type=_positive, default=3,
                    help="measured runs after one warm-up; the median is printed (default: 3)")
+    b.add_argument("--batch", type=batch_sizes, default=None, metavar="B1,B2,...",
+                   help="measure the batching engine at these batch sizes: aggregate and "
+                        "per-sequence decode tok/s (e.g. 1,2,4,8,16)")
+    add_engine_options(b, _positive)
     add_context_option(b)
     add_run_opts(b)
     b.set_defaults(func=cmd_bench)

@@ -84,7 +84,6 @@ class EngineStats:
     blocks_used: int = 0
     blocks_total: int = 0
     max_rows_in_step: int = 0
-    bytes_copied_kv: int = 0      # KV bytes moved between blocks (always 0: blocks never move)
 
 
 def _session(model, session_options) -> InferenceSession:
@@ -120,7 +119,8 @@ class Engine:
         Tokens per block (and the prefix cache's granularity); a multiple of 64 keeps the
         attention tiles of the contiguous kernel (prefill logits bitwise ``generate``'s).
     kv_dtype : str
-        Pool storage: "float32", "float16" or "int8" (per token and kv head scales).
+        Pool storage: "float32", "float16", "int8" or "int4" (int8/int4: a scale per token and
+        kv head).
     session_options : SessionOptions, optional
         For the session made from ``model`` (``quantize_activations=True``: int8 mode).
     max_tokens_per_step : int

@@ -28,14 +28,15 @@ class KVBlockPool:
     n_layers, n_blocks, kv_heads, block_size, head_dim : int
         Geometry (all >= 1).
     kv_dtype : str
-        "float32", "float16" or "int8".
+        "float32", "float16", "int8" or "int4" (int8/int4: symmetric, a float32 scale per token
+        and kv head; int4 needs an even head_dim).
 
     Attributes
     ----------
-    k, v : ndarray [L, NB, KVH, BS, D]
-        float32, uint16 (float16 bits) or int8.
+    k, v : ndarray [L, NB, KVH, BS, D] (int4: [..., D/2])
+        float32, uint16 (float16 bits), int8, or uint8 (two int4 per byte).
     k_scale, v_scale : float32 [L, NB, KVH, BS] or None
-        Per token and kv head scales (int8 only).
+        Per token and kv head scales (int8 and int4).
 
     Raises
     ------
@@ -54,7 +55,11 @@ class KVBlockPool:
         self.kv_dtype = kv_dtype
         self.n_layers, self.n_blocks = int(n_layers), int(n_blocks)
         self.kv_heads, self.block_size, self.head_dim = int(kv_heads), int(block_size), int(head_dim)
-        shape = (self.n_layers, self.n_blocks, self.kv_heads, self.block_size, self.head_dim)
+        if kv_dtype == "int4" and self.head_dim % 2:
+            raise InvalidArgument(f"KVBlockPool: an int4 pool needs an even head_dim, got "
+                                  f"{head_dim}")
+        width = self.head_dim // 2 if kv_dtype == "int4" else self.head_dim
+        shape = (self.n_layers, self.n_blocks, self.kv_heads, self.block_size, width)
         dt = np.dtype(ra.FORMATS[kv_dtype])
         per_token = self.bytes_per_token()
         total = per_token * self.n_blocks * self.block_size
@@ -63,17 +68,21 @@ class KVBlockPool:
                                   f"{block_size} tokens x {per_token} bytes), over 1 TiB")
         self.k = np.zeros(shape, dt)
         self.v = np.zeros(shape, dt)
-        if kv_dtype == "int8":
+        if kv_dtype in ("int8", "int4"):
             self.k_scale = np.ones(shape[:4], np.float32)
             self.v_scale = np.ones(shape[:4], np.float32)
         else:
             self.k_scale = self.v_scale = None
+        #: bytes stored by :meth:`write` (keys, values and scales of the rows written): the
+        #: engine writes each token once, where it stays (nothing is moved between blocks)
+        self.bytes_written = 0
 
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers (keys, values and int8 scales)."""
         el = np.dtype(ra.FORMATS[self.kv_dtype]).itemsize
-        b = 2 * self.n_layers * self.kv_heads * self.head_dim * el
-        if self.kv_dtype == "int8":
+        width = self.head_dim // 2 if self.kv_dtype == "int4" else self.head_dim
+        b = 2 * self.n_layers * self.kv_heads * width * el
+        if self.kv_dtype in ("int8", "int4"):
             b += 2 * self.n_layers * self.kv_heads * 4
         return b
 
@@ -95,6 +104,7 @@ class KVBlockPool:
         """Store ``k``, ``v`` float32 [R, KVH, D] of ``layer`` at (``blocks[r]``, ``offsets[r]``)."""
         ks, vs = self._scales(layer)
         ra.write_rows(self.k[layer], self.v[layer], ks, vs, blocks, offsets, k, v)
+        self.bytes_written += len(blocks) * (self.bytes_per_token() // self.n_layers)
 
     def attend(self, layer: int, q: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
                pos: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:

@@ -269,3 +269,21 @@ def test_folder_is_adapted_in_memory_only(genai_models):
     assert ("past_key_values.0.key", "present.0.key") in bindings and len(bindings) == 4
     assert "attention_mask" not in {vi.name for vi in m.proto.graph.input}
     assert (folder / "model.onnx").read_bytes() == before
+
+
+def test_engine_runs_the_folder(genai_models):
+    """Issue 23: an onnxruntime-genai folder works in the batching engine (its plan runs the
+    requests one by one inside each step, said once) with generate's results; the ids equal
+    onnxruntime-genai's greedy ones."""
+    from olv_runtime import Engine, GenerationConfig, InferenceSession, generate_result, load
+
+    folder = genai_models["qwen2"]
+    sess = InferenceSession(load(folder / "model.onnx"))
+    eng = Engine(sess, max_batch=3)
+    assert not eng.batched and "past_key_values.0.key" in eng.fallback_reason
+    cfg = GenerationConfig(max_new_tokens=N_NEW, eos_token_id=None)
+    prompts = [PROMPT, PROMPT[:3], PROMPT + PROMPT[:2]]
+    res = eng.generate(prompts, cfg)
+    for p, r in zip(prompts, res):
+        assert r.ids.tolist() == generate_result(sess, p, cfg).ids.tolist()
+    assert res[0].ids.tolist() == _greedy_genai(folder)

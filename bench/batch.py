@@ -1,0 +1,248 @@
+"""Batched decode: aggregate and per-sequence tok/s of olv's batching engine against batch size.
+
+    python bench/batch.py [--model OLV.onnx] [--batch 1,2,4,8,16,32] [--prompt-len 128]
+                          [--new-tokens 64,128] [--threads 2] [--modes exact,int8]
+                          [--ik-batched-bench PATH --gguf Q4_0.gguf] [--plot batch.png]
+                          [--json out.json]
+
+Without ``--model`` the Qwen2.5-0.5B-shaped INT4 model of bench/decode.py's cache is used
+(``~/.cache/olv_bench/q05b_int4/model.onnx``; run bench/decode.py once to build it).
+
+Each mode (exact: float activations; int8: ``quantize_activations``) runs in its own subprocess
+(``--phase``). Per batch size B: B requests of ``--prompt-len`` random ids are added at once and
+prefilled together (chunked prefill, ``--max-tokens-per-step``), then the decode steps are timed
+until each has ``--new-tokens`` tokens. Figures: aggregate decode tok/s (tokens / decode wall
+time), per-sequence tok/s (aggregate / B), TTFT under load (a request added while B-1 others
+decode: seconds to its first token), KV bytes per sequence (pool bytes per token x (prompt + new
+tokens)). The row "generate" is :func:`olv_runtime.generate` on one sequence (the engine's B = 1
+is compared with it: the issue's "no tax for the scheduler").
+
+Peers (never in CI): ``--ik-batched-bench`` runs ik_llama.cpp's ``llama-batched-bench -m GGUF
+-npp P -ntg N -npl B1,B2,.. -t T -rtr 1`` and reads its S_TG column (aggregate generation
+tok/s); the GGUF should hold the same weights (bench/gguf_export.py writes the olv model's INT4
+codes as Q4_0). llama.cpp through llama-cpp-python's batch API is not implemented here.
+
+Shared machines: the "other load" column is the CPU other processes used during the phase (2
+threads on 2 cores: any other busy process stalls every parallel region); compare figures of one
+run, as ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_MODEL = pathlib.Path("~/.cache/olv_bench/q05b_int4/model.onnx").expanduser()
+
+
+def _cpu_busy():
+    f = [int(x) for x in pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return f[0] + f[1] + f[2] + f[5] + f[6]
+
+
+def _own_cpu():
+    t = os.times()
+    return t.user + t.system
+
+
+def _decode(eng, prompts, config):
+    """(aggregate decode tok/s, prefill tok/s) of one batch added at once."""
+    rids = [eng.add_request(p, config) for p in prompts]
+    t0 = time.perf_counter()
+    while any(eng.requests[r].computed < len(prompts[0]) for r in rids):
+        eng.step()
+    t1 = time.perf_counter()
+    n0 = eng.stats().generated_tokens
+    while eng.has_unfinished():
+        eng.step()
+    t2 = time.perf_counter()
+    n = eng.stats().generated_tokens - n0
+    for r in rids:
+        eng.result(r)
+    return n / (t2 - t1), len(prompts) * len(prompts[0]) / (t1 - t0)
+
+
+def _ttft(eng, prompts, config):
+    """Seconds from adding one more request to its first token while the others decode."""
+    from olv_runtime import GenerationConfig
+
+    rids = [eng.add_request(p, config) for p in prompts[:-1]]
+    for _ in range(4):
+        eng.step()
+    t0 = time.perf_counter()
+    late = eng.add_request(prompts[-1], GenerationConfig(max_new_tokens=1, eos_token_id=None))
+    while not eng.requests[late].finished:
+        eng.step()
+    dt = time.perf_counter() - t0
+    for r in rids:
+        eng.cancel(r)
+    while eng.has_unfinished():
+        eng.step()
+    for r in rids + [late]:
+        eng.result(r)
+    return dt
+
+
+def phase(args) -> dict:
+    """One mode in this process: the generate row and every batch size."""
+    import olv_runtime
+    from olv_runtime import Engine, GenerationConfig, SessionOptions
+
+    int8 = args.phase == "int8"
+    sess = olv_runtime.InferenceSession(olv_runtime.load(args.model), SessionOptions(
+        quantize_activations=int8, num_threads=args.threads))
+    vocab = int(sess.get_modelmeta()["olv.vocab_size"])
+    rng = np.random.default_rng(0)
+    sizes = [int(b) for b in args.batch.split(",")]
+    news = [int(n) for n in args.new_tokens.split(",")]
+    ctx = args.prompt_len + max(news) + 8
+    eng = Engine(sess, max_batch=max(sizes), kv_cache_tokens=max(sizes) * ctx,
+                 max_tokens_per_step=args.max_tokens_per_step)
+    out = {"mode": args.phase, "batched": eng.batched, "fallback": eng.fallback_reason,
+           "rows": []}
+    busy0, own0, w0 = _cpu_busy(), _own_cpu(), time.time()
+    warm = GenerationConfig(max_new_tokens=4, eos_token_id=None)
+    _decode(eng, [rng.integers(0, vocab, args.prompt_len).tolist()] * 2, warm)
+    olv_runtime.generate_result(sess, rng.integers(0, vocab, args.prompt_len).tolist(), warm)
+    for new in news:
+        cfg = GenerationConfig(max_new_tokens=new, eos_token_id=None)
+        gen = []
+        for _ in range(args.runs):
+            st = olv_runtime.GenerationStats()
+            olv_runtime.generate_result(sess, rng.integers(0, vocab, args.prompt_len).tolist(),
+                                        cfg, stats=st)
+            gen.append(st.decode_tokens_per_second)
+        out["rows"].append({"B": "generate", "new": new, "decode": statistics.median(gen)})
+        for b in sizes:
+            dec, pre = [], []
+            for _ in range(args.runs):
+                prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
+                d, p = _decode(eng, prompts, cfg)
+                dec.append(d)
+                pre.append(p)
+            prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
+            ttft = _ttft(eng, prompts, cfg)
+            kv = eng.pool.bytes_per_token() * (args.prompt_len + new) if eng.pool else None
+            out["rows"].append({"B": b, "new": new, "decode": statistics.median(dec),
+                                "prefill": statistics.median(pre), "ttft": ttft,
+                                "kv_bytes_per_seq": kv})
+            print(json.dumps(out["rows"][-1]), file=sys.stderr, flush=True)
+    wall = time.time() - w0
+    other = (_cpu_busy() - busy0) / os.sysconf("SC_CLK_TCK") - (_own_cpu() - own0)
+    out["other_load"] = max(0.0, other / wall / (os.cpu_count() or 1))
+    return out
+
+
+def ik_batched(args) -> dict:
+    """ik_llama.cpp's llama-batched-bench: {B: S_TG} (aggregate generation tok/s)."""
+    cmd = [args.ik_batched_bench, "-m", args.gguf, "-npp", str(args.prompt_len), "-ntg",
+           args.new_tokens.split(",")[0], "-npl", args.batch, "-t", str(args.threads), "-rtr",
+           "1"]
+    txt = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
+    out = {}
+    for line in txt.splitlines():  # |    PP |     TG |    B |   N_KV | ... |  S_TG t/s | ...
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and re.fullmatch(r"\d+", cells[2] or ""):
+            out[int(cells[2])] = float(cells[7])
+    return out
+
+
+def table(results, ik) -> str:
+    head = ("| mode | new | B | aggregate decode tok/s | per seq | x B=1 | x generate | "
+            "prefill tok/s | TTFT s | KV MiB/seq | ik S_TG | x ik |")
+    lines = [head,
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for new in sorted({r["new"] for r in res["rows"]}):
+            rows = [r for r in res["rows"] if r["new"] == new]
+            gen = next(r["decode"] for r in rows if r["B"] == "generate")
+            one = next((r["decode"] for r in rows if r["B"] == 1), None)
+            for r in rows:
+                if r["B"] == "generate":
+                    lines.append(f"| {res['mode']} | {new} | generate | {gen:.1f} | | | 1.00 "
+                                 "| | | | | |")
+                    continue
+                d = r["decode"]
+                k = ik.get(r["B"]) if ik else None
+                kv = r["kv_bytes_per_seq"]
+                lines.append(
+                    f"| {res['mode']} | {new} | {r['B']} | {d:.1f} | {d / r['B']:.1f} | "
+                    f"{d / one:.2f} | {d / gen:.2f} | {r['prefill']:.1f} | {r['ttft']:.3f} | "
+                    f"{kv / 2**20:.1f} | " + (f"{k:.1f} | {d / k:.2f} |" if k else "| |")
+                    if kv is not None else "")
+    loads = ", ".join(f"{r['mode']} {100 * r['other_load']:.0f} %" for r in results)
+    return "\n".join(lines) + f"\n\nother load during the phases: {loads}"
+
+
+def plot(results, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for res in results:
+        new = min(r["new"] for r in res["rows"])
+        rows = [r for r in res["rows"] if r["new"] == new and r["B"] != "generate"]
+        ax.plot([r["B"] for r in rows], [r["decode"] for r in rows], marker="o",
+                label=f"olv {res['mode']} (aggregate)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B (sequences)")
+    ax.set_ylabel("decode tok/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--batch", default="1,2,4,8,16,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", default="64,128")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=1, help="measured runs per point (median)")
+    ap.add_argument("--max-tokens-per-step", type=int, default=512)
+    ap.add_argument("--modes", default="exact,int8")
+    ap.add_argument("--ik-batched-bench", default=None, metavar="PATH")
+    ap.add_argument("--gguf", default=None, help="the GGUF the peers read (same weights)")
+    ap.add_argument("--plot", default=None, metavar="PNG")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.phase:
+        print(json.dumps(phase(args)))
+        return 0
+    if not pathlib.Path(args.model).is_file():
+        print(f"no model at {args.model}: run bench/decode.py once, or pass --model",
+              file=sys.stderr)
+        return 2
+    results = []
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--phase", mode] + [
+            a for a in (argv if argv is not None else sys.argv[1:])]
+        print(f"phase {mode} ...", file=sys.stderr, flush=True)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+        results.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    ik = ik_batched(args) if args.ik_batched_bench and args.gguf else None
+    print(table(results, ik))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"olv": results, "ik": ik}, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
