@@ -54,7 +54,7 @@ def proc(served_model):
     p = subprocess.Popen([sys.executable, "-m", "olv_runtime.cli", "serve", str(served_model),
                           "--port", str(port), "--served-model-name", "tiny", "--max-batch", "4",
                           "--kv-cache-tokens", "2048", "--shutdown-timeout", str(SHUTDOWN),
-                          "--quantize-activations", "--threads", "2",
+                          "--kv-dtype", "int8", "--quantize-activations", "--threads", "2",
                           "--log-level", "warning"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ))
