@@ -24,7 +24,7 @@ import numpy as np
 
 from olv_runtime.errors import InvalidArgument, OlvError
 
-__all__ = ["GrammarCompiler", "GrammarError", "GrammarLogitsProcessor", "JSON_DEFAULTS"]
+__all__ = ["JSON_DEFAULTS", "GrammarCompiler", "GrammarError", "GrammarLogitsProcessor"]
 
 #: llguidance JSON compile options applied before a schema's own ``x-guidance``
 JSON_DEFAULTS = {"whitespace_flexible": False}

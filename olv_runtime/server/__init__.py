@@ -4,7 +4,7 @@ server-sent events, Prometheus metrics, structured output. Knows nothing of kern
 ``import olv_runtime`` never imports it."""
 from __future__ import annotations
 
-from olv_runtime.server.app import ServeOptions, Served, create_app
+from olv_runtime.server.app import Served, ServeOptions, create_app
 from olv_runtime.server.run import load_served, serve
 
 __all__ = ["ServeOptions", "Served", "create_app", "load_served", "serve"]

@@ -126,7 +126,7 @@ class ServerState:
             served.engine.start()
             self.served = served
             log.info("olv serve: model %s loaded", served.model_name)
-        except BaseException as exc:  # noqa: BLE001 -- reported by /health and the runner
+        except BaseException as exc:
             log.exception("olv serve: loading failed")
             self.load_error = exc
             if self.on_load_error is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["Metrics", "CONTENT_TYPE"]
+__all__ = ["CONTENT_TYPE", "Metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

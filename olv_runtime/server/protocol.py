@@ -17,8 +17,17 @@ from collections.abc import Mapping
 
 from olv_runtime.engine import RequestResult
 
-__all__ = ["ApiError", "ParsedRequest", "parse_completion", "parse_chat", "error_body",
-           "openai_finish_reason", "MAX_STOP", "MAX_TOP_LOGPROBS", "MAX_MESSAGES"]
+__all__ = [
+    "MAX_MESSAGES",
+    "MAX_STOP",
+    "MAX_TOP_LOGPROBS",
+    "ApiError",
+    "ParsedRequest",
+    "error_body",
+    "openai_finish_reason",
+    "parse_chat",
+    "parse_completion",
+]
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -199,17 +208,17 @@ def _common(body: Mapping, kind: str, known: set) -> ParsedRequest:
         mct = _integer(body, "max_completion_tokens", 0, 2**31 - 1, None)
         max_tokens = mct if mct is not None else max_tokens
     top_k = _integer(body, "top_k", -1, 2**31 - 1, 0)
-    cfg = dict(
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
-        top_k=max(top_k, 0),
-        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
-        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
-        seed=_integer(body, "seed", 0, 2**63 - 1, None),
-        stop=_stop(body),
-    )
+    cfg = {
+        "temperature": _number(body, "temperature", 0.0, 2.0, 1.0),
+        "top_p": _number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+        "top_k": max(top_k, 0),
+        "min_p": _number(body, "min_p", 0.0, 1.0, 0.0),
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
+        "seed": _integer(body, "seed", 0, 2**63 - 1, None),
+        "stop": _stop(body),
+    }
     if _boolean(body, "ignore_eos"):
         cfg["eos_token_id"] = None
     else:

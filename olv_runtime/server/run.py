@@ -23,7 +23,7 @@ from olv_runtime.generation.generate import eos_token_ids
 from olv_runtime.generation.structured import GrammarCompiler
 from olv_runtime.io import load
 from olv_runtime.io.sidecars import load_tokenizer
-from olv_runtime.server.app import ServeOptions, Served, create_app
+from olv_runtime.server.app import Served, ServeOptions, create_app
 
 __all__ = ["load_served", "serve"]
 

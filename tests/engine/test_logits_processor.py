@@ -35,7 +35,7 @@ class OnlyIds:
 def test_mask_restricts_tokens_and_accept_sees_each(engine):
     prompt = [5, 6, 7, 8]
     proc = OnlyIds([40, 41, 42])
-    rid = engine.add_request(prompt, dict(max_new_tokens=6, eos_token_id=None),
+    rid = engine.add_request(prompt, {"max_new_tokens": 6, "eos_token_id": None},
                              logits_processor=proc)
     outs = list(engine.stream(rid))
     ids = [t for o in outs for t in o.token_ids]
@@ -48,11 +48,11 @@ def test_mask_restricts_tokens_and_accept_sees_each(engine):
 
 def test_mask_with_sampling_and_batched_neighbours_unchanged(engine):
     """A masked request among unmasked ones: the others' tokens are those of a solo run."""
-    solo = engine.generate([[9, 10, 11]], dict(max_new_tokens=5, eos_token_id=None))[0]
+    solo = engine.generate([[9, 10, 11]], {"max_new_tokens": 5, "eos_token_id": None})[0]
     proc = OnlyIds([50, 60])
-    r1 = engine.add_request([1, 2, 3], dict(max_new_tokens=5, temperature=1.0, seed=3,
-                                            eos_token_id=None), logits_processor=proc)
-    r2 = engine.add_request([9, 10, 11], dict(max_new_tokens=5, eos_token_id=None))
+    r1 = engine.add_request([1, 2, 3], {"max_new_tokens": 5, "temperature": 1.0, "seed": 3,
+                                            "eos_token_id": None}, logits_processor=proc)
+    r2 = engine.add_request([9, 10, 11], {"max_new_tokens": 5, "eos_token_id": None})
     while engine.has_unfinished():
         engine.step()
     a, b = engine.result(r1), engine.result(r2)
@@ -61,11 +61,11 @@ def test_mask_with_sampling_and_batched_neighbours_unchanged(engine):
 
 
 def test_logprobs_are_of_the_raw_logits(engine):
-    free = engine.generate([[3, 4, 5]], dict(max_new_tokens=1, eos_token_id=None, logprobs=True,
-                                             top_logprobs=3))[0]
+    free = engine.generate([[3, 4, 5]], {"max_new_tokens": 1, "eos_token_id": None, "logprobs": True,
+                                             "top_logprobs": 3})[0]
     forced = free.logprobs[0].top[2][0]  # the third most likely token, forced by the mask
-    rid = engine.add_request([3, 4, 5], dict(max_new_tokens=1, eos_token_id=None,
-                                             logprobs=True, top_logprobs=3),
+    rid = engine.add_request([3, 4, 5], {"max_new_tokens": 1, "eos_token_id": None,
+                                             "logprobs": True, "top_logprobs": 3},
                              logits_processor=OnlyIds([forced]))
     list(engine.stream(rid))
     res = engine.result(rid)
@@ -78,9 +78,9 @@ def test_processor_error_ends_its_request_alone(engine):
     def boom(history, row):
         raise RuntimeError("mask failed")
 
-    r1 = engine.add_request([1, 2], dict(max_new_tokens=3, eos_token_id=None),
+    r1 = engine.add_request([1, 2], {"max_new_tokens": 3, "eos_token_id": None},
                             logits_processor=boom)
-    r2 = engine.add_request([1, 2], dict(max_new_tokens=3, eos_token_id=None))
+    r2 = engine.add_request([1, 2], {"max_new_tokens": 3, "eos_token_id": None})
     while engine.has_unfinished():
         engine.step()
     a, b = engine.result(r1), engine.result(r2)
@@ -92,7 +92,7 @@ def test_every_id_masked_is_an_error_not_a_token(engine):
     def none_allowed(history, row):
         row[:] = -np.inf
 
-    rid = engine.add_request([1, 2], dict(max_new_tokens=3, eos_token_id=None),
+    rid = engine.add_request([1, 2], {"max_new_tokens": 3, "eos_token_id": None},
                              logits_processor=none_allowed)
     list(engine.stream(rid))
     res = engine.result(rid)
@@ -111,7 +111,7 @@ def test_result_taken_during_the_step_that_finished_it(engine):
     """A request cancelled and collected by another thread (Engine.result as soon as it reads
     ``finished``) while the step that finished it still runs: the step goes on (a server's
     reaper does this; the engine's loop used to die with a KeyError)."""
-    r2 = engine.add_request([4, 5], dict(max_new_tokens=5, eos_token_id=None))
+    r2 = engine.add_request([4, 5], {"max_new_tokens": 5, "eos_token_id": None})
     engine.step()
     taken = []
 
@@ -119,7 +119,7 @@ def test_result_taken_during_the_step_that_finished_it(engine):
         if not taken:
             taken.append(engine.result(r2))
 
-    r1 = engine.add_request([1, 2], dict(max_new_tokens=2, eos_token_id=None),
+    r1 = engine.add_request([1, 2], {"max_new_tokens": 2, "eos_token_id": None},
                             callback=collect_r2)
     engine.cancel(r2)
     while engine.has_unfinished():

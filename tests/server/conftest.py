@@ -11,7 +11,7 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")  # the serve extra (in the test extra too: runs in CI)
 httpx = pytest.importorskip("httpx")
 
-from olv_runtime.server import ServeOptions, create_app, load_served  # noqa: E402
+from olv_runtime.server import ServeOptions, create_app, load_served
 
 START_SECONDS = 120
 

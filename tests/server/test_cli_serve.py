@@ -34,7 +34,7 @@ def test_defaults_bind_loopback():
 def test_missing_model_is_a_usage_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "olv_runtime.cli", "serve",
                         str(tmp_path / "none.onnx"), "--port", str(_free_port())],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "no such model file" in r.stderr
 
 
@@ -43,7 +43,7 @@ def test_a_model_that_fails_to_load_exits_1(tmp_path):
     bad.write_bytes(b"not an onnx model at all")
     r = subprocess.run([sys.executable, "-m", "olv_runtime.cli", "serve", str(bad), "--port",
                         str(_free_port()), "--log-level", "warning"], capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, check=False)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "loading failed" in r.stderr
 

@@ -6,8 +6,8 @@ import re
 import time
 
 import pytest
-
 from conftest import LiveServer
+
 from olv_runtime.server import ServeOptions, load_served
 
 httpx = pytest.importorskip("httpx")
@@ -56,7 +56,7 @@ def _wait_idle(srv, timeout=10.0):
 
 
 def _metric(text, name):
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else None
 
 

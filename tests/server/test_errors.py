@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-
 from conftest import LiveServer
+
 from olv_runtime.server import ServeOptions, load_served
 
 httpx = pytest.importorskip("httpx")

@@ -30,7 +30,7 @@ def test_health_and_models(live, client):
 def test_completion_text_equals_the_engine(live, client):
     eng = live.state.served.engine
     ids = live.state.served.tokenizer.encode("hello world").ids
-    want = eng.generate([ids], dict(max_new_tokens=6, eos_token_id="auto"))[0]
+    want = eng.generate([ids], {"max_new_tokens": 6, "eos_token_id": "auto"})[0]
     r = client.completions.create(model="tiny", prompt="hello world", max_tokens=6,
                                   temperature=0)
     assert r.choices[0].text == want.text
@@ -75,7 +75,7 @@ def test_chat_logprobs(client):
 
 
 def test_completion_logprobs_streamed_and_not(client):
-    kw = dict(model="tiny", prompt="hello world", max_tokens=5, temperature=0, logprobs=2)
+    kw = {"model": "tiny", "prompt": "hello world", "max_tokens": 5, "temperature": 0, "logprobs": 2}
     whole = client.completions.create(**kw).choices[0].logprobs
     streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True)
                 if c.choices and c.choices[0].logprobs]
@@ -96,8 +96,8 @@ def test_stop_string_cuts_the_text(client):
 
 
 def test_same_seed_same_sample(client):
-    kw = dict(model="tiny", messages=MSGS, max_tokens=10, temperature=1.0, top_p=0.9,
-              seed=1234)
+    kw = {"model": "tiny", "messages": MSGS, "max_tokens": 10, "temperature": 1.0, "top_p": 0.9,
+              "seed": 1234}
     a = client.chat.completions.create(**kw).choices[0].message.content
     b = client.chat.completions.create(**kw).choices[0].message.content
     assert a == b
@@ -180,6 +180,7 @@ def live_int4(tiny_chat_models):
     it; on the float32-weight conversion logprobs differ by ~1e-7 between solo and batched
     rows, an engine matter reported to its owner)."""
     from conftest import LiveServer
+
     from olv_runtime.server import ServeOptions, load_served
 
     srv = LiveServer(lambda: load_served(tiny_chat_models["int4"], model_name="tiny",
@@ -203,8 +204,8 @@ def test_same_seed_same_logprobs_whatever_the_concurrency(client_int4):
     """The same seeded request alone, then among 3 and 7 others (different prompts, arriving
     in between): the same tokens and bitwise-equal logprobs (exact mode, INT4 weights)."""
     client = client_int4
-    kw = dict(model="tiny", prompt="the same prompt", max_tokens=8, temperature=0.9, seed=11,
-              logprobs=3)
+    kw = {"model": "tiny", "prompt": "the same prompt", "max_tokens": 8, "temperature": 0.9, "seed": 11,
+              "logprobs": 3}
 
     def target():
         lp = client.completions.create(**kw).choices[0].logprobs
@@ -261,7 +262,7 @@ def test_many_clients_some_leaving(live_int4):
     with concurrent.futures.ThreadPoolExecutor(24) as ex:
         got = list(ex.map(run, range(24)))
     want = eng.generate([tok.encode(p).ids for p, _ in jobs],
-                        [dict(max_new_tokens=n, eos_token_id=None) for _, n in jobs])
+                        [{"max_new_tokens": n, "eos_token_id": None} for _, n in jobs])
     for i, (g, w) in enumerate(zip(got, want)):
         if i not in leaving:
             assert g == w.text, i
