@@ -19,7 +19,10 @@ each row at its own position -- with three substitutions:
 Every other step runs as in :meth:`InferenceSession.run`, over ``[1, R, ...]``: the linears are
 one GEMM over the R rows (the weights read once per step), and their kernels compute each row
 independently of the others (tested), so a row's result is bitwise the same whatever else is in
-the step.
+the step. Steps whose arithmetic depends on the number of rows -- BLAS matrix products: dense
+float32 linears, ``MatMul``/``Gemm`` nodes, the offset term of INT4-plane GGUF linears; and the
+row-major INT4 kernel of other block sizes -- run one row at a time (:data:`ROW_DEPENDENT`), so
+the promise holds for them too, at the cost of reading their weights once per row.
 """
 from __future__ import annotations
 
@@ -31,7 +34,29 @@ import numpy as np
 from olv_runtime import kernels
 from olv_runtime.errors import InvalidArgument
 
-__all__ = ["RowsProgram", "rows_program"]
+__all__ = ["ROW_DEPENDENT", "RowsProgram", "rows_program"]
+
+#: Step kinds whose output rows depend on how many rows the call has (BLAS blocking); the rows
+#: program runs them one row at a time. A fused linear is such a step when its kernel is
+#: "dense" (BLAS) or "row_major" (:func:`~olv_runtime.kernels.linear.linear_int4`).
+ROW_DEPENDENT = frozenset({"MatMul", "Gemm", "PlanesLinear"})
+
+
+def _row_dependent(step) -> bool:
+    if step.kind == "Linear":
+        return getattr(step.impl, "kernel", None) in ("dense", "row_major")
+    return step.kind in ROW_DEPENDENT
+
+
+def _per_row(fn, args, r: int) -> tuple:
+    """``fn`` on each row of its ``[1, R, ...]`` arguments (other arguments as they are); the
+    outputs concatenated along the row axis."""
+    outs = []
+    for i in range(r):
+        sub = [a[:, i:i + 1] if isinstance(a, np.ndarray) and a.ndim == 3 and a.shape[:2] == (1, r)
+               else a for a in args]
+        outs.append(fn(*sub))
+    return tuple(np.concatenate([o[k] for o in outs], axis=1) for k in range(len(outs[0])))
 
 _F32 = np.dtype(np.float32)
 _I64 = np.dtype(np.int64)
@@ -100,11 +125,12 @@ def rows_program(session) -> tuple[RowsProgram | None, str]:
                 return None, (f"step {s.name!r} ({s.kind}) reads {n!r}, which is neither computed "
                               f"from input_ids nor a constant")
         if "logits" in s.outputs:
-            if s.kind != "Linear" or len(s.outputs) != 1 or s.impl.residual:
+            if (s.kind not in ("Linear", "PlanesLinear") or len(s.outputs) != 1
+                    or getattr(s.impl, "residual", False)):
                 return None, f"the logits step {s.name!r} is a {s.kind}, not a plain linear"
-            ops.append(("logits", s))
+            ops.append(("logits-rows" if _row_dependent(s) else "logits", s))
         else:
-            ops.append(("step", s))
+            ops.append(("step-rows" if _row_dependent(s) else "step", s))
         produced.update(o for o in s.outputs if o)
     if positions is None:
         return None, "the plan has no fused rotary positions step"
@@ -268,17 +294,21 @@ class RowsProgram:
                 env[x.out] = self._attend(x, env, cos, sin, r, pos, row_seq, tables, blocks,
                                           offsets, pool)
             else:
-                if kind == "logits" and not len(logit_rows):  # prompt chunks only: no lm_head
+                last = kind.startswith("logits")
+                if last and not len(logit_rows):  # prompt chunks only: no lm_head
                     logits = np.empty((0, 0), _F32)
                     continue
                 args = [env[n] if n in env else consts[n] if n else None for n in x.inputs]
-                if kind == "logits":
+                if last:
                     args[0] = np.ascontiguousarray(args[0][:, logit_rows])
-                res = x.fn(*args)
+                if kind.endswith("-rows"):
+                    res = _per_row(x.fn, args, args[0].shape[1])
+                else:
+                    res = x.fn(*args)
                 for n, v in zip(x.outputs, res):
                     if n:
                         env[n] = v
-                if kind == "logits":
+                if last:
                     logits = res[0]
             for n in self._drop[i]:
                 env.pop(n, None)

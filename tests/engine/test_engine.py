@@ -18,17 +18,25 @@ from olv_runtime.executor.rows import rows_program
 # -- models -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tiny_qwen2_dir, tiny_qwen3_dir, tiny_llama_dir, tmp_path_factory) -> dict:
-    """Converted tiny models: qwen2, qwen3, llama (INT4 block 32) and a Q4_K GGUF."""
+    """Converted tiny models: qwen2, qwen3, llama (INT4 block 32), qwen2 with float32 weights
+    (BLAS linears), a Q4_K GGUF (ggml block kernels) and a Q4_1 GGUF (INT4 planes + a BLAS
+    offset term)."""
     out = {}
     root = tmp_path_factory.mktemp("engine_models")
     for name, src in (("qwen2", tiny_qwen2_dir), ("qwen3", tiny_qwen3_dir),
                       ("llama", tiny_llama_dir)):
         out[name] = root / name / "model.onnx"
         olv_runtime.convert(src, out[name], weights="int4-block32")
+    out["qwen2-f32"] = root / "qwen2-f32" / "model.onnx"
+    olv_runtime.convert(tiny_qwen2_dir, out["qwen2-f32"], weights="float32")
     g = write_gguf(root / "tiny.gguf", "qwen2", "Q4_K", hidden=256, inter=512, layers=2,
                    vocab=320)
     out["gguf"] = root / "gguf" / "model.onnx"
     olv_runtime.convert(g, out["gguf"])
+    g = write_gguf(root / "tiny-q41.gguf", "llama", "Q4_1", hidden=128, inter=256, layers=2,
+                   vocab=320)
+    out["gguf-q41"] = root / "gguf-q41" / "model.onnx"
+    olv_runtime.convert(g, out["gguf-q41"])
     return out
 
 
@@ -98,7 +106,7 @@ def _run_mixed(sess, prompts, cfgs, rng, kv_dtype, kv_tokens):
     return {i: eng.result(r) for i, r in rids.items()}, eng.stats()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama", "gguf"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama", "gguf", "qwen2-f32", "gguf-q41"])
 @pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
 def test_batch_invariance(models, name, int8):
     sess = _session(models, name, int8)
