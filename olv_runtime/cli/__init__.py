@@ -25,6 +25,7 @@ from olv_runtime.cli.batch import (
     batch_sizes,
     cmd_bench_batch,
     cmd_generate_batch,
+    read_json_schema,
 )
 from olv_runtime.cli.chat import (
     add_chat_parser,
@@ -193,6 +194,8 @@ def _run_generate(model_path: pathlib.Path, prompt_ids, args, tokenizer, model=N
     kw = sampling_kwargs(args)
     if kw["stop"] and tokenizer is None:
         raise CliError(f"--stop needs tokenizer.json beside the model ({model_path.parent})")
+    if getattr(args, "json_schema", None) is not None:
+        kw["json_schema"] = read_json_schema(args.json_schema)
     if tokenizer is not None:  # stream through TextStream (stop strings, UTF-8 hold-back)
         kw.update(tokenizer=tokenizer, text_callback=lambda piece: print(piece, end="", flush=True),
                   skip_special_tokens=not getattr(args, "special", False))
@@ -287,6 +290,13 @@ def _print_compile_wait(stats) -> None:
 
 
 def cmd_generate(args) -> int:
+    if args.json_schema is not None:  # checked before any loading
+        read_json_schema(args.json_schema)
+        if args.batch is not None:
+            raise CliError("--json-schema is not supported with --batch (use olv serve's "
+                           "response_format)")
+        if args.output == "ids":
+            raise CliError("--json-schema needs the tokenizer: it cannot be used with --output ids")
     if args.batch is not None:  # many prompts through the batching engine
         return cmd_generate_batch(args)
     path = pathlib.Path(args.model)
@@ -726,6 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="reuse the KV cache saved in FILE for the prompt's longest cached prefix, "
                         "and save the state there afterwards (refused for another model)")
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="structured output: the answer is a JSON value matching the JSON Schema "
+                        "in FILE ('-' for any JSON object); needs tokenizer.json and llguidance "
+                        "(the serve extra)")
     g.add_argument("--logprobs", type=_non_negative, default=0, metavar="N",
                    help="print each token's logprob and the N best alternatives (stderr)")
     g.add_argument("--timings", action="store_true",

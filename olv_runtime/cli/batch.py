@@ -26,6 +26,35 @@ MAX_BATCH_FILE_BYTES = 64 << 20
 MAX_BATCH_PROMPTS = 100_000
 
 
+#: ``--json-schema FILE``: bytes read at most (the schema compiler's own limit is 200k characters)
+MAX_SCHEMA_FILE_BYTES = 1 << 20
+
+
+def read_json_schema(path: str):
+    """``--json-schema FILE``: the JSON Schema in FILE (a dict), or True for '-' (any JSON
+    object). CliError for a missing, oversized, non-UTF-8 or non-JSON file, or one whose top
+    level is not an object."""
+    if path == "-":
+        return True
+    p = pathlib.Path(path)
+    try:
+        size = p.stat().st_size
+        if not p.is_file():
+            raise CliError(f"--json-schema {path}: not a regular file")
+        if size > MAX_SCHEMA_FILE_BYTES:
+            raise CliError(f"--json-schema {path}: {size} bytes, over the "
+                           f"{MAX_SCHEMA_FILE_BYTES} byte limit")
+        schema = json.loads(p.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise CliError(f"--json-schema {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CliError(f"--json-schema {path}: not a JSON document ({str(exc)[:200]})") from None
+    if not isinstance(schema, dict):
+        raise CliError(f"--json-schema {path}: the schema must be a JSON object, got "
+                       f"{type(schema).__name__}")
+    return schema
+
+
 def add_engine_options(q: argparse.ArgumentParser, positive) -> None:
     """The engine's sizes (``olv generate --batch``, ``olv bench --batch``)."""
     q.add_argument("--max-batch", type=positive, default=16,

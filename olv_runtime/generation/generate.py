@@ -38,6 +38,7 @@ from olv_runtime.generation.sampling import (
     token_logprob,
 )
 from olv_runtime.generation.settings import GenerationConfig, check_seed  # noqa: F401
+from olv_runtime.generation.structured import GrammarCompiler
 from olv_runtime.io import Model
 from olv_runtime.io.sidecars import sidecar_path
 from olv_runtime.kernels.precompile import kernel_seconds
@@ -615,7 +616,7 @@ def decode_step(state, token: int) -> np.ndarray:
 def _decode_loop(state, logits: np.ndarray, history: list[int], config: GenerationConfig,
                  eos: set[int], rng, out: list[int], lps: list | None, callback,
                  stream: TextStream | None, text_callback, stats: GenerationStats,
-                 clock: _PhaseClock) -> str:
+                 clock: _PhaseClock, processor=None) -> str:
     """Choose a token from ``logits``, record it, feed it; until a stop condition. Returns the
     finish reason ("stop", "eos" or "length"). Each chosen token is appended to ``out``,
     ``history`` and ``state.tokens`` (pending until fed) before the callbacks see it."""
@@ -626,15 +627,20 @@ def _decode_loop(state, logits: np.ndarray, history: list[int], config: Generati
     argmax_only = params.greedy and not params.penalised
     t1 = None
     while True:
-        row = logits[0, -1]
+        row = raw = logits[0, -1]
+        if processor is not None:  # structured output: the grammar's mask on a copy of the row
+            row = np.array(raw)
+            processor(history, row)
         if argmax_only:
             tok = int(row.argmax())
             if not math.isfinite(row[tok]):  # argmax finds a NaN first: O(1) check
                 check_finite(row, tok)
         else:
             tok = select_token(row, history, params, rng)
-        if lps is not None:
-            lps.append(token_logprob(row, tok, top_n))
+        if processor is not None:
+            processor.accept(tok)
+        if lps is not None:  # the model's log-probability (the raw logits, mask or not)
+            lps.append(token_logprob(raw, tok, top_n))
         out.append(tok)
         history.append(tok)
         state.tokens.append(tok)  # pending: its KV is computed by the next run
@@ -659,7 +665,8 @@ def _decode_loop(state, logits: np.ndarray, history: list[int], config: Generati
 
 def _run(state, own_state: bool, ids: np.ndarray, config: GenerationConfig, eos: set[int], rng,
          out: list[int], lps: list | None, callback, stream: TextStream | None, text_callback,
-         stats: GenerationStats, keep_state: bool, raise_interrupt: bool) -> str:
+         stats: GenerationStats, keep_state: bool, raise_interrupt: bool,
+         processor=None) -> str:
     """Prefill and decode loop on ``state``, with the timings and the KeyboardInterrupt rules;
     returns the finish reason. A state made by the caller for this call (``own_state``) is
     closed unless it is kept and generation ended normally."""
@@ -677,7 +684,7 @@ def _run(state, own_state: bool, ids: np.ndarray, config: GenerationConfig, eos:
             logits = _run_prompt(state, pending + new, history)
             stats.prefill_tokens = len(pending) + len(new)
             reason = _decode_loop(state, logits, history, config, eos, rng, out, lps, callback,
-                                  stream, text_callback, stats, clock)
+                                  stream, text_callback, stats, clock, processor)
             clock.stop(stats)
         closed_ok = True
     except KeyboardInterrupt:
@@ -692,9 +699,26 @@ def _run(state, own_state: bool, ids: np.ndarray, config: GenerationConfig, eos:
     return reason
 
 
+def _grammar(session, json_schema, tokenizer, eos: set[int]):
+    """The structured-output processor of ``json_schema`` (None: none): a JSON Schema dict, or
+    ``True`` for any JSON object (OpenAI's ``json_object``); InvalidArgument without a tokenizer
+    or an eos id (the grammar ends with one), or for a schema llguidance cannot compile."""
+    if json_schema is None or json_schema is False:
+        return None
+    if tokenizer is None:
+        raise InvalidArgument("json_schema needs the model's tokenizer (tokenizer=...)")
+    if not eos:
+        raise InvalidArgument("json_schema needs eos ids (eos_token_id='auto' or ids): the "
+                              "grammar ends with one")
+    vocab = session.get_modelmeta().get("olv.vocab_size")
+    vocab = int(vocab) if vocab is not None else tokenizer.get_vocab_size(with_added_tokens=True)
+    compiler = GrammarCompiler(tokenizer, vocab, sorted(eos))
+    return compiler.processor(None if json_schema is True else json_schema)
+
+
 def _generate(model, prompt_ids, config: GenerationConfig, *, tokenizer, callback, text_callback,
               session_options, stats, state, keep_state: bool,
-              raise_interrupt: bool) -> GenerationResult:
+              raise_interrupt: bool, json_schema=None) -> GenerationResult:
     """:func:`generate_result`, and :func:`generate` with ``raise_interrupt`` (its KeyboardInterrupt
     rule without ``return_result``). Every argument is checked before the state is touched."""
     ids = _as_ids(prompt_ids)
@@ -702,6 +726,7 @@ def _generate(model, prompt_ids, config: GenerationConfig, *, tokenizer, callbac
     session = _session_for(model, state, session_options)
     config = _check_context(session, ids, config, state)
     eos = _check_against_model(session, ids, config, state)
+    processor = _grammar(session, json_schema, tokenizer, eos)
     rng = _generator(state, config.seed)
 
     stats = stats if stats is not None else GenerationStats()
@@ -721,7 +746,7 @@ def _generate(model, prompt_ids, config: GenerationConfig, *, tokenizer, callbac
         state = make_state(session, empty_cache(session))
         state.rng = rng
     reason = _run(state, own_state, ids, config, eos, rng, out, lps, callback, stream,
-                  text_callback, stats, keep_state, raise_interrupt)
+                  text_callback, stats, keep_state, raise_interrupt, processor)
     if stream is not None and text_callback is not None and reason != "stop":
         rest = stream.flush()
         if rest:
@@ -743,6 +768,7 @@ def generate_result(
     keep_state: bool = False,
     stats: GenerationStats | None = None,
     session_options: SessionOptions | None = None,
+    json_schema=None,
 ) -> GenerationResult:
     """Generate tokens after a prompt (batch 1) with the settings of ``config``; the entry point
     of new code, with one return type (:func:`generate` is the keyword compatibility form).
@@ -785,6 +811,12 @@ def generate_result(
         Filled with token counts and timings (also in ``GenerationResult.stats``).
     session_options : SessionOptions, optional
         For the session made when ``model`` is not an InferenceSession.
+    json_schema : dict or True, optional
+        Structured output: every token is chosen among those a JSON value matching this JSON
+        Schema allows next (``True``: any JSON object), through llguidance
+        (:mod:`olv_runtime.generation.structured`; the ``serve`` extra); the generation ends
+        with an eos id once the value is complete. Needs ``tokenizer`` and eos ids. Logprobs
+        stay the model's (the raw logits).
 
     Returns
     -------
@@ -814,7 +846,8 @@ def generate_result(
                               f"{type(config).__name__}")
     return _generate(model, prompt_ids, config, tokenizer=tokenizer, callback=callback,
                      text_callback=text_callback, session_options=session_options, stats=stats,
-                     state=state, keep_state=bool(keep_state), raise_interrupt=False)
+                     state=state, keep_state=bool(keep_state), raise_interrupt=False,
+                     json_schema=json_schema)
 
 
 def generate(
@@ -845,6 +878,7 @@ def generate(
     return_state: bool = False,
     return_result: bool = False,
     context_limit: int | str | None = "model",
+    json_schema=None,
 ):
     """Generate tokens after a prompt (batch 1), optionally continuing a state: the keyword
     compatibility form.
@@ -879,6 +913,8 @@ def generate(
         Return ``(ids, state)`` (a new open state when none was passed).
     return_result : bool
         Return a :class:`GenerationResult` (with both flags, its ``state`` is the open state).
+    json_schema : dict or True, optional
+        Structured output, as :func:`generate_result` (needs ``tokenizer``).
 
     Returns
     -------
@@ -908,7 +944,8 @@ def generate(
         logprobs, top_logprobs, context_limit)
     res = _generate(model, prompt_ids, config, tokenizer=tokenizer, callback=callback,
                     text_callback=text_callback, session_options=session_options, stats=stats,
-                    state=state, keep_state=return_state, raise_interrupt=not return_result)
+                    state=state, keep_state=return_state, raise_interrupt=not return_result,
+                    json_schema=json_schema)
     if return_result:
         return res
     if return_state:
