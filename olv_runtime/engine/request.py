@@ -120,6 +120,7 @@ class Request:
         self.state = None           # fallback path: the request's own State
         self.finished = False
         self.cancel_asked = False
+        self.ended = False          # its finishing output was queued to its streams
         self.reason: str | None = None
         self.error: BaseException | None = None
         self.queue: collections.deque = collections.deque()
@@ -135,6 +136,7 @@ class Request:
         """Queue an output for the request's streams (sync and asyncio)."""
         with self.cond:
             self.queue.append(out)
+            self.ended = self.ended or out.finished
             sinks = list(self.sinks)
             self.cond.notify_all()
         for loop, q in sinks:

@@ -2,13 +2,16 @@
 review (issue 23), fixed: a clear error instead of a hang, a raw exception or a lost output."""
 from __future__ import annotations
 
+import asyncio
+import threading
 
+import numpy as np
 import pytest
 
 import olv_runtime
 from olv_runtime import Engine, GenerationConfig, InferenceSession
 from olv_runtime.engine.blocks import BlockManager
-from olv_runtime.errors import InvalidArgument
+from olv_runtime.errors import InvalidArgument, StateError
 from olv_runtime.kv import block_pool
 from olv_runtime.kv.block_pool import KVBlockPool
 
@@ -38,6 +41,116 @@ def test_ragged_prompt_ids_invalid_argument(sess):
     with pytest.raises(InvalidArgument, match="ragged"):
         olv_runtime.generate(sess, [[1, 2], [3]], 2)
     assert not eng.requests and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("bad", [[1], {}, True, 1.0, np.float64(1), None, "1"])
+def test_request_ids_must_be_integers(sess, bad):
+    eng = _engine(sess)
+    rid = eng.add_request([1, 2, 3], _cfg())
+    assert rid == 1  # True == 1.0 == 1: neither may stand for request 1
+    with pytest.raises(InvalidArgument, match="request_id must be an integer"):
+        eng.cancel(bad)
+    with pytest.raises(InvalidArgument, match="request_id must be an integer"):
+        eng.result(bad)
+    with pytest.raises(InvalidArgument, match="request_id must be an integer"):
+        next(iter(eng.stream(bad)))
+    assert not eng.requests[rid].cancel_asked
+    assert eng.cancel(np.int64(rid)) is True
+
+
+def test_generate_checks_every_prompt_before_queueing(sess):
+    eng = _engine(sess)
+    with pytest.raises(InvalidArgument, match=r"prompts\[2\]: prompt_ids"):
+        eng.generate([[1, 2], [3], [10**6]], _cfg())
+    assert not eng.requests and not eng.has_unfinished()
+    eng.step()
+    assert eng.stats().finished == 0
+
+
+# -- streams ----------------------------------------------------------------------------------
+def test_second_stream_of_a_read_request_raises_not_hangs(sess):
+    eng = _engine(sess)
+    rid = eng.add_request([1, 2, 3], _cfg())
+    assert len(list(eng.stream(rid))) == 3
+    with pytest.raises(StateError, match="already read"):
+        next(iter(eng.stream(rid)))
+    assert eng.result(rid).finish_reason == "length"
+
+
+def test_second_stream_with_background_loop_raises_not_hangs(sess):
+    eng = _engine(sess).start()
+    try:
+        rid = eng.add_request([1, 2, 3], _cfg())
+        assert list(eng.stream(rid, timeout=30))[-1].finished
+        with pytest.raises(StateError, match="already read"):
+            next(iter(eng.stream(rid)))
+
+        async def read():
+            return [o async for o in eng.astream(rid)]
+        with pytest.raises(StateError, match="already read"):
+            asyncio.run(asyncio.wait_for(read(), 30))
+    finally:
+        eng.shutdown()
+
+
+def test_astream_raises_when_the_loop_is_shut_down(sess):
+    eng = _engine(sess).start()
+    rid = eng.add_request([1, 2, 3], GenerationConfig(max_new_tokens=200, eos_token_id=None))
+
+    async def read():
+        n = 0
+        async for _ in eng.astream(rid):
+            n += 1
+            if n == 2:
+                await asyncio.to_thread(eng.shutdown)
+        return n
+    with pytest.raises(StateError, match="background loop stopped"):
+        asyncio.run(asyncio.wait_for(read(), 60))
+    assert not eng.requests[rid].sinks  # the stream's queue is no longer fed
+    assert list(eng.stream(rid))[-1].finish_reason == "length"  # still there: steps itself
+
+
+# -- callbacks --------------------------------------------------------------------------------
+@pytest.mark.parametrize("drive", ["step", "generate", "stream"])
+def test_callback_driving_the_engine_errors_not_deadlocks(sess, drive):
+    eng = _engine(sess)
+    other = eng.add_request([5, 6], _cfg(1))
+
+    def cb(tok):
+        if drive == "step":
+            eng.step()
+        elif drive == "generate":
+            eng.generate([[7]], _cfg(1))
+        else:
+            list(eng.stream(other))
+    rid = eng.add_request([1, 2, 3], _cfg(), callback=cb)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (eng.generate([[4]], _cfg(2)), done.set()), daemon=True)
+    t.start()
+    t.join(120)
+    assert done.is_set(), "deadlock"
+    res = eng.result(rid)
+    assert res.finish_reason == "error" and isinstance(res.error, StateError)
+    assert "inside a step" in str(res.error)
+    assert eng.result(other).finish_reason == "length"
+    assert not eng.requests  # generate(drive) queued nothing
+
+
+def test_result_called_inside_a_step_does_not_lose_outputs(sess):
+    eng = _engine(sess)
+    a = eng.add_request([1, 2, 3], _cfg(1))       # finishes in the first step
+    got = []
+
+    def cb(tok):
+        if not got:
+            got.append(eng.result(a))              # forgets a before the step pushes its end
+    b = eng.add_request([4, 5, 6], _cfg(3), callback=cb)
+    outs = eng.step()                               # was: KeyError, b's output lost
+    assert [o.request_id for o in outs] == [a, b]
+    assert got[0].finish_reason == "length" and got[0].ids.size == 1
+    while eng.has_unfinished():
+        eng.step()
+    assert len(list(eng.stream(b))) == 3
 
 
 # -- memory -----------------------------------------------------------------------------------
