@@ -73,7 +73,7 @@ def _read_prompts(path: pathlib.Path) -> list[tuple[int, str]]:
     if len(lines) > MAX_BATCH_PROMPTS:
         raise CliError(f"--batch {path}: {len(lines)} lines, over the {MAX_BATCH_PROMPTS} "
                        "prompt limit")
-    prompts = [(i + 1, ln[:-1] if ln.endswith("\r") else ln) for i, ln in enumerate(lines)
+    prompts = [(i + 1, ln.removesuffix("\r")) for i, ln in enumerate(lines)
                if ln.strip()]
     if not prompts:
         raise CliError(f"--batch {path}: no prompt (one prompt per line)")
