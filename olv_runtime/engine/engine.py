@@ -145,7 +145,8 @@ class Engine:
     Raises
     ------
     InvalidArgument
-        A setting out of range; a pool that cannot hold one block.
+        A setting out of range; a pool that cannot hold one block, or more than the machine's
+        memory; a tokenizer without ``decode``.
     """
 
     def __init__(self, model, *, max_batch: int = 16, kv_cache_tokens: int | None = None,
@@ -158,6 +159,10 @@ class Engine:
         kv_cache_tokens = _positive("kv_cache_tokens", kv_cache_tokens, allow_none=True)
         if kv_dtype not in KV_DTYPES:
             raise InvalidArgument(f"kv_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype!r}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise InvalidArgument(
+                f"tokenizer must have a decode(ids, skip_special_tokens=...) method "
+                f"(tokenizers.Tokenizer), got {type(tokenizer).__name__} {str(tokenizer)[:40]!r}")
         self.session = _session(model, session_options)
         self.tokenizer = tokenizer
         meta = self.session.get_modelmeta()
@@ -166,6 +171,10 @@ class Engine:
         self.context = context_limit_of(self.session, "model")
         self.program, self.fallback_reason = self.session.rows_program()
         self.batched = self.program is not None
+        # the ids a prompt may hold: the vocabulary, and never beyond the embedding table (a
+        # model recording no or a wrong olv.vocab_size must not fail every request of a step)
+        rows = self.program.embedding_rows if self.batched else None
+        self._id_limit = self.vocab if rows is None else min(rows, self.vocab or rows)
         if kv_cache_tokens is None:
             kv_cache_tokens = self.max_batch * min(self.context or 2048, 2048)
         n_blocks = max(1, -(-kv_cache_tokens // self.block_size))
@@ -235,7 +244,7 @@ class Engine:
         id and arrival."""
         config = self._config(config)
         ids = _as_ids(prompt_ids)
-        _check_ids(ids, self.vocab, "prompt_ids", allow_empty=False)
+        _check_ids(ids, self._id_limit, "prompt_ids", allow_empty=False)
         if callback is not None and not callable(callback):
             raise InvalidArgument(f"callback must be callable, got {type(callback).__name__}")
         if config.stop and self.tokenizer is None:

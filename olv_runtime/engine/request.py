@@ -133,9 +133,11 @@ class Request:
         return len(self.tokens) - self.computed
 
     def push(self, out: RequestOutput) -> None:
-        """Queue an output for the request's streams (sync and asyncio)."""
+        """Queue an output for the request's streams: the async streams' queues when there are
+        any (each output is read once), else the queue a sync stream reads."""
         with self.cond:
-            self.queue.append(out)
+            if not self.sinks:
+                self.queue.append(out)
             self.ended = self.ended or out.finished
             sinks = list(self.sinks)
             self.cond.notify_all()

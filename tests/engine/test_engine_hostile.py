@@ -175,3 +175,44 @@ def test_block_manager_does_not_allocate_per_block():
     assert t == [0, 1] and bm.used() == 2
     bm.release(t)
     assert bm.used() == 0 and not bm.ref
+
+
+# -- a model recording no vocabulary size; settings ---------------------------------------------
+def test_ids_beyond_the_embedding_refused_without_vocab_metadata(tiny_qwen2_dir, tmp_path):
+    out = tmp_path / "model.onnx"
+    olv_runtime.convert(tiny_qwen2_dir, out, weights="int4-block32")
+    model = olv_runtime.load(out)
+    props = model.proto.metadata_props
+    vocab = int(next(p.value for p in props if p.key == "olv.vocab_size"))
+    keep = [p for p in props if p.key != "olv.vocab_size"]
+    del props[:]
+    props.extend(keep)
+    eng = _engine(InferenceSession(model))
+    assert eng.vocab is None
+    good = eng.add_request([1, 2, 3], _cfg())
+    with pytest.raises(InvalidArgument, match=rf"in \[0, {vocab}\), got {vocab}"):
+        eng.add_request([1, vocab], _cfg())  # was queued: its step failed every request in it
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.result(good).finish_reason == "length"
+
+
+@pytest.mark.parametrize("tok", ["tokenizer.json", 5])
+def test_tokenizer_without_decode_refused(sess, tok):
+    with pytest.raises(InvalidArgument, match="tokenizer must have a decode"):
+        _engine(sess, tokenizer=tok)  # was: accepted, then every request ended "error"
+
+
+def test_astream_outputs_are_not_kept_for_a_replay(sess):
+    eng = _engine(sess).start()
+    try:
+        rid = eng.add_request([1, 2, 3], _cfg(5))
+
+        async def read():
+            return [o async for o in eng.astream(rid)]
+        assert len(asyncio.run(asyncio.wait_for(read(), 60))) == 5
+        assert not eng.requests[rid].queue  # was: every output kept (and replayed by stream)
+        with pytest.raises(StateError, match="already read"):
+            next(iter(eng.stream(rid)))
+    finally:
+        eng.shutdown()
