@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import dataclasses
 import itertools
 import logging
@@ -579,6 +580,11 @@ class Engine:
         checked before any is queued. ``progress``: optional ``progress(done, total)`` callback.
         """
         self._check_not_in_step("Engine.generate")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, collections.abc.Iterable):
+            raise InvalidArgument(f"prompts must be a sequence of prompts (each a sequence of "
+                                  f"token ids), got {type(prompts).__name__}")
+        if progress is not None and not callable(progress):
+            raise InvalidArgument(f"progress must be callable, got {type(progress).__name__}")
         prompts = list(prompts)
         if isinstance(configs, (list, tuple)):
             if len(configs) != len(prompts):
@@ -639,12 +645,16 @@ class Engine:
         Raises
         ------
         InvalidArgument
-            Unknown request id.
+            Unknown request id; a timeout that is not a number > 0.
         StateError
             The request's outputs were already read to its end (by another stream).
         TimeoutError
             No output for ``timeout`` seconds (with a background loop).
         """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float, np.integer, np.floating)) or not 0 < timeout < math.inf):
+            raise InvalidArgument(f"timeout must be None or a number of seconds > 0, got "
+                                  f"{timeout!r}")
         req = self._streamed(request_id)
         while True:
             with req.cond:

@@ -216,3 +216,25 @@ def test_astream_outputs_are_not_kept_for_a_replay(sess):
             next(iter(eng.stream(rid)))
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("prompts, progress, match", [
+    (None, None, "prompts must be a sequence"),
+    (5, None, "prompts must be a sequence"),
+    ("abc", None, "prompts must be a sequence"),
+    ([[1, 2]], 5, "progress must be callable"),
+])
+def test_generate_arguments_checked_before_queueing(sess, prompts, progress, match):
+    eng = _engine(sess)
+    with pytest.raises(InvalidArgument, match=match):
+        eng.generate(prompts, _cfg(), progress=progress)  # was TypeError (progress: after the run)
+    assert not eng.requests and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("timeout", ["x", -1, 0, float("nan"), True])
+def test_stream_timeout_checked(sess, timeout):
+    eng = _engine(sess)
+    rid = eng.add_request([1, 2, 3], _cfg())
+    with pytest.raises(InvalidArgument, match="timeout must be"):
+        next(iter(eng.stream(rid, timeout=timeout)))
+    assert len(list(eng.stream(rid, timeout=5))) == 3
