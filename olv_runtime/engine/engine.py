@@ -205,6 +205,26 @@ class Engine:
         self._eos_auto = None
         self._step_thread: int | None = None   # the thread inside step(), while it runs
 
+    # -- settings that may change between steps -------------------------------------------------
+    @property
+    def max_batch(self) -> int:
+        """Running requests at most (settable between steps; an integer >= 1)."""
+        return self._max_batch
+
+    @max_batch.setter
+    def max_batch(self, value) -> None:
+        self._max_batch = _positive("max_batch", value)
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        """Rows per step (settable between steps; an integer >= 1: 0 would run nothing, for
+        ever)."""
+        return self._max_tokens_per_step
+
+    @max_tokens_per_step.setter
+    def max_tokens_per_step(self, value) -> None:
+        self._max_tokens_per_step = _positive("max_tokens_per_step", value)
+
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, config: GenerationConfig | dict | None = None, *,
                     callback: Callable[[int], object] | None = None) -> int:

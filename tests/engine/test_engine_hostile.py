@@ -238,3 +238,13 @@ def test_stream_timeout_checked(sess, timeout):
     with pytest.raises(InvalidArgument, match="timeout must be"):
         next(iter(eng.stream(rid, timeout=timeout)))
     assert len(list(eng.stream(rid, timeout=5))) == 3
+
+
+@pytest.mark.parametrize("name", ["max_batch", "max_tokens_per_step"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, None])
+def test_settings_set_between_steps_checked(sess, name, value):
+    eng = _engine(sess)
+    with pytest.raises(InvalidArgument, match=f"{name} must be an integer >= 1"):
+        setattr(eng, name, value)  # was accepted: 0 ran nothing, generate looped for ever
+    setattr(eng, name, 2)
+    assert eng.generate([[1, 2, 3]], _cfg())[0].finish_reason == "length"
