@@ -62,8 +62,15 @@ def _read_prompts(path: pathlib.Path) -> list[tuple[int, str]]:
         raise CliError(f"--batch {path}: not a regular file")
     if size > MAX_BATCH_FILE_BYTES:
         raise CliError(f"--batch {path}: {size} bytes, over the {MAX_BATCH_FILE_BYTES} byte limit")
+    try:  # at most the limit + 1 bytes: a file that grew (or a /proc file, size 0) is bounded
+        with path.open("rb") as fh:
+            data = fh.read(MAX_BATCH_FILE_BYTES + 1)
+    except OSError as exc:
+        raise CliError(f"--batch {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_BATCH_FILE_BYTES:
+        raise CliError(f"--batch {path}: over the {MAX_BATCH_FILE_BYTES} byte limit")
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CliError(f"--batch {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") \
             from None

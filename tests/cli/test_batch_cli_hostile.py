@@ -62,3 +62,19 @@ def test_bench_batch_pool_sized_for_the_run(tiny_chat_models, capsys, monkeypatc
     assert main(["bench", str(tiny_chat_models["int4"]), "--batch", "1,3", "--prompt-len", "8",
                  "--new-tokens", "4", "--runs", "1"]) == 0
     assert made == [3 * (8 + 4)]  # was max-batch x 2048 tokens: 1024 x 2048 for --batch 1024
+
+
+def test_batch_file_read_is_bounded_whatever_its_size_says(tiny_chat_models, tmp_path, capsys,
+                                                           monkeypatch):
+    f = tmp_path / "p.txt"
+    f.write_text("a\n" * 10)
+    monkeypatch.setattr(cli_batch, "MAX_BATCH_FILE_BYTES", 25)
+    real_stat = type(f).stat
+
+    def small_stat(self, *a, **k):  # a file that grows after stat / a /proc file (size 0)
+        st = real_stat(self, *a, **k)
+        return type("S", (), {"st_size": 0, "st_mode": st.st_mode})()
+    monkeypatch.setattr(type(f), "stat", small_stat)
+    f.write_text("a\n" * 20)
+    assert main(["generate", str(tiny_chat_models["int4"]), "--batch", str(f)]) == 2
+    assert "over the 25 byte limit" in capsys.readouterr().err
