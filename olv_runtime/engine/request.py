@@ -141,11 +141,18 @@ class Request:
             self.ended = self.ended or out.finished
             sinks = list(self.sinks)
             self.cond.notify_all()
-        for loop, q in sinks:
+        dead = []
+        for sink in sinks:
             try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:  # the stream's loop is closed: nobody is listening
-                pass
+                sink[0].call_soon_threadsafe(sink[1].put_nowait, out)
+            except RuntimeError:  # the stream's loop is closed: nobody is listening there
+                dead.append(sink)
+        if dead:  # forget those streams; with none left, the output waits for a sync stream
+            with self.cond:
+                self.sinks = [x for x in self.sinks if x not in dead]
+                if not self.sinks:
+                    self.queue.append(out)
+                self.cond.notify_all()
 
     def result(self) -> RequestResult:
         text = self.stream.text if self.stream is not None else None

@@ -248,3 +248,14 @@ def test_settings_set_between_steps_checked(sess, name, value):
         setattr(eng, name, value)  # was accepted: 0 ran nothing, generate looped for ever
     setattr(eng, name, 2)
     assert eng.generate([[1, 2, 3]], _cfg())[0].finish_reason == "length"
+
+
+def test_outputs_for_a_closed_event_loop_reach_the_sync_stream(sess):
+    eng = _engine(sess)
+    rid = eng.add_request([1, 2, 3], _cfg())
+    loop = asyncio.new_event_loop()
+    loop.close()  # an async stream whose event loop is gone (its generator never closed)
+    eng.requests[rid].sinks.append((loop, asyncio.Queue()))
+    outs = list(eng.stream(rid))  # was: StateError, every output sent to the dead loop
+    assert [len(o.token_ids) for o in outs] == [1, 1, 1] and outs[-1].finished
+    assert not eng.requests[rid].sinks
