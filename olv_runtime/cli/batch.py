@@ -61,7 +61,8 @@ def add_engine_options(q: argparse.ArgumentParser, positive) -> None:
                    help="--batch: requests decoded together at most (default: 16)")
     q.add_argument("--kv-cache-tokens", type=positive, default=None,
                    help="--batch: tokens of KV the engine's pool holds over all requests "
-                        "(default: max-batch x min(context, 2048))")
+                        "(default: max-batch x min(context, 2048); bench: the largest batch's "
+                        "prompts and new tokens)")
     q.add_argument("--kv-dtype", choices=["float32", "float16", "int8", "int4"], default="float32",
                    help="--batch: storage of the engine's KV pool (default: float32)")
 
@@ -78,7 +79,10 @@ def batch_sizes(text: str) -> list[int]:
     return out
 
 
-def _read_prompts(path: pathlib.Path) -> list[str]:
+def _read_prompts(path: pathlib.Path) -> list[tuple[int, str]]:
+    """The prompts of ``--batch FILE`` with their line numbers (1-based): lines end at "\\n"
+    (a "\\r" before it is dropped) and nowhere else -- a form feed or a U+2028 inside a line
+    stays in its prompt; blank lines are skipped."""
     try:
         size = path.stat().st_size
     except OSError as exc:
@@ -87,16 +91,26 @@ def _read_prompts(path: pathlib.Path) -> list[str]:
         raise CliError(f"--batch {path}: not a regular file")
     if size > MAX_BATCH_FILE_BYTES:
         raise CliError(f"--batch {path}: {size} bytes, over the {MAX_BATCH_FILE_BYTES} byte limit")
+    try:  # at most the limit + 1 bytes: a file that grew (or a /proc file, size 0) is bounded
+        with path.open("rb") as fh:
+            data = fh.read(MAX_BATCH_FILE_BYTES + 1)
+    except OSError as exc:
+        raise CliError(f"--batch {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_BATCH_FILE_BYTES:
+        raise CliError(f"--batch {path}: over the {MAX_BATCH_FILE_BYTES} byte limit")
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CliError(f"--batch {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") \
             from None
-    lines = text.splitlines()
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
     if len(lines) > MAX_BATCH_PROMPTS:
         raise CliError(f"--batch {path}: {len(lines)} lines, over the {MAX_BATCH_PROMPTS} "
                        "prompt limit")
-    prompts = [ln for ln in lines if ln.strip()]
+    prompts = [(i + 1, ln.removesuffix("\r")) for i, ln in enumerate(lines)
+               if ln.strip()]
     if not prompts:
         raise CliError(f"--batch {path}: no prompt (one prompt per line)")
     return prompts
@@ -122,6 +136,8 @@ def _engine(model, args, tokenizer=None) -> Engine:
 def cmd_generate_batch(args) -> int:
     """``olv generate MODEL --batch FILE``: one prompt per line, one JSON object per prompt on
     stdout (in input order): index, text, ids, finish_reason, prompt_tokens, cached_tokens."""
+    if getattr(args, "prompt_cache", None):
+        raise CliError("--prompt-cache is for one prompt: it cannot be used with --batch")
     prompts = _read_prompts(pathlib.Path(args.batch))
     model = load(args.model)
     tokenizer = _tokenizer_for(model)
@@ -129,10 +145,10 @@ def cmd_generate_batch(args) -> int:
         raise CliError(f"--batch needs tokenizer.json beside the model "
                        f"({pathlib.Path(args.model).parent})")
     ids = []
-    for i, p in enumerate(prompts):
+    for line, p in prompts:
         enc = tokenizer.encode(p).ids
         if not enc:
-            raise CliError(f"--batch line {i + 1}: the prompt encodes to zero tokens")
+            raise CliError(f"--batch line {line}: the prompt encodes to zero tokens")
         ids.append(enc)
     kw = sampling_kwargs(args)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens,
@@ -188,8 +204,12 @@ def cmd_bench_batch(args) -> int:
     size through the engine (random prompts of --prompt-len, --new-tokens each)."""
     model = load(args.model)
     sizes = args.batch
-    eng = _engine(model, argparse.Namespace(**{**vars(args),
-                                                "max_batch": max(args.max_batch, max(sizes))}))
+    max_batch = max(args.max_batch, max(sizes))
+    kv_tokens = args.kv_cache_tokens  # default: what the largest batch holds, no more
+    if kv_tokens is None:
+        kv_tokens = max(sizes) * (args.prompt_len + max(args.new_tokens, 2))
+    eng = _engine(model, argparse.Namespace(**{**vars(args), "max_batch": max_batch,
+                                                "kv_cache_tokens": kv_tokens}))
     vocab = int(model.metadata().get("olv.vocab_size", "100"))
     rng = np.random.default_rng(0)
     config = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_id=None,

@@ -16,23 +16,23 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
-
 __all__ = ["BlockManager"]
 
 
 class BlockManager:
     """Free list, reference counts and the prefix cache of a pool of ``n_blocks`` blocks.
 
-    Not thread-safe: the engine's step (one thread) is its only user.
+    Not thread-safe: the engine's step (one thread) is its only user. Its memory grows with the
+    blocks handed out, never with ``n_blocks`` (a pool size is not allocated here).
     """
 
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True):
         self.n_blocks = int(n_blocks)
         self.block_size = int(block_size)
         self.prefix_caching = bool(prefix_caching)
-        self.ref = np.zeros(self.n_blocks, np.int32)
-        self.free = collections.deque(range(self.n_blocks))
+        self.ref: dict[int, int] = {}            # block id -> tables holding it (absent: 0)
+        self._fresh = 0                          # blocks never handed out: ids _fresh..n_blocks-1
+        self.free: collections.deque[int] = collections.deque()  # blocks released, free again
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.cached: dict[tuple, int] = {}       # key -> block id
         self.key_of: dict[int, tuple] = {}       # block id -> its key
@@ -44,7 +44,7 @@ class BlockManager:
     # -- counts ---------------------------------------------------------------------------------
     def available(self) -> int:
         """Blocks an allocation can get now (free plus evictable)."""
-        return len(self.free) + len(self.evictable)
+        return (self.n_blocks - self._fresh) + len(self.free) + len(self.evictable)
 
     def used(self) -> int:
         """Blocks held by at least one sequence."""
@@ -53,7 +53,10 @@ class BlockManager:
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self) -> int | None:
         """A block for one table (reference count 1), or None when none is left."""
-        if self.free:
+        if self._fresh < self.n_blocks:  # as a free list 0..n_blocks-1, then released blocks
+            b = self._fresh
+            self._fresh += 1
+        elif self.free:
             b = self.free.popleft()
         elif self.evictable:
             b, _ = self.evictable.popitem(last=False)
@@ -70,6 +73,7 @@ class BlockManager:
         for b in blocks:
             self.ref[b] -= 1
             if self.ref[b] == 0:
+                del self.ref[b]
                 if b in self.key_of:
                     self.evictable[b] = None
                     self.evictable.move_to_end(b)
@@ -103,9 +107,9 @@ class BlockManager:
             b = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if b is None:
                 break
-            if self.ref[b] == 0:
+            if b not in self.ref:
                 self.evictable.pop(b, None)
-            self.ref[b] += 1
+            self.ref[b] = self.ref.get(b, 0) + 1
             out.append(b)
             parent = self.key_id[b]
         self.hits += len(out)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import dataclasses
 import itertools
 import logging
@@ -66,6 +67,9 @@ __all__ = ["Engine", "EngineStats"]
 
 log = logging.getLogger("olv_runtime.engine")
 
+#: Seconds an async stream waits for an output before it checks the background loop still runs.
+_ASTREAM_POLL = 0.5
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -93,6 +97,15 @@ def _session(model, session_options) -> InferenceSession:
         raise InvalidArgument("Engine needs a model (a path, a Model or an InferenceSession)")
     return InferenceSession(load(model) if not hasattr(model, "graph") else model,
                             session_options)
+
+
+def _request_id(request_id) -> int:
+    """A request id as given to cancel/result/stream: an int (not a bool); InvalidArgument
+    otherwise (a float or a bool never stands for a request)."""
+    if isinstance(request_id, (bool, np.bool_)) or not isinstance(request_id, (int, np.integer)):
+        raise InvalidArgument(f"request_id must be an integer (an id from add_request), got "
+                              f"{request_id!r}")
+    return int(request_id)
 
 
 def _positive(name, v, allow_none=False):
@@ -133,7 +146,8 @@ class Engine:
     Raises
     ------
     InvalidArgument
-        A setting out of range; a pool that cannot hold one block.
+        A setting out of range; a pool that cannot hold one block, or more than the machine's
+        memory; a tokenizer without ``decode``.
     """
 
     def __init__(self, model, *, max_batch: int = 16, kv_cache_tokens: int | None = None,
@@ -146,6 +160,10 @@ class Engine:
         kv_cache_tokens = _positive("kv_cache_tokens", kv_cache_tokens, allow_none=True)
         if kv_dtype not in KV_DTYPES:
             raise InvalidArgument(f"kv_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype!r}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise InvalidArgument(
+                f"tokenizer must have a decode(ids, skip_special_tokens=...) method "
+                f"(tokenizers.Tokenizer), got {type(tokenizer).__name__} {str(tokenizer)[:40]!r}")
         self.session = _session(model, session_options)
         self.tokenizer = tokenizer
         meta = self.session.get_modelmeta()
@@ -154,6 +172,10 @@ class Engine:
         self.context = context_limit_of(self.session, "model")
         self.program, self.fallback_reason = self.session.rows_program()
         self.batched = self.program is not None
+        # the ids a prompt may hold: the vocabulary, and never beyond the embedding table (a
+        # model recording no or a wrong olv.vocab_size must not fail every request of a step)
+        rows = self.program.embedding_rows if self.batched else None
+        self._id_limit = self.vocab if rows is None else min(rows, self.vocab or rows)
         if kv_cache_tokens is None:
             kv_cache_tokens = self.max_batch * min(self.context or 2048, 2048)
         n_blocks = max(1, -(-kv_cache_tokens // self.block_size))
@@ -181,6 +203,27 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._eos_auto = None
+        self._step_thread: int | None = None   # the thread inside step(), while it runs
+
+    # -- settings that may change between steps -------------------------------------------------
+    @property
+    def max_batch(self) -> int:
+        """Running requests at most (settable between steps; an integer >= 1)."""
+        return self._max_batch
+
+    @max_batch.setter
+    def max_batch(self, value) -> None:
+        self._max_batch = _positive("max_batch", value)
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        """Rows per step (settable between steps; an integer >= 1: 0 would run nothing, for
+        ever)."""
+        return self._max_tokens_per_step
+
+    @max_tokens_per_step.setter
+    def max_tokens_per_step(self, value) -> None:
+        self._max_tokens_per_step = _positive("max_tokens_per_step", value)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, config: GenerationConfig | dict | None = None, *,
@@ -217,9 +260,21 @@ class Engine:
         ContextLengthError
             Prompt plus ``max_new_tokens`` beyond the model's context (or ``context_limit``).
         """
+        req_args = self._checked_request(prompt_ids, config, callback, logits_processor)
+        with self._lock:
+            rid = next(self._ids)
+            req = Request(rid, *req_args, next(self._arrivals), logits_processor)
+            self.requests[rid] = req
+            self._incoming.append(req)
+        self._wake.set()
+        return rid
+
+    def _checked_request(self, prompt_ids, config, callback, logits_processor=None) -> tuple:
+        """The checks of :meth:`add_request` (nothing changes); the Request's arguments but its
+        id and arrival."""
         config = self._config(config)
         ids = _as_ids(prompt_ids)
-        _check_ids(ids, self.vocab, "prompt_ids", allow_empty=False)
+        _check_ids(ids, self._id_limit, "prompt_ids", allow_empty=False)
         if callback is not None and not callable(callback):
             raise InvalidArgument(f"callback must be callable, got {type(callback).__name__}")
         if logits_processor is not None and not callable(logits_processor):
@@ -252,14 +307,7 @@ class Engine:
                     f"{self.block_size}), more than the whole pool ({self.blocks.n_blocks} "
                     f"blocks); make the engine with a larger kv_cache_tokens")
         rng = np.random.default_rng(config.seed)
-        with self._lock:
-            rid = next(self._ids)
-            req = Request(rid, ids, config, eos, limit, rng, self.tokenizer, callback,
-                          next(self._arrivals), logits_processor)
-            self.requests[rid] = req
-            self._incoming.append(req)
-        self._wake.set()
-        return rid
+        return ids, config, eos, limit, rng, self.tokenizer, callback
 
     def _config(self, config) -> GenerationConfig:
         if config is None:
@@ -276,7 +324,9 @@ class Engine:
 
     def cancel(self, request_id: int) -> bool:
         """Ask to end a request (finish reason "cancelled"); its blocks are released at the next
-        step. Thread-safe. Returns False for an unknown or finished request."""
+        step. Thread-safe. Returns False for an unknown or finished request (InvalidArgument for
+        an id that is not an integer)."""
+        request_id = _request_id(request_id)
         with self._lock:
             req = self.requests.get(request_id)
             if req is None or req.finished:
@@ -304,8 +354,9 @@ class Engine:
         Raises
         ------
         InvalidArgument
-            Unknown id, or the request has not finished.
+            Unknown id (or not an integer), or the request has not finished.
         """
+        request_id = _request_id(request_id)
         with self._lock:
             req = self.requests.get(request_id)
             if req is None:
@@ -318,22 +369,35 @@ class Engine:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit, schedule and run one forward for all running requests; returns the outputs of
-        this step (new tokens, finished requests), also queued to the requests' streams."""
+        this step (new tokens, finished requests), also queued to the requests' streams.
+
+        Raises
+        ------
+        StateError
+            Called from inside a step (a request's callback driving the engine: step, generate
+            or a stream would wait for itself for ever).
+        """
+        self._check_not_in_step("Engine.step")
         with self._step_lock:
-            outputs: list[RequestOutput] = []
-            self._take_incoming(outputs)
-            if self.batched:
-                self._step_batched(outputs)
-            else:
-                self._step_fallback(outputs)
-            self._stats.steps += 1
-            for o in outputs:
-                # a request another thread already collected (result() once it saw it finished)
-                # has nobody left to tell
-                req = self.requests.get(o.request_id)
-                if req is not None:
+            self._step_thread = threading.get_ident()
+            outputs: list[tuple[Request, RequestOutput]] = []
+            try:
+                self._take_incoming(outputs)
+                if self.batched:
+                    self._step_batched(outputs)
+                else:
+                    self._step_fallback(outputs)
+                self._stats.steps += 1
+            finally:  # (an interrupt too: the outputs made so far reach their streams)
+                self._step_thread = None
+                for req, o in outputs:  # the objects: result() may have forgotten the id
                     req.push(o)
-            return outputs
+            return [o for _, o in outputs]
+
+    def _check_not_in_step(self, what: str) -> None:
+        if self._step_thread == threading.get_ident():
+            raise StateError(f"{what} called from inside a step (a request's callback); a "
+                             f"callback may add or cancel requests, not drive the engine")
 
     def _take_incoming(self, outputs) -> None:
         with self._lock:
@@ -365,7 +429,7 @@ class Engine:
         elif rest:
             out.text = (out.text or "") + rest
         out.finished, out.finish_reason, out.error = True, reason, error
-        outputs.append(out)
+        outputs.append((req, out))
 
     def _preempt(self, req: Request) -> None:
         """Release a running request's blocks; it waits (first in line) and recomputes."""
@@ -522,7 +586,7 @@ class Engine:
                 req.limit is not None and len(req.tokens) >= req.limit):
             reason = "length"
         if reason is None:
-            outputs.append(out)
+            outputs.append((req, out))
         else:
             self._finish(req, reason, outputs, out=out)
 
@@ -554,6 +618,12 @@ class Engine:
         ``configs``: one GenerationConfig (or dict) for all, or one per prompt. Every prompt is
         checked before any is queued. ``progress``: optional ``progress(done, total)`` callback.
         """
+        self._check_not_in_step("Engine.generate")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, collections.abc.Iterable):
+            raise InvalidArgument(f"prompts must be a sequence of prompts (each a sequence of "
+                                  f"token ids), got {type(prompts).__name__}")
+        if progress is not None and not callable(progress):
+            raise InvalidArgument(f"progress must be callable, got {type(progress).__name__}")
         prompts = list(prompts)
         if isinstance(configs, (list, tuple)):
             if len(configs) != len(prompts):
@@ -561,14 +631,21 @@ class Engine:
             cfgs = [self._config(c) for c in configs]
         else:
             cfgs = [self._config(configs)] * len(prompts)
-        rids = []
-        try:
-            for p, c in zip(prompts, cfgs):
-                rids.append(self.add_request(p, c))
-        except Exception:
-            for rid in rids:
-                self.cancel(rid)
-            raise
+        checked = []
+        for i, (p, c) in enumerate(zip(prompts, cfgs)):
+            try:
+                checked.append(self._checked_request(p, c, None))
+            except (InvalidArgument, ContextLengthError) as exc:  # name the prompt
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
+        with self._lock:  # every prompt checked: all queued at once
+            rids = []
+            for args in checked:
+                rid = next(self._ids)
+                req = Request(rid, *args, next(self._arrivals))
+                self.requests[rid] = req
+                self._incoming.append(req)
+                rids.append(rid)
+        self._wake.set()
         pending = set(rids)
         while pending:
             if self.running_in_background():
@@ -587,6 +664,19 @@ class Engine:
             if not req.finished:
                 req.cond.wait(0.05)
 
+    def _streamed(self, request_id) -> Request:
+        """The request a stream reads; InvalidArgument (unknown id) or StateError (its outputs
+        were all read already: a second stream would wait for ever)."""
+        req = self.requests.get(_request_id(request_id))
+        if req is None:
+            raise InvalidArgument(f"unknown request id {request_id!r}")
+        with req.cond:
+            if req.ended and not req.queue:
+                raise StateError(f"request {request_id} has finished and its outputs were "
+                                 f"already read by a stream; engine.result({request_id}) gives "
+                                 f"its result")
+        return req
+
     def stream(self, request_id: int, timeout: float | None = None) -> Iterator[RequestOutput]:
         """The outputs of one request as they come, until it finishes. Without a background
         loop (:meth:`start`), iterating drives :meth:`step` itself.
@@ -594,16 +684,23 @@ class Engine:
         Raises
         ------
         InvalidArgument
-            Unknown request id.
+            Unknown request id; a timeout that is not a number > 0.
+        StateError
+            The request's outputs were already read to its end (by another stream).
         TimeoutError
             No output for ``timeout`` seconds (with a background loop).
         """
-        req = self.requests.get(request_id)
-        if req is None:
-            raise InvalidArgument(f"unknown request id {request_id!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float, np.integer, np.floating)) or not 0 < timeout < math.inf):
+            raise InvalidArgument(f"timeout must be None or a number of seconds > 0, got "
+                                  f"{timeout!r}")
+        req = self._streamed(request_id)
         while True:
             with req.cond:
                 item = req.queue.popleft() if req.queue else None
+                if item is None and req.ended:  # another stream took the last output
+                    raise StateError(f"request {request_id}: its last output was read by "
+                                     f"another stream")
             if item is not None:
                 yield item
                 if item.finished:
@@ -626,24 +723,36 @@ class Engine:
         InvalidArgument
             Unknown request id.
         StateError
-            The background loop is not running.
+            The background loop is not running (or stops, :meth:`shutdown`, before the request
+            finishes); the request's outputs were already read to its end.
         """
-        req = self.requests.get(request_id)
-        if req is None:
-            raise InvalidArgument(f"unknown request id {request_id!r}")
+        req = self._streamed(request_id)
         if not self.running_in_background():
             raise StateError("Engine.astream needs the background loop: call engine.start()")
         q = new_async_queue()
+        sink = (asyncio.get_running_loop(), q)
         with req.cond:
             for item in req.queue:
                 q.put_nowait(item)
             req.queue.clear()
-            req.sinks.append((asyncio.get_running_loop(), q))
-        while True:
-            item = await q.get()
-            yield item
-            if item.finished:
-                return
+            req.sinks.append(sink)
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(q.get(), _ASTREAM_POLL)
+                except TimeoutError:
+                    if q.empty() and not self.running_in_background():
+                        raise StateError(f"request {request_id}: the engine's background loop "
+                                         f"stopped (Engine.shutdown) before the request "
+                                         f"finished") from None
+                    continue
+                yield item
+                if item.finished:
+                    return
+        finally:
+            with req.cond:
+                if sink in req.sinks:
+                    req.sinks.remove(sink)
 
     def running_in_background(self) -> bool:
         """True while the loop of :meth:`start` runs."""
@@ -671,7 +780,8 @@ class Engine:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            if self._thread is not threading.current_thread():  # (a callback in the loop)
+                self._thread.join(timeout)
             self._thread = None
 
     def __enter__(self):

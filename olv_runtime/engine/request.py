@@ -122,6 +122,7 @@ class Request:
         self.state = None           # fallback path: the request's own State
         self.finished = False
         self.cancel_asked = False
+        self.ended = False          # its finishing output was queued to its streams
         self.reason: str | None = None
         self.error: BaseException | None = None
         self.queue: collections.deque = collections.deque()
@@ -134,16 +135,26 @@ class Request:
         return len(self.tokens) - self.computed
 
     def push(self, out: RequestOutput) -> None:
-        """Queue an output for the request's streams (sync and asyncio)."""
+        """Queue an output for the request's streams: the async streams' queues when there are
+        any (each output is read once), else the queue a sync stream reads."""
         with self.cond:
-            self.queue.append(out)
+            if not self.sinks:
+                self.queue.append(out)
+            self.ended = self.ended or out.finished
             sinks = list(self.sinks)
             self.cond.notify_all()
-        for loop, q in sinks:
+        dead = []
+        for sink in sinks:
             try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:  # the stream's loop is closed: nobody is listening
-                pass
+                sink[0].call_soon_threadsafe(sink[1].put_nowait, out)
+            except RuntimeError:  # the stream's loop is closed: nobody is listening there
+                dead.append(sink)
+        if dead:  # forget those streams; with none left, the output waits for a sync stream
+            with self.cond:
+                self.sinks = [x for x in self.sinks if x not in dead]
+                if not self.sinks:
+                    self.queue.append(out)
+                self.cond.notify_all()
 
     def result(self) -> RequestResult:
         text = self.stream.text if self.stream is not None else None

@@ -208,6 +208,18 @@ class RowsProgram:
         for n, i in last.items():
             self._drop[i].append(n)
 
+    @property
+    def embedding_rows(self) -> int | None:
+        """Rows of the embedding table ``input_ids`` index (the ids a row may hold are
+        ``[0, embedding_rows)``), when the plan's gather of ``input_ids`` says it; else None."""
+        for kind, x in self.ops:
+            if kind == "step" and tuple(x.inputs) == ("input_ids",):
+                shape = getattr(getattr(x.fn, "w", None), "shape", None)
+                if shape is not None and len(shape) == 2 and int(shape[0]) > 0:
+                    return int(shape[0])
+                return None
+        return None
+
     # -- positions ------------------------------------------------------------------------------
     def _rope_rows(self, pos: np.ndarray):
         """cos, sin float32 [1, R, D/2] of each row's position (a table grown one position at a

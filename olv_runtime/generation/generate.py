@@ -380,8 +380,13 @@ def _check_eos_range(eos: tuple[int, ...] | None, vocab) -> set[int]:
 
 
 def _as_ids(prompt_ids) -> np.ndarray:
-    """``prompt_ids`` as an array (an empty list, which numpy makes float64, as int64)."""
-    ids = np.asarray(prompt_ids)
+    """``prompt_ids`` as an array (an empty list, which numpy makes float64, as int64);
+    InvalidArgument for nested sequences of unequal lengths (numpy refuses them)."""
+    try:
+        ids = np.asarray(prompt_ids)
+    except ValueError as exc:
+        raise InvalidArgument(f"prompt_ids must be a 1-D sequence of token ids, got a ragged "
+                              f"nested sequence ({str(exc)[:80]})") from None
     if ids.size == 0 and ids.dtype.kind == "f":
         ids = ids.astype(np.int64)
     return ids

@@ -9,12 +9,26 @@ never moves another (0 bytes copied per decode token for KV).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels import row_attention as ra
 
-__all__ = ["KV_DTYPES", "KVBlockPool"]
+__all__ = ["KV_DTYPES", "KVBlockPool", "physical_memory"]
+
+#: The largest pool made on any machine (bytes).
+MAX_POOL_BYTES = 1 << 40
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine (None when the system does not say)."""
+    try:
+        n = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return n if n > 0 else None
 
 #: ``kv_dtype`` values the pool stores.
 KV_DTYPES = tuple(ra.FORMATS)
@@ -41,7 +55,9 @@ class KVBlockPool:
     Raises
     ------
     InvalidArgument
-        A size < 1, an unknown ``kv_dtype``, or a pool over 2**40 bytes.
+        A size < 1, an unknown ``kv_dtype``, or a pool over 2**40 bytes or over the machine's
+        physical memory, or one that cannot be allocated (checked before anything is allocated;
+        a failed allocation is released and reported the same way).
     """
 
     def __init__(self, n_layers: int, n_blocks: int, kv_heads: int, block_size: int,
@@ -63,16 +79,26 @@ class KVBlockPool:
         dt = np.dtype(ra.FORMATS[kv_dtype])
         per_token = self.bytes_per_token()
         total = per_token * self.n_blocks * self.block_size
-        if total > 1 << 40:
-            raise InvalidArgument(f"KVBlockPool: {total} bytes asked for ({n_blocks} blocks of "
-                                  f"{block_size} tokens x {per_token} bytes), over 1 TiB")
-        self.k = np.zeros(shape, dt)
-        self.v = np.zeros(shape, dt)
-        if kv_dtype in ("int8", "int4"):
-            self.k_scale = np.ones(shape[:4], np.float32)
-            self.v_scale = np.ones(shape[:4], np.float32)
-        else:
-            self.k_scale = self.v_scale = None
+        what = f"{total} bytes asked for ({n_blocks} blocks of {block_size} tokens x " \
+               f"{per_token} bytes)"
+        if total > MAX_POOL_BYTES:
+            raise InvalidArgument(f"KVBlockPool: {what}, over 1 TiB")
+        phys = physical_memory()
+        if phys is not None and total > phys:
+            raise InvalidArgument(f"KVBlockPool: {what}, more than the {phys} bytes of physical "
+                                  f"memory; lower kv_cache_tokens")
+        try:
+            self.k = np.zeros(shape, dt)
+            self.v = np.zeros(shape, dt)
+            if kv_dtype in ("int8", "int4"):
+                self.k_scale = np.ones(shape[:4], np.float32)
+                self.v_scale = np.ones(shape[:4], np.float32)
+            else:
+                self.k_scale = self.v_scale = None
+        except MemoryError:
+            self.k = self.v = self.k_scale = self.v_scale = None
+            raise InvalidArgument(f"KVBlockPool: {what}, cannot be allocated (out of memory); "
+                                  f"lower kv_cache_tokens") from None
         #: bytes stored by :meth:`write` (keys, values and scales of the rows written): the
         #: engine writes each token once, where it stays (nothing is moved between blocks)
         self.bytes_written = 0
