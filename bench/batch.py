@@ -18,9 +18,10 @@ tokens)). The row "generate" is :func:`olv_runtime.generate` on one sequence (th
 is compared with it: the issue's "no tax for the scheduler").
 
 Peers (never in CI): ``--ik-batched-bench`` runs ik_llama.cpp's ``llama-batched-bench -m GGUF
--npp P -ntg N -npl B1,B2,.. -t T -rtr 1`` and reads its S_TG column (aggregate generation
-tok/s); the GGUF should hold the same weights (bench/gguf_export.py writes the olv model's INT4
-codes as Q4_0). llama.cpp through llama-cpp-python's batch API is not implemented here.
+-npp P -ntg N -npl B1,B2,.. -t T -rtr`` and reads its S_TG column (aggregate generation
+tok/s; ``-rtr``: its run-time repacking into the interleaved layouts); the GGUF should hold the
+same weights (bench/gguf_export.py writes the olv model's INT4 codes as Q4_0). llama.cpp through
+llama-cpp-python's batch API is not implemented here.
 
 Shared machines: the "other load" column is the CPU other processes used during the phase (2
 threads on 2 cores: any other busy process stalls every parallel region); compare figures of one
@@ -144,9 +145,11 @@ def phase(args) -> dict:
 
 def ik_batched(args) -> dict:
     """ik_llama.cpp's llama-batched-bench: {B: S_TG} (aggregate generation tok/s)."""
-    cmd = [args.ik_batched_bench, "-m", args.gguf, "-npp", str(args.prompt_len), "-ntg",
-           args.new_tokens.split(",")[0], "-npl", args.batch, "-t", str(args.threads), "-rtr",
-           "1"]
+    ntg = int(args.new_tokens.split(",")[0])
+    ctx = max(int(b) for b in args.batch.split(",")) * (args.prompt_len + ntg) + 64
+    cmd = [args.ik_batched_bench, "-m", args.gguf, "-c", str(ctx), "-b", "2048", "-ub", "512",
+           "-npp", str(args.prompt_len), "-ntg", str(ntg), "-npl", args.batch, "-t",
+           str(args.threads), "-rtr"]
     txt = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
     out = {}
     for line in txt.splitlines():  # |    PP |     TG |    B |   N_KV | ... |  S_TG t/s | ...
