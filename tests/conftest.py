@@ -18,8 +18,22 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """torch (the reference implementation of many tests) on one thread. Its default, one
+    OpenMP thread per core, makes each tiny matmul wait at a barrier for a thread that numba's
+    workers, a compile worker or another process holds the core of: on a loaded 2-core machine
+    a 33-step greedy reference of a tiny model took 6 s instead of 0.3 s. The tests' tolerances
+    and expected ids are unchanged; torch is never imported here, only configured once a test
+    module (or a fixture) has imported it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
 
 TINY = dict(
     hidden_size=64,
