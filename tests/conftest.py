@@ -17,9 +17,46 @@ All: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 128.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import sys
 
 import pytest
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n 2`` in pyproject's addopts) each worker process gets a numba
+    cache directory of its own: ``$NUMBA_CACHE_DIR/xdist-gwN``, or ``.numba_cache/xdist-gwN`` in
+    the checkout when NUMBA_CACHE_DIR is unset or empty (numba's default is ``__pycache__``
+    beside the sources, one directory for both workers). numba's cache save is not safe for two
+    processes saving signatures of one function at the same moment (both pick the same data file
+    number; see olv_runtime.kernels.precompile), and the workers compile the same kernels while
+    they run different files. Each worker and the subprocesses its tests start then use one
+    cache directory as the single-process suite does. Set before numba is imported (the test
+    modules import it when collected); numba's config follows if it already is."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    base = os.environ.get("NUMBA_CACHE_DIR") or str(config.rootpath / ".numba_cache")
+    cache = os.path.join(base, f"xdist-{worker}")
+    os.makedirs(cache, exist_ok=True)
+    os.environ["NUMBA_CACHE_DIR"] = cache
+    numba_config = sys.modules.get("numba.core.config")
+    if numba_config is not None:
+        numba_config.CACHE_DIR = cache
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """torch (the reference implementation of many tests) on one thread. Its default, one
+    OpenMP thread per core, makes each tiny matmul wait at a barrier for a thread that numba's
+    workers, a compile worker or another process holds the core of: on a loaded 2-core machine
+    a 33-step greedy reference of a tiny model took 6 s instead of 0.3 s. The tests' tolerances
+    and expected ids are unchanged; torch is never imported here, only configured once a test
+    module (or a fixture) has imported it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
 
 TINY = dict(
     hidden_size=64,

@@ -1,0 +1,12 @@
+"""The benchmarks run in this one pytest process: pyproject's addopts give the test suite two
+pytest-xdist workers (``-n 2``), under which pytest-benchmark turns itself off. Loaded for
+``pytest bench/...`` (an initial conftest), before pytest-xdist reads the option."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    if getattr(config.option, "numprocesses", None) is not None:
+        config.option.numprocesses = 0
