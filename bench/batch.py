@@ -150,7 +150,8 @@ def ik_batched(args) -> dict:
     cmd = [args.ik_batched_bench, "-m", args.gguf, "-c", str(ctx), "-b", "2048", "-ub", "512",
            "-npp", str(args.prompt_len), "-ntg", str(ntg), "-npl", args.batch, "-t",
            str(args.threads), "-rtr"]
-    txt = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+    txt = r.stdout + r.stderr  # the table goes to stderr
     out = {}
     for line in txt.splitlines():  # |    PP |     TG |    B |   N_KV | ... |  S_TG t/s | ...
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
