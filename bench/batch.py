@@ -187,7 +187,7 @@ def table(results, ik) -> str:
     return "\n".join(lines) + f"\n\nother load during the phases: {loads}"
 
 
-def plot(results, path) -> None:
+def plot(results, path, ik=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,6 +199,10 @@ def plot(results, path) -> None:
         rows = [r for r in res["rows"] if r["new"] == new and r["B"] != "generate"]
         ax.plot([r["B"] for r in rows], [r["decode"] for r in rows], marker="o",
                 label=f"olv {res['mode']} (aggregate)")
+    if ik:
+        bs = sorted(ik)
+        ax.plot(bs, [ik[b] for b in bs], marker="s", linestyle="--",
+                label="ik_llama.cpp S_TG (same Q4_0 weights)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B (sequences)")
     ax.set_ylabel("decode tok/s")
@@ -244,7 +248,7 @@ def main(argv=None) -> int:
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"olv": results, "ik": ik}, indent=1))
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, ik)
     return 0
 
 
