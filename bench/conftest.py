@@ -1,6 +1,6 @@
-"""The benchmarks run in this one pytest process: pyproject's addopts give the test suite two
-pytest-xdist workers (``-n 2``), under which pytest-benchmark turns itself off. Loaded for
-``pytest bench/...`` (an initial conftest), before pytest-xdist reads the option."""
+"""The benchmarks run in this one pytest process: under pytest-xdist workers (``pytest -n 2``)
+pytest-benchmark turns itself off. Loaded for ``pytest bench/...`` (an initial conftest), before
+pytest-xdist reads the option."""
 from __future__ import annotations
 
 import pytest

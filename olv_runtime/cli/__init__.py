@@ -585,7 +585,13 @@ _OPTION_NOTES = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a "did you mean" hint for a mistyped command, choice or option."""
+    """argparse with a "did you mean" hint for a mistyped command, choice or option; options are
+    spelled out (no prefix abbreviations: ``--kv`` is convert's option, not an ambiguous prefix of
+    ``--kv-cache-tokens`` / ``--kv-dtype``, and a new option never breaks an old abbreviation)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)

@@ -260,7 +260,7 @@ def test_unrecognised_plans_stay_per_operator(tmp_path, tiny_qwen3_dir):
 def qwen2_bf16_f32_scales(tmp_path_factory):
     """A bfloat16 checkpoint converted with float32 scales: every scale m / -8 of a bfloat16
     value is a float16 value too."""
-    from conftest import _build
+    from tiny_checkpoints import _build
 
     ck = _build(tmp_path_factory, "tiny_qwen2_bf16", "Qwen2ForCausalLM", dtype="bfloat16",
                 intermediate_size=96, tie_word_embeddings=True)
@@ -392,7 +392,8 @@ def test_claimed_chunks_give_the_static_split_bits(mode, order):
     other (the first drains its own range, then takes every chunk of the other's; the second
     finds nothing left), and the output (+ residual) is bitwise the static split's (each task
     its own range in one group-kernel call), in every activation mode."""
-    from olv_runtime.kernels import decoder_layers as ds, packed_f32, packed_f32_vnni, packed_i8
+    from olv_runtime.kernels import decoder_layers as ds
+    from olv_runtime.kernels import packed_f32, packed_f32_vnni, packed_i8
 
     if mode == "digits" and not packed_i8.HOST_VNNI:
         pytest.skip("the CPU has no AVX-512 VNNI (exact-mode digit kernels)")

@@ -6,7 +6,7 @@ import re
 import time
 
 import pytest
-from conftest import LiveServer
+from live_server import LiveServer
 
 from olv_runtime.server import ServeOptions, load_served
 

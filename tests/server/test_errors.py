@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import LiveServer
+from live_server import LiveServer
 
 from olv_runtime.server import ServeOptions, load_served
 

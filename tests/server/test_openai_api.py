@@ -179,7 +179,7 @@ def live_int4(tiny_chat_models):
     """A server of the INT4 conversion (the engine's exact mode is bitwise batch-invariant on
     it; on the float32-weight conversion logprobs differ by ~1e-7 between solo and batched
     rows, an engine matter reported to its owner)."""
-    from conftest import LiveServer
+    from live_server import LiveServer
 
     from olv_runtime.server import ServeOptions, load_served
 
