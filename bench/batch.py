@@ -41,6 +41,8 @@ import time
 
 import numpy as np
 
+from olv_runtime.cli.batch import _decode_rate
+
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_MODEL = pathlib.Path("~/.cache/olv_bench/q05b_int4/model.onnx").expanduser()
 
@@ -56,20 +58,10 @@ def _own_cpu():
 
 
 def _decode(eng, prompts, config):
-    """(aggregate decode tok/s, prefill tok/s) of one batch added at once."""
-    rids = [eng.add_request(p, config) for p in prompts]
-    t0 = time.perf_counter()
-    while any(eng.requests[r].computed < len(prompts[0]) for r in rids):
-        eng.step()
-    t1 = time.perf_counter()
-    n0 = eng.stats().generated_tokens
-    while eng.has_unfinished():
-        eng.step()
-    t2 = time.perf_counter()
-    n = eng.stats().generated_tokens - n0
-    for r in rids:
-        eng.result(r)
-    return n / (t2 - t1), len(prompts) * len(prompts[0]) / (t1 - t0)
+    """(aggregate decode tok/s, prefill tok/s) of one batch added at once (the measurement of
+    ``olv bench --batch``)."""
+    prefill, decode = _decode_rate(eng, prompts, config)
+    return decode, prefill
 
 
 def _ttft(eng, prompts, config):
