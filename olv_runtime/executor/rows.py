@@ -33,6 +33,10 @@ import numpy as np
 
 from olv_runtime import kernels
 from olv_runtime.errors import InvalidArgument
+from olv_runtime.lazy import lazy_module
+
+# the compiled rows step (numba kernels): imported at the engine's first step, not with the session
+rows_layers = lazy_module("olv_runtime.kernels.rows_layers")
 
 __all__ = ["ROW_DEPENDENT", "RowsProgram", "rows_program"]
 
@@ -144,7 +148,74 @@ def rows_program(session) -> tuple[RowsProgram | None, str]:
     dims = [d.dim_value for d in info.type.tensor_type.shape.dim] if info is not None else []
     if len(dims) != 4 or dims[3] <= 0 or any(a.kvh != kvh or a.h != h for a in attns):
         return None, "the layers' KV geometry could not be read from past_key.0 [B, KVH, T, D]"
-    return RowsProgram(session, ops, positions, len(attns), h, kvh, int(dims[3])), ""
+    prog = RowsProgram(session, ops, positions, len(attns), h, kvh, int(dims[3]))
+    prog.compiled = _compiled_rows(session, ops, positions, prog)
+    return prog, ""
+
+
+def _compiled_rows(session, ops, positions, prog):
+    """The :class:`CompiledRows` of a plan whose layers are one olv-form ``DecoderStack`` step
+    (the compiled one-token step's weights) after the steps making its embedding input, or
+    None."""
+    stacks = [s for s in session._steps if s.kind == "DecoderStack"]
+    if len(stacks) != 1 or session._steps[-1] is not stacks[0]:
+        return None
+    st = stacks[0]
+    stack = st.impl
+    if (getattr(stack, "rope_table", True) or type(stack).__name__ != "DecoderStack"
+            or st.outputs[0] != "logits" or tuple(st.inputs[1:3]) != tuple(positions.outputs)
+            or stack.rotary_dim // 2 != positions.r2
+            or (stack.n_layers, stack.heads, stack.kv_heads, stack.head_dim)
+            != (prog.n_layers, prog.n_heads, prog.n_kv_heads, prog.head_dim)):
+        return None
+    inner = {id(s) for s in stack.sub_steps}
+    pre = []
+    for kind, x in ops:
+        if kind == "attn" or id(x) in inner:
+            break
+        pre.append((kind, x))
+    made = {n for _, x in pre for n in x.outputs}
+    if st.inputs[0] not in made:
+        return None
+    return CompiledRows(stack, pre, st.inputs[0])
+
+
+class CompiledRows:
+    """The rows of a step through one compiled forward (:mod:`olv_runtime.kernels.rows_layers`)
+    with the weights of the plan's fused ``DecoderStack``: ``pre`` the plan steps making the
+    embedding ``x0`` from ``input_ids``."""
+
+    def __init__(self, stack, pre, x0_name):
+        self.stack, self.pre, self.x0_name = stack, pre, x0_name
+        self._ws = None
+        self._bundles = None
+        self.tasks = 0  # tasks of the last call (1: the serial program)
+
+    def workspace(self, r: int, nt: int, bs: int):
+        """The workspace for ``r`` rows and ``nt`` tasks (grown to a power of two >= 16 rows)."""
+        ws = self._ws
+        if ws is None or ws.r_max < r or ws.nt != nt or ws.att[5].shape[1] != bs:
+            st = self.stack
+            r_max = max(16, 1 << (int(r) - 1).bit_length())
+            ws = self._ws = rows_layers.RowsWorkspace(
+                nt, r_max, st.e, st.biases.shape[1], st.heads, st.kv_heads, st.head_dim,
+                st.inter, st.k_max, bs)
+        return ws
+
+    def bundles(self):
+        """``(StepWeights, StepDims)`` of the stack (made once; the ISA choice re-read)."""
+        st = self.stack
+        vnni = rows_layers.packed_i8.use_vnni()
+        b = self._bundles
+        if b is None or b[1].vnni != vnni:
+            sb = rows_layers
+            w = st.weights
+            b = self._bundles = (
+                sb.StepWeights(w.wt, w.codes0, w.scale0, st.biases, st.has_bias, st.norms,
+                               st.eps),
+                sb.StepDims(st.heads, st.kv_heads, st.head_dim, st.rotary_dim, st.interleaved,
+                            st.att_scale, st.inter, vnni))
+        return b
 
 
 def _attention(s, index, positions):
@@ -192,6 +263,10 @@ class RowsProgram:
         self.ops = ops
         self.positions = positions
         self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = n_layers, h, kvh, d
+        #: the compiled forward (:class:`CompiledRows`) where the plan has one fused decoder
+        #: stack, else None; ``use_compiled = False`` runs the per-operator plan instead
+        self.compiled = None
+        self.use_compiled = True
         self._table = np.empty((0, positions.r2), _F32), np.empty((0, positions.r2), _F32)
         self._lock = threading.Lock()
         consts = session._constants
@@ -295,6 +370,9 @@ class RowsProgram:
         session.model.check_external_files()
         if session.options.num_threads is not None:
             kernels.config.thread_count_fns()[0](int(session.options.num_threads))
+        if self.compiled is not None and self.use_compiled:
+            return self._forward_compiled(ids, pos, row_seq, tables, blocks, offsets, logit_rows,
+                                          pool)
         consts = self._const
         env = {"input_ids": ids.reshape(1, r)}
         cos, sin = self._rope_rows(pos)
@@ -325,6 +403,57 @@ class RowsProgram:
             for n in self._drop[i]:
                 env.pop(n, None)
         return logits.reshape(len(logit_rows), -1) if len(logit_rows) else logits
+
+    def _forward_compiled(self, ids, pos, row_seq, tables, blocks, offsets, logit_rows, pool):
+        """:meth:`forward` through :class:`CompiledRows` (one compiled call for the layers)."""
+        r = ids.shape[0]
+        nb, bs = pool.n_blocks, pool.block_size
+        # the compiled code indexes without bounds checks: every index is checked here
+        if (row_seq.dtype != np.int32 or row_seq.shape != (r,) or tables.dtype != np.int32
+                or tables.ndim != 2 or logit_rows.dtype != _I64 or logit_rows.ndim != 1):
+            raise InvalidArgument(
+                f"RowsProgram.forward: row_seq int32 [{r}], tables int32 [S, MB], logit_rows "
+                f"int64 [n] expected, got {row_seq.dtype} {list(row_seq.shape)}, {tables.dtype} "
+                f"{list(tables.shape)}, {logit_rows.dtype} {list(logit_rows.shape)}")
+        if r:
+            bad = []
+            if int(pos.min()) < 0 or int(pos.max()) // bs >= tables.shape[1]:
+                bad.append(f"a position ({int(pos.min())}..{int(pos.max())}) outside the block "
+                           f"table ({tables.shape[1]} blocks of {bs})")
+            if int(row_seq.min()) < 0 or int(row_seq.max()) >= tables.shape[0]:
+                bad.append(f"a row_seq outside 0..{tables.shape[0] - 1}")
+            if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= nb):
+                bad.append(f"a table entry outside the pool's {nb} blocks")
+            if int(blocks.min()) < 0 or int(blocks.max()) >= nb:
+                bad.append(f"a block outside the pool's {nb} blocks")
+            if int(offsets.min()) < 0 or int(offsets.max()) >= bs:
+                bad.append(f"an offset outside 0..{bs - 1}")
+            if logit_rows.size and (int(logit_rows.min()) < 0 or int(logit_rows.max()) >= r):
+                bad.append(f"a logit row outside 0..{r - 1}")
+            if bad:
+                raise InvalidArgument("RowsProgram.forward: " + "; ".join(bad))
+        c = self.compiled
+        st = c.stack
+        consts = self._const
+        env = {"input_ids": ids.reshape(1, r)}
+        for kind, x in c.pre:
+            args = [env[n] if n in env else consts[n] if n else None for n in x.inputs]
+            res = _per_row(x.fn, args, r) if kind.endswith("-rows") else x.fn(*args)
+            for n, v in zip(x.outputs, res):
+                if n:
+                    env[n] = v
+        x0 = np.ascontiguousarray(env[c.x0_name], dtype=_F32).reshape(r, st.e)
+        cos, sin = self._rope_rows(pos)
+        logits = np.empty((len(logit_rows), st.vocab), _F32)
+        nt = c.tasks = st._task_count()
+        ws = c.workspace(r, nt, bs)
+        w, dims = c.bundles()
+        batch = rows_layers.RowBatch(x0, cos.reshape(r, -1), sin.reshape(r, -1), pos, row_seq,
+                                     tables, blocks, offsets, logit_rows, logits)
+        rows_layers.rows_forward(nt, st.quant, batch, ws, rows_layers.pool_bundle(pool, ws), w,
+                                 dims)
+        pool.bytes_written += r * pool.bytes_per_token()
+        return logits
 
     def _attend(self, a: _Attn, env, cos, sin, r, pos, row_seq, tables, blocks, offsets, pool):
         q, k, v = env[a.q], env[a.k], env[a.v]

@@ -3,6 +3,7 @@ bounds, bad input and faults, streams, the fallback for plans the rows program d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import numpy as np
@@ -106,12 +107,37 @@ def _run_mixed(sess, prompts, cfgs, rng, kv_dtype, kv_tokens):
     return {i: eng.result(r) for i, r in rids.items()}, eng.stats()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama", "gguf", "qwen2-f32", "gguf-q41"])
-@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
-def test_batch_invariance(models, name, int8):
-    sess = _session(models, name, int8)
+#: models whose plan has one fused decoder stack: the engine runs them through the compiled rows
+#: step (kernels/rows_layers.py); the others through the per-operator rows program
+COMPILED = ("qwen2", "llama")
+
+
+@contextlib.contextmanager
+def _path(sess, compiled: bool):
+    """Run the engine's steps through the compiled rows step or the per-operator rows program."""
     prog, why = sess.rows_program()
     assert prog is not None, why
+    old = prog.use_compiled
+    prog.use_compiled = compiled
+    try:
+        yield prog
+    finally:
+        prog.use_compiled = old
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama", "gguf", "qwen2-f32", "gguf-q41",
+                                  "qwen2-plan"])
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
+def test_batch_invariance(models, name, int8):
+    plan = name.endswith("-plan")
+    name = name.removesuffix("-plan")
+    sess = _session(models, name, int8)
+    with _path(sess, not plan) as prog:
+        assert (prog.compiled is not None) == (name in COMPILED), name
+        _check_invariance(sess)
+
+
+def _check_invariance(sess):
     rng = np.random.default_rng(7)
     prompts, cfgs = _workload(rng, _vocab(sess))
     mixed, st = _run_mixed(sess, prompts, cfgs, rng, "float32", kv_tokens=12 * 64)
@@ -140,24 +166,30 @@ def test_batch_invariance_encoded_pool(models, kv_dtype):
 
 
 # -- agreement with generate ------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gguf"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gguf", "qwen2-plan"])
 @pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
 def test_greedy_equals_generate(models, name, int8):
+    plan = name.endswith("-plan")
+    name = name.removesuffix("-plan")
     sess = _session(models, name, int8)
     rng = np.random.default_rng(3)
     vocab = _vocab(sess)
     prompts = [rng.integers(3, vocab, int(n)).tolist() for n in (1, 17, 64, 65, 150)]
     cfg = GenerationConfig(max_new_tokens=12, eos_token_id=None, logprobs=True)
-    eng = Engine(sess, max_batch=4, max_tokens_per_step=48)
-    res = eng.generate(prompts, cfg)
+    with _path(sess, not plan) as prog:
+        eng = Engine(sess, max_batch=4, max_tokens_per_step=48)
+        res = eng.generate(prompts, cfg)
+        compiled = prog.compiled is not None and not plan
     for p, r in zip(prompts, res):
         g = olv_runtime.generate_result(sess, p, cfg)
         assert r.ids.tolist() == g.ids.tolist()
         a = np.array([lp.logprob for lp in r.logprobs])
         b = np.array([lp.logprob for lp in g.logprobs])
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-        # the first token comes from the prompt's last row: the plan's prefill, bitwise
-        assert np.float32(a[0]).view(np.uint32) == np.float32(b[0]).view(np.uint32)
+        if not compiled:
+            # the first token comes from the prompt's last row: the plan's prefill, bitwise
+            # (the compiled rows step agrees with it to float32 rounding: the tolerance above)
+            assert np.float32(a[0]).view(np.uint32) == np.float32(b[0]).view(np.uint32)
 
 
 def test_prefill_rows_bitwise_plan(models):
@@ -168,6 +200,7 @@ def test_prefill_rows_bitwise_plan(models):
 
     sess = _session(models, "qwen2", False)
     prog, _ = rows_program(sess)
+    prog.use_compiled = False  # a program of its own (not the session's cached one)
     pool = KVBlockPool(prog.n_layers, 8, prog.n_kv_heads, 64, prog.head_dim)
     ids = np.random.default_rng(0).integers(3, _vocab(sess), 150).astype(np.int64)
     st = make_state(sess, empty_cache(sess))
@@ -186,6 +219,95 @@ def test_prefill_rows_bitwise_plan(models):
 
     assert np.array_equal(run([150]), ref)
     assert np.array_equal(run([1, 1, 30, 64, 54]), ref)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8", "int4"])
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_compiled_rows_agree_with_plan(models, kv_dtype, int8, tasks, monkeypatch):
+    """The compiled rows step (kernels/rows_layers.py): a prompt's logits in one chunk or many
+    are bitwise the same, and agree with the per-operator rows program to float32 rounding; with
+    2 tasks the parallel driver (barriers, claimed chunks) runs even on the tiny model."""
+    from olv_runtime.executor import decoder_step
+    from olv_runtime.kernels import config
+    from olv_runtime.kv.block_pool import KVBlockPool
+
+    if tasks == 2:
+        if config.threading_layer() != "omp":
+            pytest.fail("the parallel driver needs numba's omp threading layer")
+        monkeypatch.setattr(decoder_step, "STACK_SERIAL_MAX_WORK", 0)
+    sess = _session(models, "qwen2", int8)
+    progs = {}
+    for compiled in (False, True):
+        prog, _ = rows_program(sess)  # programs of their own (not the session's cached one)
+        prog.use_compiled = compiled
+        progs[compiled] = prog
+    assert progs[True].compiled is not None
+    ids = np.random.default_rng(0).integers(3, _vocab(sess), 150).astype(np.int64)
+    tab = np.array([[5, 1, 6]], np.int32)
+
+    def run(prog, chunks):
+        pool = KVBlockPool(prog.n_layers, 8, prog.n_kv_heads, 64, prog.head_dim, kv_dtype)
+        out, p0 = [], 0
+        for c in chunks:
+            pos = np.arange(p0, p0 + c, dtype=np.int64)
+            out.append(prog.forward(ids[pos], pos, np.zeros(c, np.int32), tab,
+                                    tab[0, pos // 64].astype(np.int64), pos % 64,
+                                    np.arange(c, dtype=np.int64), pool))
+            p0 += c
+        return np.concatenate(out), pool
+
+    nt0 = config.get_num_threads()
+    config.set_num_threads(tasks)
+    try:
+        got, pool = run(progs[True], [150])
+        assert progs[True].compiled.tasks == tasks
+        again, pool2 = run(progs[True], [1, 1, 30, 64, 54])
+        ref, ref_pool = run(progs[False], [150])
+    finally:
+        config.set_num_threads(nt0)
+    assert np.array_equal(got, again)
+    assert np.array_equal(pool.k, pool2.k) and np.array_equal(pool.v, pool2.v)
+    assert pool.bytes_written == ref_pool.bytes_written == 150 * pool.bytes_per_token()
+    tol = 1e-4 if kv_dtype in ("float32", "float16") or not int8 else 2e-2
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+    if kv_dtype == "float32":  # the keys and values as the plan stores them, to rounding
+        np.testing.assert_allclose(pool.k, ref_pool.k, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(pool.v, ref_pool.v, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_rows_refuse_bad_indices(models):
+    """The compiled step indexes without bounds checks: forward refuses indices outside the pool
+    or the tables before running anything."""
+    from olv_runtime.kv.block_pool import KVBlockPool
+
+    sess = _session(models, "qwen2", True)
+    prog, _ = rows_program(sess)
+    pool = KVBlockPool(prog.n_layers, 4, prog.n_kv_heads, 64, prog.head_dim)
+    k0 = pool.k.copy()
+    ids = np.array([5, 6], np.int64)
+    pos = np.array([0, 1], np.int64)
+    good = dict(row_seq=np.zeros(2, np.int32), tables=np.array([[1]], np.int32),
+                blocks=np.array([1, 1], np.int64), offsets=pos.copy(),
+                logit_rows=np.array([1], np.int64))
+    bad = [("tables", np.array([[4]], np.int32), "table entry"),
+           ("tables", np.array([[-1]], np.int32), "table entry"),
+           ("blocks", np.array([1, 9], np.int64), "block outside"),
+           ("offsets", np.array([0, 64], np.int64), "offset outside"),
+           ("row_seq", np.array([0, 1], np.int32), "row_seq outside"),
+           ("logit_rows", np.array([2], np.int64), "logit row outside"),
+           ("row_seq", np.zeros(2, np.int64), "row_seq int32")]
+    for name, value, match in bad:
+        kw = dict(good, **{name: value})
+        with pytest.raises(InvalidArgument, match=match):
+            prog.forward(ids, pos, kw["row_seq"], kw["tables"], kw["blocks"], kw["offsets"],
+                         kw["logit_rows"], pool)
+    with pytest.raises(InvalidArgument, match="outside the block table"):
+        prog.forward(ids, np.array([0, 64], np.int64), good["row_seq"], good["tables"],
+                     good["blocks"], np.array([0, 0], np.int64), good["logit_rows"], pool)
+    assert np.array_equal(pool.k, k0) and pool.bytes_written == 0
+    out = prog.forward(ids, pos, **good, pool=pool)
+    assert out.shape == (1, _vocab(sess)) and np.isfinite(out).all()
 
 
 # -- memory -----------------------------------------------------------------------------------
