@@ -6,14 +6,17 @@
 runs **one forward for all running requests** (:meth:`InferenceSession.rows_program`): one row
 per decoding request plus chunks of prompts, within ``max_tokens_per_step`` rows, so a long prompt
 never stalls the others (chunked prefill). Every linear is one GEMM over the step's rows; each
-row attends over its own blocks.
+row attends over its own blocks. Where the plan has one fused decoder stack (olv's INT4 Qwen2 /
+Llama models, Q4_0 GGUF conversions) the whole step is one compiled call
+(:mod:`olv_runtime.kernels.rows_layers`: one parallel region, barriers between the operators, as
+``generate``'s one-token step); other plans run the per-operator rows program.
 
 Batch invariance: a row's result depends only on its own sequence (the kernels compute rows
 independently; attention reads the row's own blocks; positions come from a per-position table),
 so a request's tokens and logprobs are bitwise the same whatever else runs, whenever it joined,
 however its prompt was chunked, whether its prefix came from the cache and after a preemption.
-Greedy tokens are :func:`olv_runtime.generate`'s (its prefill logits are bitwise the engine's;
-its one-token decode step differs by float rounding, <= 1e-5 relative).
+Greedy tokens are :func:`olv_runtime.generate`'s (logits within float rounding, <= 1e-5
+relative; with the per-operator rows program the prompt's logits are bitwise the prefill's).
 
 Memory is bounded: a request that cannot get blocks waits; when the pool runs out while requests
 decode, the newest running request is preempted (its blocks released, its tokens recomputed when
