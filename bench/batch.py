@@ -20,8 +20,12 @@ is compared with it: the issue's "no tax for the scheduler").
 Peers (never in CI): ``--ik-batched-bench`` runs ik_llama.cpp's ``llama-batched-bench -m GGUF
 -npp P -ntg N -npl B1,B2,.. -t T -rtr`` and reads its S_TG column (aggregate generation
 tok/s; ``-rtr``: its run-time repacking into the interleaved layouts); the GGUF should hold the
-same weights (bench/gguf_export.py writes the olv model's INT4 codes as Q4_0). llama.cpp through
-llama-cpp-python's batch API is not implemented here.
+same weights (bench/gguf_export.py writes the olv model's INT4 codes as Q4_0). ``--llama-cpp``
+runs llama.cpp through llama-cpp-python's low-level batch API on the same GGUF, as
+``llama-batched-bench`` does: per B a context of ``B * (P + N)`` tokens with ``n_seq_max = B``,
+each prompt prefilled as its own sequence, then ``N`` steps of one ``llama_batch`` holding one
+token per sequence (``seq_id`` = the sequence); S_TG = B * N / the steps' wall time
+(``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36``; its own subprocess).
 
 Shared machines: the "other load" column is the CPU other processes used during the phase (2
 threads on 2 cores: any other busy process stalls every parallel region); compare figures of one
@@ -152,11 +156,71 @@ def ik_batched(args) -> dict:
     return out
 
 
-def table(results, ik) -> str:
+def llama_batched(args) -> dict:
+    """llama.cpp (llama-cpp-python's low-level API): {B: S_TG} (see the module docstring)."""
+    import ctypes
+
+    import llama_cpp as L
+
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(args.gguf.encode(), mp)
+    if not model:
+        raise SystemExit(f"llama.cpp could not load {args.gguf}")
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    ntg = int(args.new_tokens.split(",")[0])
+    pp = args.prompt_len
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in (int(x) for x in args.batch.split(",")):
+        cp = L.llama_context_default_params()
+        cp.n_ctx = b * (pp + ntg) + 64
+        cp.n_batch = cp.n_ubatch = max(pp, b, 512)
+        cp.n_seq_max = b
+        cp.n_threads = cp.n_threads_batch = args.threads
+        if hasattr(cp, "kv_unified"):
+            cp.kv_unified = True  # one cache for all sequences, as llama-batched-bench -kvu
+        ctx = L.llama_init_from_model(model, cp)
+        if not ctx:
+            raise SystemExit(f"llama.cpp could not make a context for B = {b}")
+        batch = L.llama_batch_init(max(pp, b), 0, b)
+
+        def fill(tokens, positions, seqs, logits):
+            for i, (t, p_, s_, lg) in enumerate(zip(tokens, positions, seqs, logits)):
+                batch.token[i] = int(t)
+                batch.pos[i] = int(p_)
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = int(s_)
+                batch.logits[i] = int(lg)
+            batch.n_tokens = len(tokens)
+
+        for s_ in range(b):  # prefill: each prompt its own sequence
+            fill(rng.integers(3, n_vocab, pp), range(pp), [s_] * pp, [0] * (pp - 1) + [1])
+            if L.llama_decode(ctx, batch) != 0:
+                raise SystemExit("llama_decode failed (prefill)")
+        toks = rng.integers(3, n_vocab, b)
+        t0 = time.perf_counter()
+        for step in range(ntg):
+            fill(toks, [pp + step] * b, range(b), [1] * b)
+            if L.llama_decode(ctx, batch) != 0:
+                raise SystemExit("llama_decode failed (generation)")
+            logits = L.llama_get_logits(ctx)
+            arr = np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)),
+                                        shape=(b, n_vocab))
+            toks = arr.argmax(axis=1)  # greedy, as a decode loop would
+        out[b] = b * ntg / (time.perf_counter() - t0)
+        print(json.dumps({"llama.cpp B": b, "S_TG": out[b]}), file=sys.stderr, flush=True)
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+    L.llama_model_free(model)
+    return out
+
+
+def table(results, ik, llama=None) -> str:
     head = ("| mode | new | B | aggregate decode tok/s | per seq | x B=1 | x generate | "
-            "prefill tok/s | TTFT s | KV MiB/seq | ik S_TG | x ik |")
+            "prefill tok/s | TTFT s | KV MiB/seq | ik S_TG | x ik | llama.cpp S_TG | x llama.cpp |")
     lines = [head,
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for new in sorted({r["new"] for r in res["rows"]}):
             rows = [r for r in res["rows"] if r["new"] == new]
@@ -165,21 +229,22 @@ def table(results, ik) -> str:
             for r in rows:
                 if r["B"] == "generate":
                     lines.append(f"| {res['mode']} | {new} | generate | {gen:.1f} | | | 1.00 "
-                                 "| | | | | |")
+                                 "| | | | | | | |")
                     continue
                 d = r["decode"]
                 k = ik.get(r["B"]) if ik else None
+                lc = llama.get(r["B"]) if llama else None
                 kv = r["kv_bytes_per_seq"]
                 lines.append(
                     f"| {res['mode']} | {new} | {r['B']} | {d:.1f} | {d / r['B']:.1f} | "
                     f"{d / one:.2f} | {d / gen:.2f} | {r['prefill']:.1f} | {r['ttft']:.3f} | "
-                    f"{kv / 2**20:.1f} | " + (f"{k:.1f} | {d / k:.2f} |" if k else "| |")
-                    if kv is not None else "")
+                    f"{kv / 2**20:.1f} | " + (f"{k:.1f} | {d / k:.2f} |" if k else " | |")
+                    + (f" {lc:.1f} | {d / lc:.2f} |" if lc else " | |"))
     loads = ", ".join(f"{r['mode']} {100 * r['other_load']:.0f} %" for r in results)
     return "\n".join(lines) + f"\n\nother load during the phases: {loads}"
 
 
-def plot(results, path, ik=None) -> None:
+def plot(results, path, ik=None, llama=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,6 +260,10 @@ def plot(results, path, ik=None) -> None:
         bs = sorted(ik)
         ax.plot(bs, [ik[b] for b in bs], marker="s", linestyle="--",
                 label="ik_llama.cpp S_TG (same Q4_0 weights)")
+    if llama:
+        bs = sorted(llama)
+        ax.plot(bs, [llama[b] for b in bs], marker="^", linestyle=":",
+                label="llama.cpp 0.3.36 S_TG (llama-cpp-python batch API)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B (sequences)")
     ax.set_ylabel("decode tok/s")
@@ -217,10 +286,15 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="exact,int8")
     ap.add_argument("--ik-batched-bench", default=None, metavar="PATH")
     ap.add_argument("--gguf", default=None, help="the GGUF the peers read (same weights)")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also llama.cpp through llama-cpp-python's batch API (needs --gguf)")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--json", default=None)
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.phase == "llama":
+        print(json.dumps({str(b): v for b, v in llama_batched(args).items()}))
+        return 0
     if args.phase:
         print(json.dumps(phase(args)))
         return 0
@@ -236,11 +310,19 @@ def main(argv=None) -> int:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
         results.append(json.loads(p.stdout.strip().splitlines()[-1]))
     ik = ik_batched(args) if args.ik_batched_bench and args.gguf else None
-    print(table(results, ik))
+    llama = None
+    if args.llama_cpp and args.gguf:
+        cmd = [sys.executable, __file__, "--phase", "llama"] + [
+            a for a in (argv if argv is not None else sys.argv[1:])]
+        print("phase llama.cpp ...", file=sys.stderr, flush=True)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+        llama = {int(b): v for b, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
+    print(table(results, ik, llama))
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"olv": results, "ik": ik}, indent=1))
+        pathlib.Path(args.json).write_text(json.dumps({"olv": results, "ik": ik,
+                                                       "llama.cpp": llama}, indent=1))
     if args.plot:
-        plot(results, args.plot, ik)
+        plot(results, args.plot, ik, llama)
     return 0
 
 

@@ -448,8 +448,10 @@ class RowsProgram:
         nt = c.tasks = st._task_count()
         ws = c.workspace(r, nt, bs)
         w, dims = c.bundles()
+        # one row per sequence (decode rows): step 3 fused into the attention tasks
+        fused = bool(r == tables.shape[0] and (r < 2 or np.unique(row_seq).size == r))
         batch = rows_layers.RowBatch(x0, cos.reshape(r, -1), sin.reshape(r, -1), pos, row_seq,
-                                     tables, blocks, offsets, logit_rows, logits)
+                                     tables, blocks, offsets, logit_rows, logits, fused)
         rows_layers.rows_forward(nt, st.quant, batch, ws, rows_layers.pool_bundle(pool, ws), w,
                                  dims)
         pool.bytes_written += r * pool.bytes_per_token()

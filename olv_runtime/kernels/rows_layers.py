@@ -19,7 +19,9 @@ Per layer, ``x`` float32 [R, E] the rows' residual stream:
    ``_groups_small``); barrier;
 3. per row (rows split between the tasks): RoPE of its query heads (into ``q`` [R, H, D]) and key
    heads at the row's position, its key and value written into the pool at (``blocks[r]``,
-   ``offsets[r]``) in the pool's format; barrier;
+   ``offsets[r]``) in the pool's format; barrier (when every row is its sequence's only row --
+   decode rows -- no row reads another's keys: each task of step 4 does step 3 for its own
+   (row, kv head) first, and this barrier goes);
 4. attention: tasks claim (row, kv head) pairs; each runs the row's query heads of that kv head
    over blocks ``0 .. pos // BS`` of the row's table, one block after the other, with the tile
    function of the contiguous kernels (:func:`~.attention._attend_rows`); barrier;
@@ -86,6 +88,9 @@ RowBatch = namedtuple("RowBatch", [
     "offsets",  # int64 [R]: row inside that block
     "lrows",    # int64 [n]: the rows whose logits are computed, in this order
     "logits",   # float32 [n, V] (written)
+    "fused",    # bool: one row per sequence (decode rows only): each (row, kv head) task ropes,
+                # writes and attends its own head with no barrier between (no row reads another's
+                # keys); else step 3 for all rows, a barrier, then step 4
 ])
 
 RowsState = namedtuple("RowsState", [
@@ -293,26 +298,33 @@ def _ov_attend(kv, tid, li, qg, group, blk, n, scale, o, m, l, sc, pr, mx, g):
 
 
 @njit(**JIT)
-def _rope_write_rows(tid, nt, r_n, li, batch, rs, dims, kv):
-    """Step 3 for this task's rows: rotated queries into ``rs.q``, rotated keys and the values
-    into the pool."""
+def _rope_write_head(tid, r, g, li, batch, rs, dims, kv):
+    """Step 3 for row ``r`` and kv head ``g``: its query heads rotated into ``rs.q``, its key
+    rotated and its value written into the pool."""
     n_heads, n_kv, d = dims.n_heads, dims.n_kv, dims.d
+    group = n_heads // n_kv
     hd = n_heads * d
     kr = kv.kr[tid]
+    row = rs.qkv[r]
+    cs, sn = batch.cos[r], batch.sin[r]
+    for hh in range(g * group, (g + 1) * group):
+        _rope_row(row[hh * d:(hh + 1) * d], rs.q[r, hh], cs, sn, dims.interleaved, dims.rdim)
+    blk, off = batch.blocks[r], batch.offsets[r]
+    k0 = hd + g * d
+    _rope_row(row[k0:k0 + d], kr, cs, sn, dims.interleaved, dims.rdim)
+    _store(kv, li, blk, g, off, kr, 0)
+    v0 = hd + n_kv * d + g * d
+    for i in range(d):
+        kr[i] = row[v0 + i]
+    _store(kv, li, blk, g, off, kr, 1)
+
+
+@njit(**JIT)
+def _rope_write_rows(tid, nt, r_n, li, batch, rs, dims, kv):
+    """Step 3 for this task's rows (every kv head)."""
     for r in range(tid * r_n // nt, (tid + 1) * r_n // nt):
-        row = rs.qkv[r]
-        cs, sn = batch.cos[r], batch.sin[r]
-        for hh in range(n_heads):
-            _rope_row(row[hh * d:(hh + 1) * d], rs.q[r, hh], cs, sn, dims.interleaved, dims.rdim)
-        blk, off = batch.blocks[r], batch.offsets[r]
-        for g in range(n_kv):
-            k0 = hd + g * d
-            _rope_row(row[k0:k0 + d], kr, cs, sn, dims.interleaved, dims.rdim)
-            _store(kv, li, blk, g, off, kr, 0)
-            v0 = hd + n_kv * d + g * d
-            for i in range(d):
-                kr[i] = row[v0 + i]
-            _store(kv, li, blk, g, off, kr, 1)
+        for g in range(dims.n_kv):
+            _rope_write_head(tid, r, g, li, batch, rs, dims, kv)
 
 
 @njit(**JIT)
@@ -334,6 +346,8 @@ def _attention_rows(tid, nt, r_n, li, batch, rs, dims, kv, bar):
         for task in range(t0, t1):
             r = task // n_kv
             g = task - r * n_kv
+            if batch.fused:
+                _rope_write_head(tid, r, g, li, batch, rs, dims, kv)
             p = batch.pos[r]
             tab = batch.tables[batch.row_seq[r]]
             o = rs.attn[r, g * group:(g + 1) * group]
@@ -411,9 +425,10 @@ def _rows_thread(tid, nt, r_n, batch, bar, i8ws, w, dims, rs, kv):
                      w.biases[li:li + 1], _YES)
         _prefetch_part(tid, nt, wt, wi + 1, codes0, scale0)
         _barrier(bar, nt)
-        # 3: RoPE, KV write; 4: attention
-        _rope_write_rows(tid, nt, r_n, li, batch, rs, dims, kv)
-        _barrier(bar, nt)
+        # 3: RoPE, KV write; 4: attention (fused per (row, kv head) when rows are decode rows)
+        if not batch.fused:
+            _rope_write_rows(tid, nt, r_n, li, batch, rs, dims, kv)
+            _barrier(bar, nt)
         _attention_rows(tid, nt, r_n, li, batch, rs, dims, kv, bar)
         _barrier(bar, nt)
         # 5: output projection + residual
