@@ -187,17 +187,18 @@ class CompiledRows:
 
     def __init__(self, stack, pre, x0_name):
         self.stack, self.pre, self.x0_name = stack, pre, x0_name
-        self._ws = None
+        self._local = threading.local()  # a workspace per calling thread (engines may share)
         self._bundles = None
         self.tasks = 0  # tasks of the last call (1: the serial program)
 
     def workspace(self, r: int, nt: int, bs: int):
-        """The workspace for ``r`` rows and ``nt`` tasks (grown to a power of two >= 16 rows)."""
-        ws = self._ws
+        """This thread's workspace for ``r`` rows and ``nt`` tasks (grown to a power of two >= 16
+        rows)."""
+        ws = getattr(self._local, "ws", None)
         if ws is None or ws.r_max < r or ws.nt != nt or ws.att[5].shape[1] != bs:
             st = self.stack
             r_max = max(16, 1 << (int(r) - 1).bit_length())
-            ws = self._ws = rows_layers.RowsWorkspace(
+            ws = self._local.ws = rows_layers.RowsWorkspace(
                 nt, r_max, st.e, st.biases.shape[1], st.heads, st.kv_heads, st.head_dim,
                 st.inter, st.k_max, bs)
         return ws
