@@ -23,8 +23,9 @@ tok/s; ``-rtr``: its run-time repacking into the interleaved layouts); the GGUF 
 same weights (bench/gguf_export.py writes the olv model's INT4 codes as Q4_0). ``--llama-cpp``
 runs llama.cpp through llama-cpp-python's low-level batch API on the same GGUF, as
 ``llama-batched-bench`` does: per B a context of ``B * (P + N)`` tokens with ``n_seq_max = B``,
-each prompt prefilled as its own sequence, then ``N`` steps of one ``llama_batch`` holding one
-token per sequence (``seq_id`` = the sequence); S_TG = B * N / the steps' wall time
+each prompt prefilled as its own sequence, then ``N`` steps (after one untimed) of one
+``llama_batch`` holding one token per sequence (``seq_id`` = the sequence), each step's next
+tokens the argmax of its logits; S_TG = B * N / the steps' wall time
 (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36``; its own subprocess).
 
 Shared machines: the "other load" column is the CPU other processes used during the phase (2
@@ -163,6 +164,9 @@ def llama_batched(args) -> dict:
     import llama_cpp as L
 
     L.llama_backend_init()
+    # silence llama.cpp's log (thousands of lines per context on stderr)
+    log_cb = L.llama_log_callback(lambda level, text, user: None)
+    L.llama_log_set(log_cb, ctypes.c_void_p())
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(args.gguf.encode(), mp)
     if not model:
@@ -199,8 +203,10 @@ def llama_batched(args) -> dict:
             if L.llama_decode(ctx, batch) != 0:
                 raise SystemExit("llama_decode failed (prefill)")
         toks = rng.integers(3, n_vocab, b)
-        t0 = time.perf_counter()
-        for step in range(ntg):
+        t0 = None
+        for step in range(ntg + 1):  # the first step untimed (warm-up, as llama-batched-bench)
+            if step == 1:
+                t0 = time.perf_counter()
             fill(toks, [pp + step] * b, range(b), [1] * b)
             if L.llama_decode(ctx, batch) != 0:
                 raise SystemExit("llama_decode failed (generation)")
