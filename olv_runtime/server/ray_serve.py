@@ -28,9 +28,9 @@ from olv_runtime.executor.session import SessionOptions
 from olv_runtime.server.app import ServeOptions, create_app
 from olv_runtime.server.run import load_served
 
-__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "REPLICA_HEADER", "EngineReplica", "RayServeOptions",
-           "RayUnavailable", "ReplicaHeader", "build_app", "connect", "deployment",
-           "serve_on_ray"]
+__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "REPLICA_HEADER", "EngineReplica", "ProxyUnavailable",
+           "RayServeOptions", "RayUnavailable", "ReplicaHeader", "build_app", "connect",
+           "deployment", "serve_on_ray"]
 
 log = logging.getLogger("olv_runtime.server")
 
@@ -47,6 +47,10 @@ CONNECT_SECONDS = 5.0
 
 class RayUnavailable(OlvError):
     """Ray cannot be used: not installed, or no cluster answers at the address given."""
+
+
+class ProxyUnavailable(OlvError):
+    """Ray Serve's HTTP proxy cannot listen on the address asked (the port is in use)."""
 
 
 @dataclasses.dataclass
@@ -191,12 +195,18 @@ class EngineReplica:
         return ReplicaHeader(self.olv_app, self.replica)
 
     def check_health(self) -> None:
-        """Serve's periodic health check: fails when the engine's loop has stopped."""
+        """Serve's periodic health check (Serve replaces a replica that fails it).
+
+        Raises
+        ------
+        RuntimeError
+            The engine failed to start, or its step loop has stopped (not while draining).
+        """
         st = self.olv_app.state.olv
         if st.load_error is not None:
             raise RuntimeError(f"the engine failed to start: {st.load_error}")
         if st.served is not None and not st.draining \
-                and not st.served.engine.running_in_background:
+                and not st.served.engine.running_in_background():
             raise RuntimeError("the engine's step loop is not running")
 
 
@@ -388,6 +398,8 @@ def serve_on_ray(model_path, *, host: str = "127.0.0.1", port: int = 8000,
     ------
     RayUnavailable, InvalidArgument
         :func:`connect`'s and :func:`deployment`'s.
+    ProxyUnavailable
+        The HTTP proxy cannot listen on ``host:port``.
     """
     app = deployment(model_path, load=load, options=options, ray_options=ray_options)
     started = connect(ray_address, host=host, ray_options=ray_options)
@@ -399,7 +411,12 @@ def serve_on_ray(model_path, *, host: str = "127.0.0.1", port: int = 8000,
                                                                       signal.SIGINT)}
     status = 0
     try:
-        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.start(http_options={"host": host, "port": port})
+        except RuntimeError as exc:  # ray.exceptions.RayTaskError(RuntimeError) of the proxy
+            cause = str(exc).strip().splitlines()[-1][:300]
+            raise ProxyUnavailable(f"Ray Serve's HTTP proxy cannot start on {host}:{port} "
+                                   f"({cause}); is the port in use?") from None
         try:
             serve.run(app, name=APP_NAME, route_prefix="/",
                       logging_config={"log_level": log_level.upper()})

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -29,6 +30,7 @@ from olv_runtime.server.ray_serve import (
     APP_NAME,
     DEPLOYMENT_NAME,
     REPLICA_HEADER,
+    EngineReplica,
     RayServeOptions,
     RayUnavailable,
     build_app,
@@ -321,3 +323,21 @@ def test_config_file_builder_makes_an_application():
     app = build_app({"model": "/models/m.onnx", "replicas": 2, "max_batch": 8, "threads": 2,
                      "api_key": "k", "kv_dtype": "int8"})
     assert isinstance(app, serve.Application)
+
+
+def test_health_check_fails_once_the_engine_loop_stops():
+    """Serve's check_health of a replica (no Ray needed): ok while the engine's loop runs."""
+    alive = [True]
+    state = types.SimpleNamespace(load_error=None, draining=False, served=types.SimpleNamespace(
+        engine=types.SimpleNamespace(running_in_background=lambda: alive[0])))
+    rep = object.__new__(EngineReplica)  # Serve makes replicas; only the state matters here
+    rep.olv_app = types.SimpleNamespace(state=types.SimpleNamespace(olv=state))
+    rep.check_health()
+    alive[0] = False
+    with pytest.raises(RuntimeError, match="step loop is not running"):
+        rep.check_health()
+    state.draining = True  # a replica shutting down stops its loop on purpose
+    rep.check_health()
+    state.load_error = OSError("gone")
+    with pytest.raises(RuntimeError, match="the engine failed to start: gone"):
+        rep.check_health()
