@@ -56,11 +56,11 @@ def _serve_replicas(args, path, options) -> int:
         replicas=args.replicas, num_cpus_per_replica=args.num_cpus_per_replica or 1.0,
         max_ongoing_requests=args.max_ongoing_requests, min_replicas=args.min_replicas,
         max_replicas=args.max_replicas)
-    load = dict(model_name=args.served_model_name, max_batch=args.max_batch,
-                kv_cache_tokens=args.kv_cache_tokens, kv_dtype=args.kv_dtype,
-                max_tokens_per_step=args.max_tokens_per_step,
-                session_options={"num_threads": args.threads,
-                                 "quantize_activations": args.quantize_activations})
+    load = {"model_name": args.served_model_name, "max_batch": args.max_batch,
+            "kv_cache_tokens": args.kv_cache_tokens, "kv_dtype": args.kv_dtype,
+            "max_tokens_per_step": args.max_tokens_per_step,
+            "session_options": {"num_threads": args.threads,
+                                "quantize_activations": args.quantize_activations}}
     print(f"olv serve: {args.replicas} replicas on Ray Serve, http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     return ray_serve.serve_on_ray(str(path.resolve()), host=args.host, port=args.port,

@@ -19,7 +19,6 @@ import time
 import types
 
 import pytest
-
 import ray
 from ray import serve
 
@@ -196,24 +195,24 @@ def test_two_replicas_answer_like_the_engine_and_survive_a_killed_replica(olv_ra
                 time.monotonic() < deadline and not all(f.done() for f in futs):
             time.sleep(0.01)
         assert len(streaming) == 2, started
-        victim = sorted(streaming)[0]
+        victim = min(streaming)
         actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim}",
                               namespace="serve")
         t_kill = time.monotonic()
         ray.kill(actor, no_restart=True)
         results = [f.result(timeout=90) for f in futs]
-    print("kill outcomes", [(r[0], r[1], len(r[2]), r[3], str(r[4])[:120]) for r in results])
+    outcomes = [(r[0], r[1], len(r[2]), r[3], str(r[4])[:120]) for r in results]
     kept = [r for r in results if r[0] not in (victim, None)]
-    assert kept, results
+    assert kept, outcomes
     for replica, status, text, done, err in kept:  # the survivor's streams all finished
-        assert (status, done, err) == (200, "length", None) and len(text) >= 1, replica
+        assert (status, done, err) == (200, "length", None) and len(text) >= 1, outcomes
     # the victim's: a stream already running is cut (no [DONE]: the client sees an error);
     # a request it had not answered yet gets a 5xx from the proxy
     failed = [r for r in results if r[0] in (victim, None)]
-    assert failed
+    assert failed, outcomes
     for replica, status, text, done, err in failed:
-        assert not done and err is not None, (replica, status, len(text), err)
-        assert (replica, status) == (victim, 200) or status >= 500, (replica, status, err)
+        assert not done and err is not None, outcomes
+        assert (replica, status) == (victim, 200) or status >= 500, outcomes
     assert time.monotonic() - t_kill < 60
 
     # requests go on meanwhile, and Serve replaces the replica
@@ -280,8 +279,8 @@ def test_ray_not_installed_names_the_pip_command(monkeypatch, model):
     ({"replicas": 0}, r"replicas: expected an integer >= 1, got 0"),
     ({"num_cpus_per_replica": 0}, r"num_cpus_per_replica: expected a number > 0"),
     ({"max_ongoing_requests": 0}, r"max_ongoing_requests: expected an integer >= 1"),
-    ({"replicas": 2, "max_replicas": 1}, r"min_replicas <= replicas <= max_replicas, got "
-                                         r"1 <= 2 <= 1"),
+    ({"replicas": 2, "max_replicas": 1},
+     r"min_replicas <= replicas <= max_replicas, got 1 <= 2 <= 1"),
     ({"replicas": 2, "min_replicas": 3, "max_replicas": 4}, r"got 3 <= 2 <= 4"),
     ({"min_replicas": -1}, r"min_replicas: expected an integer >= 0, got -1"),
 ])
