@@ -1,34 +1,41 @@
-"""``olv serve --replicas 2`` on Ray Serve, as users run it: a local Ray head on 127.0.0.1 started
-here, ``olv serve`` in a subprocess attached to it with ``--ray-address``, httpx clients.
+"""``olv serve --replicas 2`` on Ray Serve, as users run it: a local Ray head on 127.0.0.1,
+``olv serve`` in a subprocess attached to it with ``--ray-address``, httpx clients.
 
 16 concurrent requests equal the engine's own greedy results and reach both replicas (the
 ``x-olv-replica`` header); then one replica's actor is killed while streams run on both: the
 other replica's streams finish, the killed one's end promptly with an error (no hang), new
-requests keep working, and Serve starts a replacement (bounded waits throughout)."""
+requests keep working, and Serve starts a replacement (bounded waits throughout).
+
+Ray binds many of its own services (GCS, raylet, workers, agents) on 0.0.0.0 or the machine's
+address whatever ``_node_ip_address`` says, and servers in tests may listen on 127.0.0.1 only: so
+the whole scenario (ray_serve_scenario.py) runs in one child process in new user, network and PID
+namespaces (``unshare -rn --pid --fork --kill-child --mount-proc``) whose only interface is
+loopback; the namespace's last process gone, the kernel ends every process in it. The test
+compares the child's observations with the engine's results computed here, and checks that no
+process of the scenario listened on the host meanwhile."""
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
-import ray
 from ray import serve
+from ray_serve_scenario import LONG, MAX_TOKENS, PROMPTS, RESULT_PREFIX
 
 from olv_runtime.cli import build_parser
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.server import load_served
 from olv_runtime.server.ray_serve import (
-    APP_NAME,
     DEPLOYMENT_NAME,
-    REPLICA_HEADER,
     EngineReplica,
     RayServeOptions,
     RayUnavailable,
@@ -39,10 +46,9 @@ from olv_runtime.server.ray_serve import (
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
-START_SECONDS = 150
-MAX_TOKENS = 8
-LONG = 200  # tokens of the streams a replica's death interrupts (the prompts + 200 <= 256)
-PROMPTS = [f"tell {w} " * (1 + i % 5) for i, w in enumerate("abcdefghijklmnop")]
+SCENARIO = Path(__file__).with_name("ray_serve_scenario.py")
+SCENARIO_SECONDS = 900  # the scenario's own waits add up to ~700 s at most
+NAMESPACES = ["-rn", "--pid", "--fork", "--kill-child", "--mount-proc"]
 
 
 def _free_port() -> int:
@@ -59,178 +65,188 @@ def model(tiny_chat_models):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """The engine's greedy completion of each prompt (no HTTP, no Ray)."""
+    """The engine's greedy completion of each prompt (no HTTP, no Ray), as JSON gives it back."""
     served = load_served(model, model_name="tiny", max_batch=4, kv_cache_tokens=2048)
     ids = [served.tokenizer.encode(p).ids for p in PROMPTS]
     res = served.engine.generate(ids, {"max_new_tokens": MAX_TOKENS, "eos_token_id": "auto",
                                        "logprobs": True})
-    return {p: (r.text, [lp.logprob for lp in r.logprobs]) for p, r in zip(PROMPTS, res)}
+    return {p: [r.text, [lp.logprob for lp in r.logprobs]] for p, r in zip(PROMPTS, res)}
+
+
+def _unshare() -> str:
+    """The unshare binary, checked to make the namespaces here; the test fails (never skips)
+    without it: CI runs as root on this image."""
+    exe = shutil.which("unshare")
+    if exe is None:
+        pytest.fail("the Ray test needs 'unshare' (util-linux) on PATH to run Ray in a "
+                    "loopback-only network namespace; it is missing")
+    probe = subprocess.run([exe, *NAMESPACES, "true"], capture_output=True, text=True,
+                           timeout=30, check=False)
+    if probe.returncode != 0:
+        pytest.fail(f"'unshare {' '.join(NAMESPACES)} true' is not permitted here (exit "
+                    f"{probe.returncode}: {probe.stderr.strip()[:500]}); the Ray test needs user, "
+                    "network and PID namespaces (root, or unprivileged user namespaces enabled)")
+    return exe
+
+
+def _host_listeners() -> dict:
+    """{(address, port): (pid, process name)} of the TCP listeners in this (the host's) network
+    namespace."""
+    out = {}
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN:
+            name = None
+            if c.pid is not None:
+                try:
+                    name = psutil.Process(c.pid).name()
+                except psutil.Error:
+                    pass
+            out[(c.laddr.ip, c.laddr.port)] = (c.pid, name)
+    return out
+
+
+def _tree(pid: int) -> dict[int, float]:
+    """{pid: creation time} of a process and its descendants."""
+    out = {}
+    try:
+        proc = psutil.Process(pid)
+        for q in [proc, *proc.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                out[q.pid] = q.create_time()
+    except psutil.Error:
+        pass
+    return out
+
+
+def _alive(pids: dict[int, float]) -> list[int]:
+    """The processes of ``pids`` still running (the same process: same creation time)."""
+    out = []
+    for pid, created in pids.items():
+        with contextlib.suppress(psutil.Error):
+            q = psutil.Process(pid)
+            if q.create_time() == created and q.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+    return out
 
 
 @pytest.fixture(scope="module")
-def ray_head():
-    """A local Ray head on 127.0.0.1 (no dashboard): its GCS address."""
-    # address="local": a new Ray, never a cluster this machine already runs
-    ray.init(address="local", num_cpus=3, include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def olv_ray(ray_head, model):
-    port = _free_port()
-    p = subprocess.Popen([sys.executable, "-m", "olv_runtime.cli", "serve", str(model),
-                          "--replicas", "2", "--ray-address", ray_head, "--port", str(port),
-                          "--served-model-name", "tiny", "--max-batch", "4",
-                          "--kv-cache-tokens", "2048", "--num-cpus-per-replica", "1",
-                          "--shutdown-timeout", "3", "--log-level", "warning"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_SECONDS
-        while True:
-            assert p.poll() is None, p.communicate(timeout=10)
-            assert time.monotonic() < deadline, f"olv serve --replicas 2 not ready in " \
-                                                f"{START_SECONDS} s"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200 and \
-                        _running(2):
-                    break
-            time.sleep(0.2)
-        yield p, url, port
-    finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        p.communicate(timeout=30)
-
-
-def _deployment_status():
-    app = serve.status().applications.get(APP_NAME)
-    return None if app is None else app.deployments.get(DEPLOYMENT_NAME)
-
-
-def _running(n: int) -> bool:
-    d = _deployment_status()
-    return d is not None and d.replica_states.get("RUNNING", 0) == n and \
-        sum(d.replica_states.values()) == n
-
-
-def _complete(url: str, prompt: str, max_tokens: int = MAX_TOKENS):
-    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt,
-                                                  "max_tokens": max_tokens, "temperature": 0,
-                                                  "logprobs": 0},
-                   timeout=60)
-    return r
-
-
-def _answer(r):
-    c = r.json()["choices"][0]
-    return c["text"], c["logprobs"]["token_logprobs"]
-
-
-def _stream(url: str, prompt: str, started, max_tokens: int):
-    """(replica, status, texts of the token chunks, the finish reason if [DONE] came, error)
-    of one streamed completion."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    text, done, err, finish = [], False, None, None
-    with httpx.Client(timeout=httpx.Timeout(60, connect=10)) as c:
+def scenario(model, tmp_path_factory):
+    """Run ray_serve_scenario.py in the namespaces (bounded: the process group is killed past
+    SCENARIO_SECONDS); its observations, and what listened on the host meanwhile."""
+    exe = _unshare()
+    out_dir = tmp_path_factory.mktemp("ray_scenario")
+    before = _host_listeners()
+    with open(out_dir / "stdout", "w+") as so, open(out_dir / "stderr", "w+") as se:
+        p = subprocess.Popen([exe, *NAMESPACES, sys.executable, str(SCENARIO), str(model)],
+                             stdout=so, stderr=se, start_new_session=True)
+        pids, new_on_host, timed_out = _tree(p.pid), {}, False
         try:
-            with c.stream("POST", url + "/v1/completions", json=body) as s:
-                replica = s.headers.get(REPLICA_HEADER)
-                started.append((replica, s.status_code))
-                if s.status_code != 200:
-                    return replica, s.status_code, text, None, s.read().decode()
-                for line in s.iter_lines():
-                    if line == "data: [DONE]":
-                        done = True
-                    elif line.startswith("data: "):
-                        obj = json.loads(line[6:])
-                        if "error" in obj:
-                            err = obj["error"]
-                        elif obj["choices"][0]["finish_reason"] is None:
-                            text.append(obj["choices"][0]["text"])
-                        else:
-                            finish = obj["choices"][0]["finish_reason"]
-        except httpx.HTTPError as exc:
-            err = repr(exc)
-        return replica, s.status_code, text, finish if done else None, err
+            deadline = time.monotonic() + SCENARIO_SECONDS
+            while p.poll() is None and time.monotonic() < deadline:
+                # the scenario's processes (host pids), and host listeners that were not there
+                pids.update(_tree(p.pid))
+                for addr, owner in _host_listeners().items():
+                    if addr not in before:
+                        new_on_host[addr] = owner
+                time.sleep(0.5)
+            if p.poll() is None:
+                timed_out = True
+        finally:
+            if p.poll() is None:
+                # unshare's child (the PID namespace's init) dies with it (--kill-child); the
+                # kernel then kills every process of the namespace
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(60)
+        so.seek(0)
+        se.seek(0)
+        stdout, stderr = so.read(), se.read()
+    # nothing of the scenario outlives it
+    deadline = time.monotonic() + 30
+    while (alive := _alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = _host_listeners()
+    assert not timed_out, f"the Ray scenario ran past {SCENARIO_SECONDS} s: {stderr[-4000:]}"
+    lines = [x for x in stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+    assert p.returncode == 0 and len(lines) == 1, \
+        f"exit {p.returncode}: {stdout[-2000:]} {stderr[-6000:]}"
+    return types.SimpleNamespace(res=json.loads(lines[0][len(RESULT_PREFIX):]), pids=pids,
+                                 alive=alive, before=before, after=after,
+                                 new_on_host=new_on_host)
 
 
-def test_two_replicas_answer_like_the_engine_and_survive_a_killed_replica(olv_ray, reference):
-    p, url, port = olv_ray
+def test_ray_runs_only_in_a_loopback_namespace(scenario):
+    res = scenario.res
+    assert res["fatal"] is None, res["fatal"]
+    # the child's network namespace is not the host's, and loopback is its only interface
+    assert res["netns"] != os.readlink("/proc/self/ns/net")
+    assert res["interfaces"] == ["lo"]
+    assert res["lo_up_by"] == ("ip" if os.path.exists("/usr/sbin/ip") else "ioctl")
+    inside = {tuple(a) for a in res["listeners"]}
+    # Ray's services listen in there (some on 0.0.0.0 / ::: reachable only on its loopback)
+    assert len(inside) >= 3, inside
     # Serve's HTTP proxy listens on 127.0.0.1 only
-    addrs = {c.laddr.ip for c in psutil.net_connections("tcp")
-             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-    assert addrs == {"127.0.0.1"}
+    assert {ip for ip, port in inside if port == res["port"]} == {"127.0.0.1"}, inside
+    # no process of the scenario listened on the host, and none is left
+    assert len(scenario.pids) >= 3, scenario.pids  # unshare, the scenario, Ray, olv serve...
+    mine = {a: o for a, o in scenario.new_on_host.items() if o[0] in scenario.pids}
+    assert not mine, mine
+    ray_like = {a: o for a, o in scenario.new_on_host.items()
+                if o[1] and any(k in o[1] for k in ("ray", "gcs_server"))}
+    assert not ray_like, ray_like
+    assert not scenario.alive, scenario.alive
+    # and, after it, no listener on the host that was not there before is the scenario's
+    left = {a: o for a, o in scenario.after.items() if a not in scenario.before}
+    assert not {a: o for a, o in left.items() if o[0] in scenario.pids or
+                (o[1] and any(k in o[1] for k in ("ray", "gcs_server")))}, left
 
+
+def test_two_replicas_answer_like_the_engine_and_survive_a_killed_replica(scenario,
+                                                                          reference):
+    res = scenario.res
+    assert res["fatal"] is None, res["fatal"]
     # 16 concurrent requests: each equals the engine's result; both replicas answer
-    with concurrent.futures.ThreadPoolExecutor(16) as ex:
-        rs = list(ex.map(lambda q: _complete(url, q), PROMPTS))
-    assert [r.status_code for r in rs] == [200] * 16, [r.text[:200] for r in rs]
-    # the same tokens, and bitwise the same log-probabilities (exact mode, INT4 weights)
-    assert [_answer(r) for r in rs] == [reference[q] for q in PROMPTS]
-    replicas = {r.headers[REPLICA_HEADER] for r in rs}
-    assert len(replicas) == 2, replicas
+    rs = res["concurrent"]
+    assert [r[0] for r in rs] == [200] * 16, [r[3] for r in rs]
+    # the same tokens, and bitwise the same log-probabilities (exact mode, INT4 weights): JSON
+    # gives a float back exactly (repr round-trips)
+    assert [r[2] for r in rs] == [reference[q] for q in PROMPTS]
+    replicas = {r[1] for r in rs}
+    assert len(replicas) == 2 and None not in replicas, replicas
     for path in ("/health", "/v1/models", "/metrics"):
-        g = httpx.get(url + path, timeout=10)
-        assert g.status_code == 200 and g.headers[REPLICA_HEADER] in replicas, path
+        status, replica = res["gets"][path]
+        assert status == 200 and replica in replicas, (path, status, replica)
 
     # streams on both replicas, then one replica's actor is killed
-    started = []
-    with concurrent.futures.ThreadPoolExecutor(8) as ex:
-        futs = [ex.submit(_stream, url, PROMPTS[i], started, LONG) for i in range(8)]
-        deadline = time.monotonic() + 60
-        while len(streaming := {r for r, status in started if status == 200}) < 2 and \
-                time.monotonic() < deadline and not all(f.done() for f in futs):
-            time.sleep(0.01)
-        assert len(streaming) == 2, started
-        victim = min(streaming)
-        actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim}",
-                              namespace="serve")
-        t_kill = time.monotonic()
-        ray.kill(actor, no_restart=True)
-        results = [f.result(timeout=90) for f in futs]
-    outcomes = [(r[0], r[1], len(r[2]), r[3], str(r[4])[:120]) for r in results]
+    assert set(res["streaming"]) == replicas
+    victim = res["victim"]
+    assert victim == min(res["streaming"])
+    results = res["streams"]
+    assert len(results) == 8
     kept = [r for r in results if r[0] not in (victim, None)]
-    assert kept, outcomes
-    for replica, status, text, done, err in kept:  # the survivor's streams all finished
-        assert (status, done, err) == (200, "length", None) and len(text) >= 1, outcomes
+    assert kept, results
+    for replica, status, chunks, done, err in kept:  # the survivor's streams all finished
+        assert (status, done, err) == (200, "length", None) and 1 <= chunks <= LONG, results
     # the victim's: a stream already running is cut (no [DONE]: the client sees an error);
     # a request it had not answered yet gets a 5xx from the proxy
     failed = [r for r in results if r[0] in (victim, None)]
-    assert failed, outcomes
-    for replica, status, text, done, err in failed:
-        assert not done and err is not None, outcomes
-        assert (replica, status) == (victim, 200) or status >= 500, outcomes
-    assert time.monotonic() - t_kill < 60
+    assert failed, results
+    for replica, status, chunks, done, err in failed:
+        assert not done and err is not None, results
+        assert (replica, status) == (victim, 200) or (status is not None and status >= 500), \
+            results
+    assert res["kill_to_streams_end_s"] < 60
 
     # requests go on meanwhile, and Serve replaces the replica
-    r = _complete(url, PROMPTS[0])
-    assert r.status_code == 200 and _answer(r) == reference[PROMPTS[0]]
-    deadline = time.monotonic() + START_SECONDS
-    while not _running(2):
-        assert time.monotonic() < deadline, _deployment_status()
-        time.sleep(0.5)
-    with concurrent.futures.ThreadPoolExecutor(8) as ex:
-        rs = list(ex.map(lambda q: _complete(url, q), PROMPTS[:8]))
-    assert [r.status_code for r in rs] == [200] * 8
-    assert victim not in {r.headers[REPLICA_HEADER] for r in rs}
+    status, _, answer, body = res["after_kill"]
+    assert status == 200 and answer == reference[PROMPTS[0]], (status, body)
+    assert res["replaced"], res["status_after_kill"]
+    rs = res["after_replacement"]
+    assert [r[0] for r in rs] == [200] * 8, [r[3] for r in rs]
+    assert victim not in {r[1] for r in rs}
 
     # SIGTERM: olv serve deletes its application and exits 0
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(60) == 0
-    assert serve.status().applications.get(APP_NAME) is None
+    assert res["sigterm_exit"] == 0, res.get("olv_serve_stderr_tail")
+    assert res["app_after_sigterm"] is None
 
 
 # -- bad input: clear errors, no Ray started ------------------------------------------------------
