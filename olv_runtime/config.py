@@ -47,6 +47,7 @@ LAZY_IMPORTS = frozenset({
     "torch", "transformers", "accelerate", "matplotlib", "onnxruntime", "onnxruntime_genai",
     "llama_cpp", "gguf", "psutil",           # optional: references, plots, benchmarks
     "llguidance", "starlette", "uvicorn", "prometheus_client",  # optional: olv serve (serve extra)
+    "ray",                                   # optional: olv serve --replicas (ray extra)
     "onnx", "jinja2", "tokenizers", "safetensors", "ml_dtypes", "tqdm",  # required, imported late
 })
 
