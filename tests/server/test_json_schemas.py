@@ -89,3 +89,22 @@ def test_generate_json_schema_validates(session, entry):
         tokenizer=tok, json_schema=entry["schema"])
     assert r.finish_reason == "eos", r
     jsonschema.validate(json.loads(r.text), entry["schema"])
+
+
+def test_bench_reports_the_mask_cost_of_the_table(capsys):
+    """bench/structured.py over the same table (a small synthetic vocabulary here): a row per
+    schema and one over all, every walk ended by the grammar; timings are printed, not
+    checked."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "structured.py"
+    spec = importlib.util.spec_from_file_location("bench_structured", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.synthetic_tokenizer(3000).get_vocab_size() == 3000
+    assert bench.main(["--vocab", "4096", "--walks", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [ln.split(" | ") for ln in lines if ln.startswith("| ") and "schema" not in ln]
+    assert [r[0][2:] for r in rows] == IDS + ["all"]
+    assert all(int(r[1]) > 0 and r[2] == "0" for r in rows)
+    assert int(rows[-1][1]) == sum(int(r[1]) for r in rows[:-1])
