@@ -5,7 +5,9 @@
 
 Each client sends streamed completions (a prompt of ``--prompt-tokens`` token ids, so the server
 needs no tokenizer and every server sees the same lengths; ``--text-prompt`` sends words instead,
-for servers that take text only) back to back until ``--seconds`` have passed, then finishes its
+for servers that take text only; ``--char-prompt`` sends ``--prompt-tokens`` random letters, which a
+byte-level BPE tokenizer without merges -- bench/structured.py's ``synthetic_tokenizer`` -- encodes to
+as many tokens in every server) back to back until ``--seconds`` have passed, then finishes its
 request. Reported: aggregate generated tokens per second (chunks with text, or the usage counts
 when the server sends them), time to first token and inter-token latency p50 / p99, requests
 completed and errors. Works against ``olv serve`` and llama-cpp-python's server
@@ -32,7 +34,10 @@ def _pct(xs, q):
 
 
 async def _one(client, args, rng, stats):
-    if args.text_prompt:
+    if args.char_prompt:  # one token per character under a byte-level BPE without merges
+        prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                         for _ in range(args.prompt_tokens))
+    elif args.text_prompt:
         prompt = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"])
                           for _ in range(args.prompt_tokens))
     else:
@@ -111,6 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=1000,
                     help="prompt ids are drawn from [10, VOCAB) (default: 1000)")
     ap.add_argument("--text-prompt", action="store_true")
+    ap.add_argument("--char-prompt", action="store_true",
+                    help="a prompt of --prompt-tokens random letters (as many tokens for a "
+                         "byte-level BPE without merges, the same for every server)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--request-timeout", type=float, default=600.0)

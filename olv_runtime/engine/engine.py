@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import collections.abc
 import dataclasses
 import itertools
@@ -196,6 +197,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._lock = threading.Lock()          # incoming, cancels, the request registry
         self._step_lock = threading.Lock()     # one step at a time
+        self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None  # _prepare_masks
         self._incoming: collections.deque[Request] = collections.deque()
         self._cancels: set[int] = set()
         self.requests: dict[int, Request] = {}
@@ -525,15 +527,20 @@ class Engine:
             r += n
         blocks = tables[row_seq, pos // bs].astype(np.int64)
         offsets = pos % bs
+        masks = self._prepare_masks(sampled)  # grammar masks, computed alongside the forward
         try:
             logits = self.program.forward(ids, pos, row_seq, tables, blocks, offsets,
                                           np.asarray(logit_rows, np.int64), self.pool)
         except Exception as exc:  # the step failed as a whole: its requests end with the error
+            if masks is not None:
+                masks.result()
             log.exception("olv engine: a step failed")
             for req, _ in plan:
                 if not req.finished:
                     self._finish(req, "error", outputs, error=exc)
             return
+        if masks is not None:
+            masks.result()  # (prepare never raises: a failing mask is recomputed by the call)
         st = self._stats
         st.rows += r_n
         st.max_rows_in_step = max(st.max_rows_in_step, r_n)
@@ -548,6 +555,21 @@ class Engine:
                 self.blocks.register(req.table, b, req.tokens[b * bs:(b + 1) * bs])
         for i, req in enumerate(sampled):
             self._emit(req, logits[i], outputs)
+
+    def _prepare_masks(self, reqs) -> concurrent.futures.Future | None:
+        """Start the ``prepare()`` of the logits processors of ``reqs`` that have one (a
+        grammar's next-token mask, :class:`~olv_runtime.generation.structured
+        .GrammarLogitsProcessor`) on the engine's mask thread, so the masks are computed while
+        the forward runs; None when no processor has one. The step waits for it before choosing
+        tokens; a processor's state is touched by one thread at a time."""
+        procs = [r.logits_processor for r in reqs
+                 if callable(getattr(r.logits_processor, "prepare", None))]
+        if not procs:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="olv-mask")
+        return self._mask_pool.submit(_prepare_all, procs)
 
     def _emit(self, req: Request, row: np.ndarray, outputs) -> None:
         """Choose the request's next token from ``row``, record it, check its stop conditions."""
@@ -779,13 +801,16 @@ class Engine:
                 self._wake.clear()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the background loop (requests still queued stay queued)."""
+        """Stop the background loop (requests still queued stay queued) and the mask thread."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             if self._thread is not threading.current_thread():  # (a callback in the loop)
                 self._thread.join(timeout)
             self._thread = None
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False)
+            self._mask_pool = None
 
     def __enter__(self):
         return self
@@ -793,3 +818,13 @@ class Engine:
     def __exit__(self, *exc):
         self.shutdown()
         return False
+
+
+def _prepare_all(procs) -> None:
+    """The mask thread's work: each processor's ``prepare()`` (errors are left to the processor's
+    own call in the step, which recomputes and raises them for its request alone)."""
+    for p in procs:
+        try:
+            p.prepare()
+        except Exception:  # noqa: BLE001 -- reported by the processor's call
+            pass

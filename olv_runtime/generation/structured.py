@@ -1,4 +1,5 @@
-"""Structured output: a grammar's token mask applied to the logits before each selection.
+"""Structured output: a grammar's token mask applied to the logits before each selection (the
+engine computes each step's masks on a thread of its own while the forward runs: ``prepare()``).
 
 :class:`GrammarCompiler` turns a JSON schema (or "any JSON object") into a per-request
 :class:`GrammarLogitsProcessor` through llguidance (https://github.com/guidance-ai/llguidance,
@@ -62,6 +63,7 @@ class GrammarLogitsProcessor:
         self.vocab = int(vocab)
         self.mask_seconds = 0.0
         self.masks = 0
+        self._ready = None  # the next mask, made by prepare() for the current grammar state
 
     def allowed(self) -> np.ndarray:
         """The ids the grammar allows next: bool ``[vocab]``.
@@ -80,16 +82,29 @@ class GrammarLogitsProcessor:
         out[:n] = ok[:n]
         return out
 
+    def prepare(self) -> None:
+        """Compute the next mask now (the engine calls it on its mask thread while the forward
+        runs); the next call uses it. Errors are left to that call."""
+        t0 = time.perf_counter()
+        self._ready = None
+        self._ready = ~self.allowed()
+        self.mask_seconds += time.perf_counter() - t0
+
     def __call__(self, history: Sequence[int], row: np.ndarray) -> None:
         """Set the ids the grammar does not allow next to ``-inf`` in ``row`` (``[vocab]``
-        float32, in place). GrammarError when the grammar is in error."""
+        float32, in place): the mask :meth:`prepare` made, else computed now. GrammarError when
+        the grammar is in error."""
         t0 = time.perf_counter()
-        row[~self.allowed()[:row.shape[0]]] = -np.inf
+        banned, self._ready = self._ready, None
+        if banned is None:
+            banned = ~self.allowed()
+        row[banned[:row.shape[0]]] = -np.inf
         self.mask_seconds += time.perf_counter() - t0
         self.masks += 1
 
     def accept(self, token_id: int) -> None:
         """Advance the grammar by the chosen token (GrammarError when it refuses it)."""
+        self._ready = None
         if not self.matcher.consume_token(int(token_id)):
             raise GrammarError(f"grammar refused token {token_id}: {self.matcher.get_error()}")
 

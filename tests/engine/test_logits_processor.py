@@ -2,6 +2,8 @@
 selection (a grammar's token mask), told each chosen token through ``accept``."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -127,3 +129,45 @@ def test_result_taken_during_the_step_that_finished_it(engine):
     assert taken and taken[0].finish_reason == "cancelled"
     assert engine.result(r1).finish_reason == "length"
     assert r2 not in engine.requests
+
+
+class Prepared(OnlyIds):
+    """OnlyIds whose mask is made by ``prepare()``: records the thread it ran on and whether
+    each call found its prepared mask; ``fail`` makes prepare raise (the call then works
+    alone)."""
+
+    def __init__(self, ids, fail=False):
+        super().__init__(ids)
+        self.fail = fail
+        self.threads, self.used = [], []
+        self._ready = None
+
+    def prepare(self):
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("prepare failed")
+        self._ready = len(self.histories)
+
+    def __call__(self, history, row):
+        self.used.append(self._ready == len(self.histories))
+        self._ready = None
+        super().__call__(history, row)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_prepare_runs_on_the_mask_thread_before_each_call(engine, fail):
+    """The engine starts each sampled request's ``prepare()`` on its mask thread before the
+    forward and waits for it before the call (structured output's masks alongside the
+    forward); a prepare that raises changes nothing but the work done in the call."""
+    plain = OnlyIds([40, 41, 42])  # the same mask without prepare(): the reference
+    proc = Prepared([40, 41, 42], fail=fail)
+    rid = engine.add_request([5, 6, 7, 8], {"max_new_tokens": 5, "eos_token_id": None},
+                             logits_processor=proc)
+    rid2 = engine.add_request([5, 6, 7, 8], {"max_new_tokens": 5, "eos_token_id": None},
+                              logits_processor=plain)
+    while engine.has_unfinished():
+        engine.step()
+    a, b = engine.result(rid), engine.result(rid2)
+    assert a.ids.tolist() == b.ids.tolist() and set(a.ids.tolist()) <= {40, 41, 42}
+    assert len(proc.threads) == 5 and all(t.startswith("olv-mask") for t in proc.threads)
+    assert proc.used == [not fail] * 5
