@@ -2,6 +2,7 @@
 
     python bench/serve_load.py --url http://127.0.0.1:8000 --clients 8 --seconds 30 \
         --prompt-tokens 128 --max-tokens 128 [--model NAME] [--api-key KEY] [--json out.json]
+    python bench/serve_load.py plot serve.png olv=olv.json llama-cpp-python=lcp.json
 
 Each client sends streamed completions (a prompt of ``--prompt-tokens`` token ids, so the server
 needs no tokenizer and every server sees the same lengths; ``--text-prompt`` sends words instead,
@@ -106,7 +107,41 @@ async def run(args) -> dict:
             "itl_mean_s": round(statistics.fmean(stats["itl"]), 5) if stats["itl"] else None}
 
 
+def plot(reports: dict, path: str) -> None:
+    """Bars of aggregate tok/s and of TTFT p50 / p99 per server (``{label: report}``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(reports)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.4))
+    a1.bar(labels, [reports[k]["tok_per_s"] for k in labels], color=["C0", "C1", "C2"][:len(labels)])
+    a1.set_ylabel("aggregate generated tok/s")
+    x = range(len(labels))
+    a2.bar([i - 0.2 for i in x], [reports[k]["ttft_p50_s"] for k in labels], 0.4, label="p50")
+    a2.bar([i + 0.2 for i in x], [reports[k]["ttft_p99_s"] for k in labels], 0.4, label="p99")
+    a2.set_xticks(list(x), labels)
+    a2.set_ylabel("time to first token, s")
+    a2.legend()
+    c = next(iter(reports.values()))
+    fig.suptitle(f"{c['clients']} streaming clients, prompt {c['prompt_tokens']}, "
+                 f"{c['max_tokens']} tokens each")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["plot"]:  # bench/serve_load.py plot OUT.png LABEL=REPORT.json ...
+        if len(argv) < 3 or not all("=" in a for a in argv[2:]):
+            print("usage: serve_load.py plot OUT.png LABEL=REPORT.json [LABEL=REPORT.json ...]",
+                  file=sys.stderr)
+            return 2
+        plot({a.split("=", 1)[0]: json.load(open(a.split("=", 1)[1])) for a in argv[2:]},
+             argv[1])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--clients", type=int, default=8)
