@@ -205,20 +205,22 @@ def test_prefill_rows_bitwise_plan(models):
     ids = np.random.default_rng(0).integers(3, _vocab(sess), 150).astype(np.int64)
     st = make_state(sess, empty_cache(sess))
     ref = st.run({"input_ids": ids.reshape(1, -1)}, outputs=["logits"])["logits"][0]
+    assert np.array_equal(_forward_chunks(prog, ids, [150], pool), ref)
+    assert np.array_equal(_forward_chunks(prog, ids, [1, 1, 30, 64, 54], pool), ref)
+
+
+def _forward_chunks(prog, ids, chunks, pool):
+    """One sequence's ``ids`` through ``prog.forward`` in chunks of the given sizes (its blocks
+    5, 1, 6 of the pool, block size 64), every row's logits concatenated."""
     tab = np.array([[5, 1, 6]], np.int32)
-
-    def run(chunks):
-        out, p0 = [], 0
-        for c in chunks:
-            pos = np.arange(p0, p0 + c, dtype=np.int64)
-            out.append(prog.forward(ids[pos], pos, np.zeros(c, np.int32), tab,
-                                    tab[0, pos // 64].astype(np.int64), pos % 64,
-                                    np.arange(c, dtype=np.int64), pool))
-            p0 += c
-        return np.concatenate(out)
-
-    assert np.array_equal(run([150]), ref)
-    assert np.array_equal(run([1, 1, 30, 64, 54]), ref)
+    out, p0 = [], 0
+    for c in chunks:
+        pos = np.arange(p0, p0 + c, dtype=np.int64)
+        out.append(prog.forward(ids[pos], pos, np.zeros(c, np.int32), tab,
+                                tab[0, pos // 64].astype(np.int64), pos % 64,
+                                np.arange(c, dtype=np.int64), pool))
+        p0 += c
+    return np.concatenate(out)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8", "int4"])
@@ -244,18 +246,10 @@ def test_compiled_rows_agree_with_plan(models, kv_dtype, int8, tasks, monkeypatc
         progs[compiled] = prog
     assert progs[True].compiled is not None
     ids = np.random.default_rng(0).integers(3, _vocab(sess), 150).astype(np.int64)
-    tab = np.array([[5, 1, 6]], np.int32)
 
     def run(prog, chunks):
         pool = KVBlockPool(prog.n_layers, 8, prog.n_kv_heads, 64, prog.head_dim, kv_dtype)
-        out, p0 = [], 0
-        for c in chunks:
-            pos = np.arange(p0, p0 + c, dtype=np.int64)
-            out.append(prog.forward(ids[pos], pos, np.zeros(c, np.int32), tab,
-                                    tab[0, pos // 64].astype(np.int64), pos % 64,
-                                    np.arange(c, dtype=np.int64), pool))
-            p0 += c
-        return np.concatenate(out), pool
+        return _forward_chunks(prog, ids, chunks, pool), pool
 
     nt0 = config.get_num_threads()
     config.set_num_threads(tasks)
