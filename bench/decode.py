@@ -806,29 +806,28 @@ def genai_olv_rows(args, base, gdir, tmp, add_row):
 
 
 def gguf_rows(args, base, ckpt, model, tmp, add_row):
-    """GGUF rows: each file converted by ``olv convert`` (payloads stay in the .gguf) and run
-    by olv exact / int8 activations and by llama.cpp on the same file, same threads. Returns
-    ``[{"file", "olv", "olv_q", "llama", "ratio", "ratio_q"}]`` (decode tok/s, ratios to
+    """GGUF rows (bench/gguf_bench.py): the ``--gguf`` files and the ``--gguf-types`` files made
+    from F16 GGUFs of the ``--gguf-shapes`` checkpoints by llama.cpp's quantizer; each converted
+    by ``olv convert`` (payloads stay in the .gguf) and run by olv exact / int8 activations, by
+    llama.cpp (llama-cpp-python) and, with ``--ik-bench``, by ik_llama.cpp's ``llama-bench`` on the
+    same file, same threads. Returns ``[{"file", "types", "weight_bytes", "olv", "olv_q",
+    "llama", "ik", "<backend>_row": phase result, "ratio", "ratio_q"}]`` (decode tok/s; ratios to
     llama.cpp)."""
     import olv_runtime
 
     sys.path.insert(0, str(HERE))
-    import gguf_export
+    import gguf_bench
     from olv_runtime.models.gguf_reader import GGUFFile
 
     cache = pathlib.Path(args.cache_dir).expanduser()
     files = [pathlib.Path(p).expanduser() for p in args.gguf.split(",") if p.strip()]
-    if args.gguf_q4km:
-        if ckpt is None:
-            log("[gguf] --gguf-q4km needs the checkpoint; skipped")
-        else:
-            q4km = cache / "gguf" / f"{ckpt.resolve().name}-q4_k_m.gguf"
-            if not q4km.is_file():
-                f16 = cache / "gguf" / f"{ckpt.resolve().name}-f16.gguf"
-                if not f16.is_file():
-                    gguf_export.export_f16(ckpt, f16, progress=log)
-                gguf_export.quantize_q4_k_m(f16, q4km, threads=args.threads, progress=log)
-            files.append(q4km)
+    types = [t.strip().lower() for t in args.gguf_types.split(",") if t.strip()]
+    if args.gguf_q4km and "q4_k_m" not in types:
+        types.append("q4_k_m")
+    shapes = [s.strip() for s in args.gguf_shapes.split(",") if s.strip()]
+    if types:
+        files += gguf_bench.make_files(shapes, types, cache, args.threads, log)
+    ik = gguf_bench.ik_binary(args.ik_bench)
     out = []
     for f in files:
         target = cache / "gguf_olv" / f.stem / "model.onnx"
@@ -836,27 +835,39 @@ def gguf_rows(args, base, ckpt, model, tmp, add_row):
             log(f"[gguf] olv convert {f} -> {target}")
             olv_runtime.convert(f, target)
         with GGUFFile(f) as g:
-            types = sorted({t.type_name for t in g.tensors.values()})
+            types_f = sorted({t.type_name for t in g.tensors.values()})
             wbytes = sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2)
-        tag = f"{f.name} ({'/'.join(types)})"
+            arch = g.get("general.architecture")
+            heads, embd = g.get(f"{arch}.attention.head_count"), g.get(f"{arch}.embedding_length")
+            shape = dict(layers=int(g.get(f"{arch}.block_count")),
+                         kv_heads=int(g.get(f"{arch}.attention.head_count_kv")),
+                         head_dim=int(g.get(f"{arch}.attention.key_length") or embd // heads))
+        tag = f"{f.name} ({'/'.join(types_f)})"
         logits = tmp / f"gguf_{f.stem}_logits.npy"
-        res = {"file": str(f), "types": types}
+        res = {"file": str(f), "types": types_f, "weight_bytes": wbytes}
+        spec = dict(base, model=str(target), **shape)  # the file's own KV shape
         for key, quant in (("olv", False), ("olv_q", True)):
             name = "olv" if not quant else "olv-q"
             if name not in args.backends and f"gguf-{name}" not in args.backends:
                 continue
             log(f"[gguf olv_runtime {'int8 act.' if quant else 'exact'}] {tag}")
-            r = run_phase("olv", dict(base, model=str(target), quantize=quant,
+            r = run_phase("olv", dict(spec, quantize=quant,
                                       logits_out=str(tmp / f"gguf_{f.stem}_{key}.npy")
                                       if quant else str(logits)))
             add_row(f"olv_runtime {'int8 act.' if quant else 'exact'} on GGUF {tag}", r)
-            res[key] = r.get("decode_tps")
+            res[key], res[key + "_row"] = r.get("decode_tps"), r
         if "llama" in args.backends or "gguf-llama" in args.backends:
             log(f"[gguf llama.cpp] {tag}")
-            r = run_phase("llama", dict(base, gguf=str(f), weight_bytes=wbytes,
+            r = run_phase("llama", dict(spec, gguf=str(f), weight_bytes=wbytes,
                                         ref_logits=str(logits) if logits.is_file() else None))
             add_row(f"llama.cpp on GGUF {tag}", r)
-            res["llama"] = r.get("decode_tps")
+            res["llama"], res["llama_row"] = r.get("decode_tps"), r
+        if ik is not None:
+            log(f"[gguf ik_llama.cpp llama-bench -rtr 1] {tag}")
+            r = gguf_bench.ik_row(ik, f, args.threads, args.prefill_lens, args.new_tokens,
+                                  args.runs)
+            log(f"  {r.get('error') or r['cmd']}")
+            res["ik"], res["ik_row"] = r.get("decode_tps"), r
         for key in ("olv", "olv_q"):
             if res.get(key) and res.get("llama"):
                 res["ratio" + key[3:]] = res[key] / res["llama"]
@@ -906,9 +917,20 @@ def main(argv=None):
                          "converted with olv convert (tensors read in place) and run by olv "
                          "(exact, int8 act.) and llama.cpp on the same file (GGUF rows; "
                          "--backends gguf-olv,gguf-olv-q,gguf-llama runs only these)")
+    ap.add_argument("--gguf-types", default="",
+                    help="comma-separated llama.cpp file types (q4_k_m, q8_0, q6_k, q5_k_m, "
+                         "q4_0, ...) made from an F16 GGUF of each --gguf-shapes checkpoint by "
+                         "llama.cpp's own quantizer (llama_cpp.llama_model_quantize), then run "
+                         "as --gguf files")
+    ap.add_argument("--gguf-shapes", default="qwen2.5-0.5b",
+                    help="random checkpoints for --gguf-types: qwen2.5-0.5b, qwen3-0.6b "
+                         "(bench/make_checkpoint.py; built in <cache-dir>/checkpoints)")
     ap.add_argument("--gguf-q4km", action="store_true",
-                    help="also quantize the checkpoint to Q4_K_M with llama.cpp's own quantizer "
-                         "(llama_cpp.llama_model_quantize of an F16 GGUF) and add its GGUF rows")
+                    help="same as --gguf-types q4_k_m (kept for earlier commands)")
+    ap.add_argument("--ik-bench", default=None,
+                    help="ik_llama.cpp's llama-bench (default $OLV_IK_BENCH): adds its rows "
+                         "(-rtr 1, same threads, prefill lengths and new tokens) to every GGUF "
+                         "file")
     ap.add_argument("--no-genai-olv", action="store_true",
                     help="skip olv_runtime's rows on the onnxruntime-genai builder's file")
     ap.add_argument("--json", help="write all results to this file")
@@ -1051,7 +1073,7 @@ def main(argv=None):
             log(llama_note)
 
     gguf_pairs = gguf_rows(args, base, ckpt, model, tmp, add_row) \
-        if (args.gguf or args.gguf_q4km) else []
+        if (args.gguf or args.gguf_q4km or args.gguf_types) else []
     results["gguf"] = gguf_pairs
 
     ttft = None
@@ -1157,6 +1179,18 @@ def main(argv=None):
     print()
     for f in flags:
         print(f)
+    if results.get("gguf"):
+        sys.path.insert(0, str(HERE))
+        import gguf_bench
+
+        print()
+        print(f"GGUF files, one run, {args.threads} threads (decode tok/s after a "
+              f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens; ik_llama.cpp: "
+              f"llama-bench -rtr 1, tg{args.new_tokens} from an empty context):")
+        print()
+        for line in gguf_bench.summary(results["gguf"], args.prefill_lens):
+            print(line)
+        print()
     for g in results.get("gguf", []):  # same GGUF file, same threads: the issue-13 ratios
         print(f"GGUF {g['file']} ({'/'.join(g['types'])}): decode olv exact "
               f"{fmt(g.get('olv'))} tok/s, olv int8 act. {fmt(g.get('olv_q'))}, llama.cpp "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -79,6 +80,9 @@ NAMES = {  # olv (checkpoint) name suffix -> GGUF name suffix
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+
+QK_NORM_NAMES = {"self_attn.q_norm.weight": "attn_q_norm.weight",
+                 "self_attn.k_norm.weight": "attn_k_norm.weight"}  # Qwen3
 
 
 def _tokenizer_metadata(model, V: int):
@@ -186,8 +190,9 @@ def export(olv_model, out_path, progress=print) -> pathlib.Path:
 
 
 def export_f16(checkpoint_dir, out_path, progress=print) -> pathlib.Path:
-    """An F16 GGUF (norms and biases F32) of a Hugging Face Qwen2 checkpoint: the input of
-    llama.cpp's own quantizer (:func:`quantize_q4_k_m`)."""
+    """An F16 GGUF (norms and biases F32) of a Hugging Face Qwen2 or Qwen3 checkpoint (Qwen3:
+    ``attn_q_norm`` / ``attn_k_norm`` and the head size as ``key_length``/``value_length``): the
+    input of llama.cpp's own quantizer (:func:`quantize`)."""
     import json
 
     import gguf
@@ -202,8 +207,12 @@ def export_f16(checkpoint_dir, out_path, progress=print) -> pathlib.Path:
     out = pathlib.Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     L, V = qc.num_layers, qc.vocab_size
-    w = gguf.GGUFWriter(str(out), "qwen2")
-    w.add_name("olv-bench-qwen2-f16")
+    arch = "qwen3" if qc.has_qk_norm else "qwen2"
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"olv-bench-{arch}-f16")
+    if qc.has_qk_norm:
+        w.add_key_length(qc.head_dim)
+        w.add_value_length(qc.head_dim)
     w.add_context_length(int(cfg.get("max_position_embeddings", 32768)))
     w.add_embedding_length(qc.hidden_size)
     w.add_block_count(L)
@@ -229,8 +238,11 @@ def export_f16(checkpoint_dir, out_path, progress=print) -> pathlib.Path:
         if not qc.tie_word_embeddings:
             put("output.weight", "lm_head.weight")
         put("output_norm.weight", "model.norm.weight")
+        names = dict(NAMES, **QK_NORM_NAMES) if qc.has_qk_norm else NAMES
         for i in range(L):
-            for src, dst in NAMES.items():
+            for src, dst in names.items():
+                if src.endswith(".bias") and f"model.layers.{i}.{src}" not in ck:
+                    continue  # Qwen3: no q/k/v biases
                 put(f"blk.{i}.{dst}", f"model.layers.{i}.{src}")
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -240,22 +252,52 @@ def export_f16(checkpoint_dir, out_path, progress=print) -> pathlib.Path:
     return out
 
 
-def quantize_q4_k_m(f16_path, out_path, threads=2, progress=print) -> pathlib.Path:
-    """Q4_K_M with llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``)."""
-    import llama_cpp
+#: file type name (as llama.cpp's ``llama-quantize`` spells it, lower case) -> llama_cpp's
+#: ``LLAMA_FTYPE_*`` constant name
+FILE_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+              "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
+              "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+              "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+              "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 
-    t0 = time.perf_counter()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-    params.nthread = threads
+
+def quantize(f16_path, out_path, file_type: str, threads=2, progress=print) -> pathlib.Path:
+    """``out_path`` = ``f16_path`` quantized to ``file_type`` (a key of :data:`FILE_TYPES`, e.g.
+    ``q4_k_m``, ``q8_0``) by llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``),
+    which picks the per-tensor types of that file type exactly as ``llama-quantize`` does.
+    Raises KeyError for an unknown type, RuntimeError when the quantizer fails."""
     import ctypes
 
-    rc = llama_cpp.llama_model_quantize(str(f16_path).encode(), str(out_path).encode(),
-                                        ctypes.byref(params))
+    import llama_cpp
+
+    if file_type not in FILE_TYPES:
+        raise KeyError(f"file type {file_type!r}: expected one of {sorted(FILE_TYPES)}")
+    t0 = time.perf_counter()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, FILE_TYPES[file_type])
+    params.nthread = threads
+    log_path = pathlib.Path(str(out_path) + ".quantize.log")
+    # llama.cpp prints a line per tensor on the C stderr: into a log file beside the output
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(log_path, "wb") as log:
+            os.dup2(log.fileno(), 2)
+            rc = llama_cpp.llama_model_quantize(str(f16_path).encode(), str(out_path).encode(),
+                                                ctypes.byref(params))
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
     if rc != 0:
-        raise RuntimeError(f"llama_model_quantize returned {rc}")
-    progress(f"wrote {out_path} (Q4_K_M by llama.cpp) in {time.perf_counter() - t0:.1f} s")
+        raise RuntimeError(f"llama_model_quantize({file_type}) returned {rc} (log: {log_path})")
+    progress(f"wrote {out_path} ({file_type.upper()} by llama.cpp) in "
+             f"{time.perf_counter() - t0:.1f} s")
     return pathlib.Path(out_path)
+
+
+def quantize_q4_k_m(f16_path, out_path, threads=2, progress=print) -> pathlib.Path:
+    """Q4_K_M with llama.cpp's own quantizer: :func:`quantize` with ``"q4_k_m"``."""
+    return quantize(f16_path, out_path, "q4_k_m", threads, progress)
 
 
 def check(olv_model, gguf_path, names=("token_embd.weight", "blk.0.attn_q.weight",
