@@ -837,6 +837,8 @@ def gguf_rows(args, base, ckpt, model, tmp, add_row):
         with GGUFFile(f) as g:
             types_f = sorted({t.type_name for t in g.tensors.values()})
             wbytes = sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2)
+            layer_macs = sum(int(np.prod(t.shape)) for name, t in g.tensors.items()
+                             if name.startswith("blk.") and len(t.shape) == 2)
             arch = g.get("general.architecture")
             heads, embd = g.get(f"{arch}.attention.head_count"), g.get(f"{arch}.embedding_length")
             shape = dict(layers=int(g.get(f"{arch}.block_count")),
@@ -844,7 +846,8 @@ def gguf_rows(args, base, ckpt, model, tmp, add_row):
                          head_dim=int(g.get(f"{arch}.attention.key_length") or embd // heads))
         tag = f"{f.name} ({'/'.join(types_f)})"
         logits = tmp / f"gguf_{f.stem}_logits.npy"
-        res = {"file": str(f), "types": types_f, "weight_bytes": wbytes}
+        res = {"file": str(f), "types": types_f, "weight_bytes": wbytes,
+               "layer_macs": layer_macs}
         spec = dict(base, model=str(target), **shape)  # the file's own KV shape
         for key, quant in (("olv", False), ("olv_q", True)):
             name = "olv" if not quant else "olv-q"
@@ -962,6 +965,12 @@ def main(argv=None):
     log(f"[bandwidth] {args.threads}-thread streaming read over 1 GiB")
     bw = run_phase("bandwidth", base)
     results["bandwidth"] = bw
+    if args.gguf or args.gguf_q4km or args.gguf_types:
+        import fma_peak  # the exact-mode prefill ceiling (issue 25), measured before the rows
+
+        log(f"[fma peak] {args.threads}-thread float32 FMA loop")
+        results["fma_peak"] = fma_peak.measure(args.threads, 1.0, 5)
+        log(f"  {results['fma_peak']['gflops_best']:.1f} GFLOP/s best")
     rows = results["rows"]
 
     def add_row(label, res, note=""):
@@ -1189,6 +1198,10 @@ def main(argv=None):
               f"llama-bench -rtr 1, tg{args.new_tokens} from an empty context):")
         print()
         for line in gguf_bench.summary(results["gguf"], args.prefill_lens):
+            print(line)
+        print()
+        for line in gguf_bench.exact_vs_peak(results["gguf"], args.prefill_lens,
+                                             results.get("fma_peak")):
             print(line)
         print()
     for g in results.get("gguf", []):  # same GGUF file, same threads: the issue-13 ratios

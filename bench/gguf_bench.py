@@ -115,6 +115,12 @@ def ik_row(binary: pathlib.Path, gguf: pathlib.Path, threads: int, prefill_lens,
             "seconds": time.monotonic() - t0, "cmd": " ".join(cmd)}
 
 
+def _at(by, ln):
+    """``by[ln]`` of a prefill dict whose keys are ints or (after JSON) strings."""
+    by = by or {}
+    return by.get(int(ln)) or by.get(str(ln))
+
+
 def _r(num, den):
     return f"{num / den:.2f}x" if num and den else "-"
 
@@ -138,14 +144,12 @@ def summary(results: list, prefill_lens) -> list:
         rows = {k: g.get(k + "_row") or {} for k in ("olv_q", "olv", "llama", "ik")}
 
         def pfs(k):
-            by = rows[k].get("prefill_by_len") or {}
-            return " / ".join(_f(by.get(ln) or by.get(str(ln)), "{:.0f}") for ln in lens)
+            return " / ".join(_f(_at(rows[k].get("prefill_by_len"), ln), "{:.0f}") for ln in lens)
 
         ratios = []
         for ln in lens:
-            a = (rows["olv_q"].get("prefill_by_len") or {}).get(ln)
-            b = (rows["ik"].get("prefill_by_len") or {}).get(ln)
-            ratios.append(_r(a, b))
+            ratios.append(_r(_at(rows["olv_q"].get("prefill_by_len"), ln),
+                             _at(rows["ik"].get("prefill_by_len"), ln)))
         rss = " / ".join(_f((rows[k].get("rss") or 0) / 1e6, "{:.0f}")
                          for k in ("olv_q", "llama", "ik"))
         name = pathlib.Path(g["file"]).name
@@ -157,4 +161,28 @@ def summary(results: list, prefill_lens) -> list:
             f"{_r(rows['olv'].get('decode_tps'), rows['llama'].get('decode_tps'))} | "
             f"{pfs('olv_q')} | {pfs('olv')} | {pfs('llama')} | {pfs('ik')} | "
             f"{' / '.join(ratios)} | {rss} |")
+    return lines
+
+
+def exact_vs_peak(results: list, prefill_lens, peak: dict | None) -> list:
+    """Lines giving olv exact-mode prefill in GFLOP/s of the layers' linears (2 x the ``blk.*``
+    weight elements per token; attention and the one lm_head row left out, so the figure is a
+    lower bound) as a fraction of the measured float32 FMA peak (bench/fma_peak.py); issue 25
+    asks for >= 60 % at M >= 64."""
+    if not peak:
+        return []
+    best = peak["gflops_best"]
+    lines = [f"float32 FMA peak ({peak['threads']} threads, bench/fma_peak.py): {best:.1f} "
+             f"GFLOP/s best, {peak['gflops_median']:.1f} median"
+             + ("" if peak.get("fma") else " (!) no FMA instruction: not a peak")]
+    for g in results:
+        by = (g.get("olv_row") or {}).get("prefill_by_len")
+        parts = []
+        for ln in prefill_lens:
+            tps = _at(by, ln)
+            if tps:
+                gf = 2.0 * g["layer_macs"] * tps / 1e9
+                parts.append(f"prefill {ln}: {gf:.1f} GFLOP/s = {100 * gf / best:.0f} % of peak")
+        if parts:
+            lines.append(f"olv exact on {pathlib.Path(g['file']).name}: " + ", ".join(parts))
     return lines
