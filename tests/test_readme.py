@@ -33,15 +33,14 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import tomllib
 
 import numpy as np
 import pytest
 from hostile import ROOT
+from serve_process import free_port, wait_healthy
 from tokenizers import Tokenizer
 
 from olv_runtime.cli import main as cli_main
@@ -560,14 +559,12 @@ def test_serving_blocks(tmp_path):
     """``olv serve tiny.onnx ...`` started as written on a free loopback port (the README's 8000
     replaced by it, here and in the curl lines and the openai snippet), the curl lines run in
     bash, the openai-client snippet in the process; then SIGTERM: exit status 0."""
-    httpx = pytest.importorskip("httpx")  # the test extra has them (olv serve's clients)
+    pytest.importorskip("httpx")  # the test extra has them (olv serve's clients)
     pytest.importorskip("openai")
     env = shell_env(tmp_path)
     assert cli_main(["make-checkpoint", str(tmp_path / "tiny-ckpt")]) == 0
     assert cli_main(["convert", str(tmp_path / "tiny-ckpt"), str(tmp_path / "tiny.onnx")]) == 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     (start,) = readme_block("serve-start")
     start = substitute(start, {"--port 8000": f"--port {port}"})
     proc = subprocess.Popen(["bash", "-c", "exec " + start + " --log-level warning"],
@@ -575,15 +572,7 @@ def test_serving_blocks(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "olv serve did not start"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(proc, url, 180)
         outs = [run_bash(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), tmp_path,
                          env).stdout for line in readme_block("serve-curl")]
         assert json.loads(outs[0]) == {"status": "ok"}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from serve_process import free_port, wait_healthy
 
 from olv_runtime.cli import build_parser
 
@@ -20,12 +20,6 @@ openai = pytest.importorskip("openai")
 SHUTDOWN = 3.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_defaults_bind_loopback():
     args = build_parser().parse_args(["serve", "m.onnx"])
     assert (args.host, args.port, args.api_key, args.max_batch) == ("127.0.0.1", 8000, None, 16)
@@ -33,7 +27,7 @@ def test_defaults_bind_loopback():
 
 def test_missing_model_is_a_usage_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "olv_runtime.cli", "serve",
-                        str(tmp_path / "none.onnx"), "--port", str(_free_port())],
+                        str(tmp_path / "none.onnx"), "--port", str(free_port())],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "no such model file" in r.stderr
 
@@ -42,7 +36,7 @@ def test_a_model_that_fails_to_load_exits_1(tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not an onnx model at all")
     r = subprocess.run([sys.executable, "-m", "olv_runtime.cli", "serve", str(bad), "--port",
-                        str(_free_port()), "--log-level", "warning"], capture_output=True,
+                        str(free_port()), "--log-level", "warning"], capture_output=True,
                        text=True, timeout=120, check=False)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "loading failed" in r.stderr
@@ -50,7 +44,7 @@ def test_a_model_that_fails_to_load_exits_1(tmp_path):
 
 @pytest.fixture
 def proc(served_model):
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "olv_runtime.cli", "serve", str(served_model),
                           "--port", str(port), "--served-model-name", "tiny", "--max-batch", "4",
                           "--kv-cache-tokens", "2048", "--shutdown-timeout", str(SHUTDOWN),
@@ -60,16 +54,7 @@ def proc(served_model):
                          env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert p.poll() is None, p.communicate(timeout=10)
-            assert time.monotonic() < deadline, "olv serve not ready in 180 s"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(p, url, 180, lambda: p.communicate(timeout=10))
         yield p, url
     finally:
         if p.poll() is None:

@@ -14,13 +14,13 @@ import concurrent.futures
 import json
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
+from serve_process import free_port, stop, wait_healthy
 
 httpx = pytest.importorskip("httpx")
 
@@ -36,17 +36,11 @@ IDLE_SECONDS = 15
 WORDS = ["alpha", "beta", "gamma", "delta", "hello", "world", "the", "of", "cat", "sat"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_chat_models, tmp_path_factory):
     """``olv serve`` of the INT4 conversion in a subprocess: 16 rows per step, a KV pool
     larger than any round needs, room in the queue for all 64 (no 429), exact mode."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
     with open(log, "w") as err:
         p = subprocess.Popen([sys.executable, "-m", "olv_runtime.cli", "serve",
@@ -58,25 +52,10 @@ def server(tiny_chat_models, tmp_path_factory):
                              stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_SECONDS
-        while True:
-            assert p.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"olv serve not ready in {START_SECONDS} s"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(p, url, START_SECONDS, lambda: log.read_text()[-3000:])
         yield p, url, log
     finally:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=30)
+        stop(p)
 
 
 def _jobs(seed: int) -> list[tuple[dict, bool]]:

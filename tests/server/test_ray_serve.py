@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 from ray import serve
 from ray_serve_scenario import LONG, MAX_TOKENS, PROMPTS, RESULT_PREFIX
+from serve_process import free_port
 
 from olv_runtime.cli import build_parser
 from olv_runtime.errors import InvalidArgument
@@ -49,12 +49,6 @@ psutil = pytest.importorskip("psutil")
 SCENARIO = Path(__file__).with_name("ray_serve_scenario.py")
 SCENARIO_SECONDS = 900  # the scenario's own waits add up to ~700 s at most
 NAMESPACES = ["-rn", "--pid", "--fork", "--kill-child", "--mount-proc"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +263,7 @@ def test_ray_options_need_replicas():
 
 
 def test_unreachable_ray_address_is_named(model):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     t0 = time.monotonic()
     r = _olv_serve(str(model), "--replicas", "1", "--ray-address", f"127.0.0.1:{port}")
     assert r.returncode == 2, r.stderr[-2000:]
