@@ -1125,6 +1125,24 @@ def main(argv=None):
                 log(f"  {kind}: " + ", ".join(f"ctx {c}: {v:.1f} tok/s"
                                               for c, v in r["decode_tps_by_context"].items()))
         results["paged"] = paged_rows
+        ik = None
+        if kinds:
+            sys.path.insert(0, str(HERE))
+            import gguf_bench
+
+            ik = gguf_bench.ik_binary(args.ik_bench)
+        if ik is not None:  # ik_llama.cpp on the same INT4 codes (Q4_0), 8-bit and f16 caches
+            import gguf_export
+
+            q4 = pathlib.Path(args.cache_dir).expanduser() / "gguf" / f"{model.parent.name}-q4_0.gguf"
+            if not _fresh(q4, model):
+                gguf_export.export(model, q4, progress=log)
+            for ct in ("q8_0", "f16"):
+                log(f"[paged comparison: ik_llama.cpp -fa 1 -ctk {ct} -ctv {ct}, contexts {contexts}]")
+                r = gguf_bench.ik_long(ik, q4, args.threads, contexts, 32, args.paged_runs, ct)
+                r["kind"] = f"ik_llama.cpp {ct} KV (-rtr 1 -fa 1)"
+                paged_rows.append(r)
+                log(f"  {r.get('error') or r['decode_tps_by_context']}")
     overhead = None
     if not args.no_overhead:
         log("[executor overhead: kernels replaced by no-ops]")
@@ -1339,13 +1357,25 @@ def main(argv=None):
             parts = []
             for c, v in r["decode_tps_by_context"].items():
                 ratio = (f" = {v / cont['decode_tps_by_context'][c]:.2f}x contiguous"
-                         if cont and r is not cont else "")
-                parts.append(f"ctx {c}: {v:.1f} tok/s{ratio}")
+                         if cont and r is not cont and v else "")
+                parts.append(f"ctx {c}: {fmt(v)} tok/s{ratio}")
             tgt = {"paged-int8": " (target >= 1.0x)", "paged-mixed": " (target >= 0.9x)"}.get(
                 r["kind"], "")
+            if r["kind"].startswith("ik_llama.cpp"):
+                print(f"  {r['kind']}: " + ", ".join(parts) + f" ({r['cmd']})")
+                continue
             print(f"  {r['kind']}{tgt}: " + ", ".join(parts)
                   + f"; plan {r['plan_steps']} steps, compiled stack {r['compiled_stack']}; "
                   f"other load {fmt(100 * r.get('foreign_load', float('nan')), '{:.0f}')} %")
+        by_kind = {r["kind"].split(" (")[0]: r for r in paged_rows if "error" not in r}
+        for ours, theirs in (("paged-int8", "ik_llama.cpp q8_0 KV"),
+                             ("paged-f16", "ik_llama.cpp f16 KV")):
+            a, b = by_kind.get(ours), by_kind.get(theirs)
+            if a and b:  # issue 25 item 4: >= 1.0x at every context
+                print(f"  {ours} / {theirs}: " + ", ".join(
+                    f"ctx {c}: " + (f"{v / b['decode_tps_by_context'][c]:.2f}x"
+                                    if v and b["decode_tps_by_context"].get(c) else "-")
+                    for c, v in a["decode_tps_by_context"].items()) + " (target >= 1.0x)")
     print(f"\ntotal benchmark wall time {time.perf_counter() - t_all:.0f} s")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))

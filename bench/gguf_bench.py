@@ -115,6 +115,33 @@ def ik_row(binary: pathlib.Path, gguf: pathlib.Path, threads: int, prefill_lens,
             "seconds": time.monotonic() - t0, "cmd": " ".join(cmd)}
 
 
+def ik_long(binary: pathlib.Path, gguf: pathlib.Path, threads: int, contexts, new_tokens: int,
+            runs: int, cache_type: str, timeout: float = 3600.0) -> dict:
+    """ik_llama.cpp decode after long prompts: ``llama-bench -gp <ctx>,<new_tokens>`` for every
+    context, flash attention on, K and V cache of ``cache_type`` (``q8_0``, ``f16``), ``-rtr 1``:
+    ``{"decode_tps_by_context": {ctx: tok/s}, "cache_type", "cmd"}`` (llama-bench times the
+    ``new_tokens`` generated after the prompt), or ``{"error": ...}``."""
+    gp = []
+    for c in contexts:
+        gp += ["-gp", f"{int(c)},{int(new_tokens)}"]
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(max(1, runs)),
+           "-rtr", "1", "-fa", "1", "-ctk", cache_type, "-ctv", cache_type, "-p", "0", "-n", "0",
+           "-o", "json", *gp]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s", "cmd": " ".join(cmd)}
+    if r.returncode != 0:
+        return {"error": f"llama-bench exited with {r.returncode}", "cmd": " ".join(cmd)}
+    try:
+        tests = {t["test"]: t["avg_ts"] for t in json.loads(r.stdout)}
+    except (ValueError, KeyError, TypeError) as exc:
+        return {"error": f"llama-bench output not JSON ({exc})", "cmd": " ".join(cmd)}
+    return {"decode_tps_by_context": {str(c): tests.get(f"tg{new_tokens}@pp{c}")
+                                      for c in contexts},
+            "cache_type": cache_type, "cmd": " ".join(cmd)}
+
+
 def _at(by, ln):
     """``by[ln]`` of a prefill dict whose keys are ints or (after JSON) strings."""
     by = by or {}

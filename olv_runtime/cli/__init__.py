@@ -646,10 +646,11 @@ def _add_convert_parser(sub) -> None:
                         "GGUF Q4_0; float32: 5 bits/weight)")
     c.add_argument("--external-data", choices=["auto", "yes", "no"], default="auto",
                    help="write payloads to OUTPUT.data (auto: when the model exceeds 256 MiB)")
-    c.add_argument("--kv", choices=["contiguous", "paged", "paged-int8", "paged-int4", "paged-mixed"],
+    c.add_argument("--kv", choices=["contiguous", "paged", "paged-int8", "paged-f16", "paged-int4",
+                                    "paged-mixed"],
                    default="contiguous",
-                   help="KV cache: past/present tensors, or paged blocks (dense, INT8, INT4, "
-                        "mixed by age); see docs/kv_cache.md")
+                   help="KV cache: past/present tensors, or paged blocks (dense, INT8, float16, "
+                        "INT4, mixed by age); see docs/kv_cache.md")
     c.set_defaults(func=cmd_convert)
 
 

@@ -18,6 +18,7 @@ __all__ = ["PRESETS", "SealPolicy"]
 PRESETS = {
     "paged": "float32",
     "paged-int8": "int8",
+    "paged-f16": "float16",
     "paged-int4": "int4",
     "paged-mixed": "float32:2,int8:6,int4",
 }

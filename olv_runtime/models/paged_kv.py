@@ -1,5 +1,5 @@
 """Paged KV graphs: rewrite a converted causal LM's contiguous KV cache into per-layer paged
-cache structs (``olv convert --kv paged|paged-int8|paged-int4|paged-mixed``).
+cache structs (``olv convert --kv paged|paged-int8|paged-f16|paged-int4|paged-mixed``).
 
 The contiguous graph of ``docs/qwen_graph.md`` has, per layer ``i``, inputs ``past_key.i`` /
 ``past_value.i``, an ``Attention`` node reading them and outputs ``present_key.i`` /

@@ -432,7 +432,7 @@ def build_model(checkpoint: Checkpoint | str | os.PathLike, weights: str = "int4
         Linear/embedding weight format: encoded symmetric INT4 blocks of 32, or dense float32.
     progress : callable, optional
         Called with a short message before each layer (and the embedding / head).
-    kv : {"contiguous", "paged", "paged-int8", "paged-int4", "paged-mixed"}
+    kv : {"contiguous", "paged", "paged-int8", "paged-f16", "paged-int4", "paged-mixed"}
         KV cache kind: past/present tensors (default) or per-layer paged cache structs
         (:func:`olv_runtime.models.paged_kv.to_paged`, ``docs/kv_cache.md``).
     scale_dtype : {"float16", "float32"}

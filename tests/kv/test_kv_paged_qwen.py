@@ -16,7 +16,7 @@ N_NEW = 32
 def models(tmp_path_factory, tiny_qwen2_dir):
     d = tmp_path_factory.mktemp("paged_qwen")
     out = {}
-    for kv in ("contiguous", "paged", "paged-int8", "paged-mixed"):
+    for kv in ("contiguous", "paged", "paged-int8", "paged-f16", "paged-mixed"):
         path = d / f"{kv}.onnx"
         assert cli_main(["convert", str(tiny_qwen2_dir), str(path), "--kv", kv]) == 0
         out[kv] = olv_runtime.load(path)
@@ -45,7 +45,7 @@ def test_paged_graph_declares_struct_caches(models):
     assert m.metadata()["olv.kv"] == "paged-int8"
 
 
-@pytest.mark.parametrize("kv", ["paged", "paged-int8", "paged-mixed"])
+@pytest.mark.parametrize("kv", ["paged", "paged-int8", "paged-f16", "paged-mixed"])
 def test_greedy_ids_match_contiguous(models, kv, capsys):
     ref = olv_runtime.generate(models["contiguous"], PROMPT, N_NEW)
     got = olv_runtime.generate(models[kv], PROMPT, N_NEW)
@@ -72,8 +72,10 @@ def test_greedy_ids_match_contiguous(models, kv, capsys):
     cache = state.values["cache.0"]
     total = len(PROMPT) + N_NEW
     assert block_counts(cache) == (-(-total // 16), (total - 1) % 16 + 1)
-    if kv == "paged-int8":
-        assert [block_format(b["key"]) for b in cache["blocks"]] == ["int8", "int8", "float32"]
+    if kv in ("paged-int8", "paged-f16"):
+        sealed = "int8" if kv == "paged-int8" else "float16"
+        assert [block_format(b["key"]) for b in cache["blocks"]] == [sealed, sealed, "float32"]
+        assert [block_format(b["value"]) for b in cache["blocks"]] == [sealed, sealed, "float32"]
     assert state.last_counters["bytes_copied_state"] == 0
     assert state.last_counters["bytes_dequantized"] == 0
     assert state.last_counters["model_serializations"] == 0
