@@ -217,6 +217,26 @@ def _claim(bar, nt, n, step, r):
     return np.int64(-1), np.int64(-1), r
 
 
+@njit(inline="always", **JIT)
+def _next_chunk(bar, nt, n, step, r):
+    """The next chunk of a claim loop, for any task count: with several tasks :func:`_claim`;
+    with one task, all ``n`` units on the first call (``r`` = its task index 0) and
+    ``u0 = -1`` on the next (the returned ``r`` is -1 in between). The loop::
+
+        r = tid
+        while True:
+            u0, u1, r = _next_chunk(bar, nt, n, step, r)
+            if u0 < 0:
+                break
+            ...  # units [u0, u1)
+    """
+    if nt == 1:
+        if r < 0:
+            return np.int64(-1), np.int64(-1), r
+        return np.int64(0), np.int64(n), np.int64(-1)
+    return _claim(bar, nt, n, step, r)
+
+
 # the add flag of _linear_part: module-level numpy bools, which numba types as plain booleans;
 # a literal True / False argument would make one more specialisation of _linear_part each
 # (cold start: measured 3 compilations of it instead of 1)

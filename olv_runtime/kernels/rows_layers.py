@@ -57,7 +57,7 @@ from numba.core.extending import overload
 from . import packed_f32, packed_i8
 from .attention import SLACK, TILE, _attend_rows, _state_finish, _state_init
 from .config import JIT, PJIT
-from .decoder_layers import _claim, _chunk_units, _prefetch_part, _weight
+from .decoder_layers import _chunk_units, _next_chunk, _prefetch_part, _weight
 from .norm import _rms_norm_row
 from .paged_ir import _f32_to_half
 from .row_attention import _decode_block
@@ -182,12 +182,9 @@ def _linear_rows(tid, nt, i8, codes, scale, xin, m, out, facc32, vnni, bar, add,
     step = _chunk_units(codes, 1)
     r = tid
     while True:
-        if nt == 1:
-            g0, g1 = np.int64(0), ng
-        else:
-            g0, g1, r = _claim(bar, nt, ng, step, r)
-            if g0 < 0:
-                break
+        g0, g1, r = _next_chunk(bar, nt, ng, step, r)
+        if g0 < 0:
+            break
         _groups_rows(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1)
         if add:
             j1 = min(g1 * GROUP_ROWS, n)
@@ -195,8 +192,6 @@ def _linear_rows(tid, nt, i8, codes, scale, xin, m, out, facc32, vnni, bar, add,
                 src = addv[0] if brow else addv[i]
                 for j in range(g0 * GROUP_ROWS, j1):
                     out[i, j] = out[i, j] + src[j]
-        if nt == 1:
-            break
 
 
 @njit(**JIT)
@@ -337,12 +332,9 @@ def _attention_rows(tid, nt, r_n, li, batch, rs, dims, kv, bar):
     n_tasks = r_n * n_kv
     c = tid
     while True:
-        if nt == 1:
-            t0, t1 = np.int64(0), n_tasks
-        else:
-            t0, t1, c = _claim(bar, nt, n_tasks, np.int64(1), c)
-            if t0 < 0:
-                break
+        t0, t1, c = _next_chunk(bar, nt, n_tasks, np.int64(1), c)
+        if t0 < 0:
+            break
         for task in range(t0, t1):
             r = task // n_kv
             g = task - r * n_kv
@@ -358,8 +350,6 @@ def _attention_rows(tid, nt, r_n, li, batch, rs, dims, kv, bar):
                 _attend(kv, tid, li, qg, group, np.int64(tab[b]), n, dims.att_scale, o, m, l,
                         sc, pr, mx, g)
             _state_finish(l, o, group, o)
-        if nt == 1:
-            break
 
 
 @njit(**JIT)
@@ -374,12 +364,9 @@ def _gate_up_rows(tid, nt, i8, cw, sw, h, m, rs, inter, f32, vnni, bar):
         step = _chunk_units(cw, 2)
         r = tid
         while True:
-            if nt == 1:
-                p0, p1 = np.int64(0), gh
-            else:
-                p0, p1, r = _claim(bar, nt, gh, step, r)
-                if p0 < 0:
-                    break
+            p0, p1, r = _next_chunk(bar, nt, gh, step, r)
+            if p0 < 0:
+                break
             _groups_rows(i8, cw, sw, h, m, gu, f32, vnni, p0, p1)
             _groups_rows(i8, cw, sw, h, m, gu, f32, vnni, gh + p0, gh + p1)
             for i in range(m):
@@ -387,8 +374,6 @@ def _gate_up_rows(tid, nt, i8, cw, sw, h, m, rs, inter, f32, vnni, bar):
                     gv = gu[i, j]
                     sg = one / (np.exp(-gv) + one)
                     act[i, j] = (gv * sg) * gu[i, inter + j]
-            if nt == 1:
-                break
     else:
         _linear_rows(tid, nt, i8, cw, sw, h, m, gu, f32, vnni, bar, _NO, gu, _NO)
         _barrier(bar, nt)
