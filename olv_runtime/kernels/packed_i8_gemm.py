@@ -1,4 +1,4 @@
-"""Register-blocked INT4 x int8 GEMM for prefill (M >= :data:`MIN_ROWS`) with AVX-512 VNNI.
+"""Register-blocked INT4 x int8 GEMM for prefill and batched decode: AVX-512 VNNI and AVX2 tiles.
 
 The math is that of :func:`~.packed_i8_gemm.linear_packed_i8` (module docstring there): activation rows
 quantized per 32-block to int8 once per call, exact int32 block sums ``S = sum q * xq``, and per
@@ -22,9 +22,18 @@ Loop nest per task (a contiguous range of group pairs): activation rows in chunk
 :data:`CHUNK_BYTES` of int8 codes (kept in L2), then group pairs, then 8-row tiles, then blocks.
 Rows left over (``M % 8``), and an odd last group, run the kernels of :mod:`.packed_i8`.
 
-Only the VNNI path is here: on CPUs without AVX-512 VNNI (or with ``OLV_ISA=avx2``) the callers
-keep :mod:`.packed_i8`'s AVX2 kernels (4 activation rows per decoded group), which give the same
-bits. The driver is compiled at its first call (prefill), never by decode-only use.
+AVX2 tile (CPUs without AVX-512 VNNI, or ``OLV_ISA=avx2``; :func:`_tile2_block`): the same two
+groups as two ymm of 8 lanes x :data:`AVX2_TILE_ROWS` = 4 activation rows, per 4-code chunk the
+two groups' nibbles split once and each activation row's broadcast 4 bytes used for both groups
+(``vpmaddubsw`` pair sums added in int16 over the block, one ``vpmaddwd`` per (row, group,
+block)): half the broadcasts per multiply of :mod:`.packed_i8`'s one-group kernels, which kept the
+shuffle ports busy (llvm-mca, znver3: 63 cycles per 2048 multiply-adds against ``group_r4``'s 39
+per 1024). Same integers, same float operations per output: bitwise equal to the group kernels.
+
+Entry points: :func:`linear_packed_i8` (from :func:`min_rows` activation rows: 8 with VNNI, 4 on
+AVX2) and :func:`groups_tiles` (a range of groups with the activations already quantized: the
+engine's compiled rows step). The drivers are compiled at their first call (prefill, a batched
+step), never by the one-token decode step.
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ from .packed_i8 import (
     HOST_VNNI,
     SERIAL_MAX_WORK,
     PackedI8Workspace,
+    V8F32,
     PackedInt4I8,
     Vec,
     check_array_arg,
@@ -52,18 +62,22 @@ from .packed_i8 import (
     group_r2,
     group_r4,
     is_scale_array,
+    load_scales8,
     linear_par,
     linear_ser,
     make_workspace_i8,
     num_threads,
     quantize_rows_i8,
     splat,
+    store_group,
     use_vnni,
 )
 
-__all__ = ["TILE_ROWS", "MIN_ROWS", "gemm_i8_vnni"]
+__all__ = ["TILE_ROWS", "AVX2_TILE_ROWS", "MIN_ROWS", "gemm_i8", "groups_tiles", "min_rows",
+           "linear_packed_i8"]
 
 TILE_ROWS = 8          # activation rows per tile (one zmm float accumulator each)
+AVX2_TILE_ROWS = 4     # activation rows per AVX2 tile (two ymm float accumulators each)
 MIN_ROWS = 8           # callers use this GEMM from this many activation rows
 CHUNK_BYTES = 1 << 18  # int8 activation bytes per row chunk (kept in L2 while pairs stream)
 
@@ -78,9 +92,12 @@ _LV16I32 = ir.VectorType(_I32, 16)
 _LV16F32 = ir.VectorType(_F32, 16)
 _LV8F32 = ir.VectorType(_F32, 8)
 _LV8I16 = ir.VectorType(_I16, 8)
+_LV16I16 = ir.VectorType(_I16, 16)
+_LV8I32 = ir.VectorType(_I32, 8)
 _LV8F16 = ir.VectorType(ir.HalfType(), 8)
 
 _TILE = types.UniTuple(V16F32, TILE_ROWS)
+_TILE2 = types.UniTuple(V8F32, 2 * AVX2_TILE_ROWS)
 
 
 def _concat(builder, a, b):
@@ -168,6 +185,89 @@ def _tile_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, 
 
 
 @intrinsic
+def _tile2_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, kx, xd, xs8,
+                 do, kbx):
+    """AVX2 tile, one block: 16 output rows (groups g, g + 1 as two ymm of 8 lanes) x
+    :data:`AVX2_TILE_ROWS` activation rows; ``acc[2r + j]`` (group ``g + j``, activation row
+    ``r``) ``+= float32(S - xs8) * (scale8 * xd)``, the float operations of
+    :func:`~.packed_i8._block_acc32` in its order. Per 4-code chunk the two groups' nibbles
+    are split once and each activation row's broadcast 4 bytes serve both groups (one
+    ``vpbroadcastd`` per two ``vpmaddubsw``, half of the one-group kernels' broadcasts); the
+    ``vpmaddubsw`` pair sums (<= 2 x 15 x 127) are added in int16 over the block's 8 chunks
+    (<= 30480, no saturation) and widened once by ``vpmaddwd``: the exact integer sums of
+    :func:`~.packed_i8.dot_r4`. Arguments as :func:`_tile_block`."""
+    if not (acc == _TILE2 and check_array_arg(codes, types.uint8) and is_scale_array(scale)
+            and check_array_arg(xq, types.int8) and check_array_arg(xd, types.float32)
+            and check_array_arg(xs8, types.int32)):
+        return None
+    sig = _TILE2(_TILE2, codes, types.intp, types.intp, scale, types.intp, types.intp, xq,
+                 types.intp, types.intp, xd, xs8, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        (acc_v, codes_v, cb_v, gs_v, sc_v, so_v, ss_v, xq_v, xo_v, kx_v, xd_v, xs_v, do_v,
+         kbx_v) = args
+        aty = sig.args
+        mub = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8]),
+            "llvm.x86.avx2.pmadd.ub.sw")
+        mwd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_LV8I32, [_LV16I16, _LV16I16]),
+            "llvm.x86.avx2.pmadd.wd")
+        m0f = ir.Constant(_LV32I8, [0x0F] * 32)
+        sh4 = ir.Constant(_LV16I16, [4] * 16)
+        xr = [builder.add(xo_v, builder.mul(kx_v, ir.Constant(kx_v.type, r)))
+              for r in range(AVX2_TILE_ROWS)]
+        s16 = [[None, None] for _ in range(AVX2_TILE_ROWS)]
+        for c in range(4):
+            us = []
+            for j in range(2):
+                o = builder.add(cb_v, ir.Constant(cb_v.type, 32 * c))
+                if j:
+                    o = builder.add(o, gs_v)
+                v = builder.load(elem_ptr(context, builder, aty[1], codes_v, o, _LV32I8),
+                                 align=1)
+                vh = builder.bitcast(builder.lshr(builder.bitcast(v, _LV16I16), sh4), _LV32I8)
+                us.append((builder.and_(v, m0f), builder.and_(vh, m0f)))
+            for r in range(AVX2_TILE_ROWS):
+                xb = []
+                for h in range(2):
+                    off = builder.add(xr[r], ir.Constant(xr[r].type, 16 * h + 4 * c))
+                    p = elem_ptr(context, builder, aty[7], xq_v, off, _I32)
+                    xb.append(builder.bitcast(splat(builder, builder.load(p, align=1), _LV8I32),
+                                              _LV32I8))
+                for j in range(2):
+                    t = builder.add(builder.call(mub, [us[j][0], xb[0]]),
+                                    builder.call(mub, [us[j][1], xb[1]]))
+                    s16[r][j] = t if s16[r][j] is None else builder.add(s16[r][j], t)
+        ones = ir.Constant(_LV16I16, [1] * 16)
+        ws = [load_scales8(context, builder, aty[4], sc_v, so_v),
+              load_scales8(context, builder, aty[4], sc_v, builder.add(so_v, ss_v))]
+        out = []
+        for r in range(AVX2_TILE_ROWS):
+            dr = builder.add(do_v, builder.mul(kbx_v, ir.Constant(kbx_v.type, r)))
+            s8 = builder.load(elem_ptr(context, builder, aty[11], xs_v, dr, _I32))
+            d = splat(builder, builder.load(elem_ptr(context, builder, aty[10], xd_v, dr, _F32)),
+                      _LV8F32)
+            for j in range(2):
+                i32 = builder.sub(builder.call(mwd, [s16[r][j], ones]),
+                                  splat(builder, s8, _LV8I32))
+                f = builder.sitofp(i32, _LV8F32)
+                v = builder.fmul(ws[j], d)
+                out.append(builder.fadd(builder.extract_value(acc_v, 2 * r + j),
+                                        builder.fmul(f, v)))
+        return context.make_tuple(builder, sig.return_type, out)
+    return sig, codegen
+
+
+@intrinsic
+def _tile2_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        z = ir.Constant(_LV8F32, [0.0] * 8)
+        return context.make_tuple(builder, sig.return_type, [z] * (2 * AVX2_TILE_ROWS))
+    return _TILE2(), codegen
+
+
+@intrinsic
 def _tile_store(typingctx, out, off, ld, nvalid, acc):
     """Store row r of the tile (16 lanes, the first ``nvalid`` kept) at linear element
     ``off + r * ld`` of ``out`` (float32)."""
@@ -213,6 +313,64 @@ def _pair_tile(codes, scale, g, xq, xd, xs8, i0, n, out):
 
 
 @njit(**JIT)
+def _pair_tile2(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
+    """AVX2: output rows 8g .. 8g+15 of activation rows i0 .. i0+3 (groups g, g+1 exist)."""
+    kb = codes.shape[1]
+    kx = xq.shape[1]
+    kbx = xd.shape[1]
+    gstride = kb * GROUP_BLOCK_BYTES
+    sstride = kb * GROUP_ROWS
+    acc = _tile2_zero()
+    base = g * kb
+    xo = i0 * kx
+    do = i0 * kbx
+    for b in range(kb):
+        acc = _tile2_block(acc, codes, (base + b) * GROUP_BLOCK_BYTES, gstride, scale,
+                           (base + b) * GROUP_ROWS, sstride, xq, xo + b * BLOCK, kx, xd, xs8,
+                           do + b, kbx)
+    for r in range(AVX2_TILE_ROWS):
+        store_group(acc[2 * r], facc, g, i0 + r, n, out)
+        store_group(acc[2 * r + 1], facc, g + 1, i0 + r, n, out)
+
+
+@njit(**JIT)
+def _tile(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
+    """Groups g, g+1 of one tile of activation rows from i0 (:func:`tile_rows` of them)."""
+    if vnni:
+        _pair_tile(codes, scale, g, xq, xd, xs8, i0, n, out)
+    else:
+        _pair_tile2(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
+
+
+@njit(inline="always", **JIT)
+def tile_rows(vnni):
+    """Activation rows per tile: 8 (VNNI, zmm) or 4 (AVX2, ymm pairs)."""
+    return TILE_ROWS if vnni else AVX2_TILE_ROWS
+
+
+@njit(**JIT)
+def groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
+    """Groups g0..g1-1 of ``out[:m]`` (activations already quantized): group pairs
+    ``(g0, g0 + 1), (g0 + 2, g0 + 3), ...`` in tiles of :func:`tile_rows` activation rows, the
+    rows left over and an odd last group by the one-group kernels of :mod:`.packed_i8` --
+    bitwise :func:`~.packed_i8.groups` (the same integers and float operations per output)."""
+    tr = tile_rows(vnni)
+    mt = m // tr * tr
+    g = g0
+    while g + 1 < g1:
+        i0 = np.int64(0)
+        while i0 < mt:
+            _tile(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni)
+            i0 += tr
+        if mt < m:
+            _rows_tail(codes, scale, g, xq, xd, xs8, mt, m, n, out, facc, vnni)
+            _rows_tail(codes, scale, g + 1, xq, xd, xs8, mt, m, n, out, facc, vnni)
+        g += 2
+    if g < g1:
+        _rows_tail(codes, scale, g, xq, xd, xs8, np.int64(0), m, n, out, facc, vnni)
+
+
+@njit(**JIT)
 def _rows_tail(codes, scale, g, xq, xd, xs8, i0, m, n, out, facc, vnni):
     """Group g for activation rows i0 .. m-1 with the :mod:`.packed_i8` kernels (4, 2, 1)."""
     while m - i0 >= 4:
@@ -230,16 +388,17 @@ def _task(codes, scale, p0, p1, xq, xd, xs8, m, n, out, facc, last_group, vnni):
     """Group pairs p0..p1-1 (groups 2p, 2p+1) for all m activation rows; ``last_group``: also
     the unpaired last group (odd group count)."""
     kx = xq.shape[1]
-    rows_chunk = max(TILE_ROWS, (CHUNK_BYTES // max(kx, 1)) // TILE_ROWS * TILE_ROWS)
-    m8 = m // TILE_ROWS * TILE_ROWS
+    tr = tile_rows(vnni)
+    rows_chunk = max(tr, (CHUNK_BYTES // max(kx, 1)) // tr * tr)
+    m8 = m // tr * tr
     c0 = np.int64(0)
     while c0 < m8:
         c1 = min(m8, c0 + rows_chunk)
         for p in range(p0, p1):
             i0 = c0
             while i0 < c1:
-                _pair_tile(codes, scale, 2 * p, xq, xd, xs8, i0, n, out)
-                i0 += TILE_ROWS
+                _tile(codes, scale, 2 * p, xq, xd, xs8, i0, n, out, facc, vnni)
+                i0 += tr
         c0 = c1
     if m8 < m:
         for p in range(p0, p1):
@@ -270,13 +429,20 @@ def _gemm_par(x, m, k, codes, scale, n, out, ntasks, xq, xd, xs8, facc, vnni):
         _task(codes, scale, p0, p1, xq, xd, xs8, m, n, out, facc[t], lg, vnni)
 
 
-def gemm_i8_vnni(x, m, k, packed, out, ws, ntasks):
-    """Run the VNNI tile GEMM (arguments already checked by :func:`~.packed_i8_gemm.linear_packed_i8`,
-    which calls this for ``M >= MIN_ROWS`` on the VNNI path)."""
-    assert HOST_VNNI
+def gemm_i8(x, m, k, packed, out, ws, ntasks, vnni):
+    """Run the tile GEMM (arguments already checked by :func:`linear_packed_i8`, which calls
+    this from :func:`min_rows` activation rows on): 8-row zmm tiles with ``vnni`` (the host
+    must have AVX-512 VNNI), else 4-row AVX2 tiles."""
+    assert HOST_VNNI or not vnni
     _gemm_par(x, m, k, packed.codes, packed.scale, packed.n, out, ntasks, ws.xq, ws.xd,
-              ws.xs8, ws.facc, True)
+              ws.xs8, ws.facc, vnni)
     return out
+
+
+def min_rows(vnni: bool) -> int:
+    """Activation rows from which :func:`linear_packed_i8` runs the tile GEMM: :data:`MIN_ROWS`
+    on the VNNI path, :data:`AVX2_TILE_ROWS` on AVX2."""
+    return MIN_ROWS if vnni else AVX2_TILE_ROWS
 
 
 def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None = None,
@@ -289,8 +455,8 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
 
     Parameters
     ----------
-    x : ndarray of float32, shape [M, K], C-contiguous (any M). From M = 8 on the VNNI path
-        (prefill) runs the register-blocked tile GEMM of :mod:`.packed_i8_gemm` (same bits).
+    x : ndarray of float32, shape [M, K], C-contiguous (any M). From :func:`min_rows` rows on
+        (prefill) runs the register-blocked tile GEMM of this module (same bits).
     packed : PackedInt4I8
     out : ndarray of float32, shape [M, N], C-contiguous, optional
     workspace : PackedI8Workspace, optional
@@ -306,10 +472,10 @@ def linear_packed_i8(x: np.ndarray, packed: PackedInt4I8, out: np.ndarray | None
             return out
     k, n, kp = packed.k, packed.n, packed.k_padded
     vnni = use_vnni()
-    if m >= 8 and m * n * kp >= SERIAL_MAX_WORK and vnni:
-        # prefill: the register-blocked VNNI tile GEMM (same bits; compiled at its first use)
-        ntasks = min(ws.n_tasks, num_threads(), packed.n_groups)
-        return gemm_i8_vnni(x, m, k, packed, out, ws, max(1, ntasks))
+    if m >= min_rows(vnni) and m * n * kp >= SERIAL_MAX_WORK:
+        # prefill: the register-blocked tile GEMM (same bits; compiled at its first use)
+        ntasks = min(ws.n_tasks, num_threads(), packed.n_groups // 2)
+        return gemm_i8(x, m, k, packed, out, ws, max(1, ntasks), vnni)
     ntasks = min(ws.n_tasks, num_threads())
     if m * n * kp < SERIAL_MAX_WORK or ntasks == 1 or packed.n_groups == 1:
         linear_ser(x, m, k, packed.codes, packed.scale, n, out, ws.xq, ws.xd, ws.xs8,

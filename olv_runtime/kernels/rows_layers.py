@@ -15,8 +15,8 @@ Per layer, ``x`` float32 [R, E] the rows' residual stream:
    quantized to int8 blocks, :func:`~.packed_i8.quantize_rows_i8`);
 2. ``qkv = h @ Wqkv.T (+ bias)``: chunks of 8-row weight groups claimed by the tasks
    (:func:`~.decoder_layers._claim`), each chunk computing all R rows (the weights are read once
-   per step: int8 :func:`~.packed_i8.groups`, exact :func:`~.packed_f32._groups8` /
-   ``_groups_small``); barrier;
+   per step: int8 :func:`~.packed_i8_gemm.groups_tiles`, VNNI or AVX2 tiles; exact
+   :func:`~.packed_f32._groups8` / ``_groups_small``); barrier;
 3. per row (rows split between the tasks): RoPE of its query heads (into ``q`` [R, H, D]) and key
    heads at the row's position, its key and value written into the pool at (``blocks[r]``,
    ``offsets[r]``) in the pool's format; barrier (when every row is its sequence's only row --
@@ -54,7 +54,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.core.extending import overload
 
-from . import packed_f32, packed_i8
+from . import packed_f32, packed_i8, packed_i8_gemm
 from .attention import SLACK, TILE, _attend_rows, _state_finish, _state_init
 from .config import JIT, PJIT
 from .decoder_layers import _chunk_units, _next_chunk, _prefetch_part, _weight
@@ -154,8 +154,8 @@ def _ov_groups_rows(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1):
     else:
         def impl(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1):
             xq, xd, xs8, facc8 = i8
-            packed_i8.groups(codes, scale, g0, g1, xq, xd, xs8, m, out.shape[1], out, facc8,
-                             vnni)
+            packed_i8_gemm.groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, out.shape[1],
+                                        out, facc8, vnni)
     return impl
 
 

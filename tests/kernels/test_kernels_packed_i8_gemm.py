@@ -1,4 +1,5 @@
-"""Tests of olv_runtime.kernels.packed_i8_gemm (the register-blocked VNNI GEMM of prefill).
+"""Tests of olv_runtime.kernels.packed_i8_gemm (the register-blocked GEMM of prefill: VNNI zmm
+tiles of 8 activation rows, AVX2 ymm tiles of 4).
 
 Oracles: the numpy model of tests/reference.py (``linear_int4_int8``: same activation quantization, exact
 integer block sums, block float math in order) and the AVX2 fallback forced with set_isa: all
@@ -66,7 +67,7 @@ def test_rows_independent_of_m_and_threads():
 
 def test_tile_kernel_emits_zmm_vpdpbusd_where_the_cpu_has_it():
     if not packed_i8.HOST_VNNI:
-        pytest.skip("no AVX-512 VNNI on this CPU: the tile GEMM is never used (AVX2 fallback "
+        pytest.skip("no AVX-512 VNNI on this CPU: the zmm tile is never used (the AVX2 tile is "
                     "tested above)")
     from numba import njit
 
@@ -83,3 +84,63 @@ def test_tile_kernel_emits_zmm_vpdpbusd_where_the_cpu_has_it():
     np.testing.assert_array_equal(out, 0.0)
     asm = fresh.inspect_asm(fresh.signatures[0])
     assert "vpdpbusd" in asm and "zmm" in asm
+
+
+AVX2_CASES = [(64, 512, 4), (90, 1000, 5), (136, 1000, 7), (1152, 96, 8), (48, 4864, 13),
+              (24, 64, 6)]
+
+
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n,k,m", AVX2_CASES)
+def test_avx2_tile_gemm_bitwise_equals_group_kernels_and_model(n, k, m, scale_dtype):
+    """The AVX2 tile (4 activation rows x 2 groups) from 4 rows on: bitwise the one-group
+    kernels of packed_i8 (linear_ser: 4/2/1 rows per decoded group) and the numpy model."""
+    from olv_runtime.kernels import packed_i8_gemm
+
+    kp = 32 * -(-k // 32)
+    rng = np.random.default_rng(n + 3 * k + 17 * m)
+    q, payload, scale = _weight(n, k, rng)
+    scale = scale.astype(scale_dtype)
+    p = prepack_int4_i8(payload, scale, None, n, k, 32)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, size=(m, 1))).astype(np.float32)
+    y = _run(x, p, "avx2")
+    ws = packed_i8.make_workspace_i8(m, k, 1)
+    groups = np.empty((m, n), np.float32)
+    packed_i8.linear_ser(x, m, k, p.codes, p.scale, n, groups, ws.xq, ws.xd, ws.xs8, ws.facc[0],
+                         False)
+    np.testing.assert_array_equal(y, groups)
+    np.testing.assert_array_equal(y, _model(x, q, scale.astype(np.float32)))
+    if m * n * kp >= SERIAL_MAX_WORK:  # linear_packed_i8 took the tile GEMM
+        assert m >= packed_i8_gemm.min_rows(False)
+    # groups_tiles over a range starting at an odd group (pairs (1, 2), (3, 4), ...), as the
+    # engine's claimed chunks do: the same outputs
+    tiles = groups.copy()
+    tiles[:, 8:] = 0.0
+    packed_i8_gemm.groups_tiles(p.codes, p.scale, np.int64(1), p.n_groups, ws.xq, ws.xd, ws.xs8,
+                                m, n, tiles, ws.facc[0], False)
+    np.testing.assert_array_equal(tiles, groups)
+
+
+def test_avx2_tile_shares_each_broadcast_between_two_groups():
+    """The AVX2 tile's point: one vpbroadcastd of 4 activation bytes feeds two vpmaddubsw (one
+    per group), where the one-group kernels use one per vpmaddubsw."""
+    from numba import njit
+
+    from olv_runtime.kernels import packed_i8_gemm
+
+    fresh = njit(packed_i8_gemm._pair_tile2.py_func)  # cached code cannot be inspected
+    codes = np.zeros((2, 1, 128), np.uint8)
+    scale = np.zeros((2, 1, 8), np.uint16)
+    xq = np.zeros((4, 32), np.int8)
+    xd = np.zeros((4, 1), np.float32)
+    xs8 = np.zeros((4, 1), np.int32)
+    out = np.full((4, 16), 1.0, np.float32)
+    facc = np.zeros((1, 8), np.float32)
+    fresh(codes, scale, 0, xq, xd, xs8, 0, 16, out, facc)
+    np.testing.assert_array_equal(out, 0.0)
+    asm = fresh.inspect_asm(fresh.signatures[0])
+    maddubs = asm.count("vpmaddubsw")
+    bcast = asm.count("vpbroadcastd")
+    assert maddubs == 4 * 2 * 8  # per block: 4 rows x 2 groups x 8 (chunk, nibble) pairs
+    # 32 activation broadcasts per block (one per two vpmaddubsw) + each row's sum(xq) splat
+    assert bcast <= maddubs // 2 + 4, (bcast, maddubs)
