@@ -1,4 +1,5 @@
-"""LLVM-IR building blocks of the ggml group-record kernels (:mod:`.ggml_packed`, :mod:`.ggml_gemm`).
+"""LLVM-IR building blocks of the ggml group-record kernels (:mod:`.ggml_packed`,
+:mod:`.ggml_gemm`).
 
 The record layout, the integer math of the two instruction paths and the float combination per
 block are described in :mod:`.ggml_packed`'s module docstring. These helpers emit, for one record

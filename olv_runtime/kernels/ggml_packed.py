@@ -49,6 +49,10 @@ chains per block, combined per block with the scales as above (Q4_K: ``(d sc_b) 
 sum(x)``). Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
 ``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |dmin m|) + 1e-6`` (tests/kernels/test_ggml_packed.py).
 
+Prefill (int8 mode, M >= :data:`~.ggml_gemm.ROWS`): :mod:`.ggml_gemm` decodes each record once
+for ROWS activation rows held in registers (bitwise the one-row results); rows left over run
+the one-row kernel. The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
+
 Memory: each task streams one contiguous range of groups; ``prefetcht0`` :data:`PF_BYTES` ahead.
 Bytes read per call: ``packed.nbytes`` (= the GGUF tensor's bytes, rows padded to 8).
 """
@@ -64,6 +68,7 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
+from .ggml_gemm import ROWS, rows_i8
 from .ggml_ir import (
     F32,
     I32,
@@ -337,8 +342,18 @@ def _act_sums(kind, m, k, xq, xs16, x, xsum, quant):
 
 @njit(**JIT)
 def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, quant, vnni):
+    """Groups g0..g1-1 of ``out[:m]``; int8 mode: activation rows in chunks of
+    :data:`~.ggml_gemm.ROWS` (:func:`~.ggml_gemm.rows_i8`, each record decoded once per chunk),
+    the rows left over one at a time (bitwise the same results)."""
     for g in range(g0, g1):
-        for i in range(m):
+        i0 = 0
+        if quant:
+            while m - i0 >= ROWS:
+                accs = rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni)
+                for r in range(ROWS):
+                    store_group(accs[r], facc, g, i0 + r, n, out)
+                i0 += ROWS
+        for i in range(i0, m):
             if quant:
                 acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
             else:

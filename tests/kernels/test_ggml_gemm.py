@@ -1,0 +1,81 @@
+"""Multi-row ggml kernels (kernels/ggml_gemm.py) used by kernels/ggml_packed.py for M >= ROWS.
+
+Oracles: the one-row kernel (each activation row in its own call, M = 1: ``_row_i8`` only) and
+the plain numpy model of the int8 arithmetic (tests/reference.py ``linear_ggml_int8``); both
+bitwise, on the AVX2 path (forced) and, on a VNNI host, the VNNI path.
+"""
+import numpy as np
+import pytest
+import reference as naive_ref  # tests/reference.py
+
+from olv_runtime.kernels import ggml_gemm, packed_i8
+from olv_runtime.kernels import ggml_packed as gp
+
+KIND_NAMES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 13, 64)
+N_ODD = 21  # three groups, the last one partial
+
+
+def random_blocks(name, n, k, seed):
+    """Random valid blocks: random code and scale bytes, finite small float16 d (and dmin)."""
+    rng = np.random.default_rng(seed)
+    bs, ts = gp.BLOCKS[gp.KINDS[name]]
+    b = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+
+    def put_f16(off, lo, hi):
+        v = rng.uniform(lo, hi, size=b.shape[:2]).astype(np.float16)
+        b[..., off:off + 2] = v.view(np.uint8).reshape(*b.shape[:2], 2)
+    if name == "Q6_K":
+        put_f16(208, 0.001, 0.01)
+    else:
+        put_f16(0, 0.001, 0.02)
+        if name == "Q4_K":
+            put_f16(2, 0.0, 0.02)
+    return b
+
+
+def _k(name):
+    return 3 * 256 if gp.BLOCKS[gp.KINDS[name]][0] == 256 else 5 * 32
+
+
+def _isas():
+    return ["avx2"] + (["avx512vnni"] if packed_i8.HOST_VNNI else [])
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    packed_i8.set_isa(request.param)
+    yield request.param
+    packed_i8.set_isa(None)
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+@pytest.mark.parametrize("m", ROW_COUNTS)
+def test_rows_bitwise_equal_one_row_kernel_and_reference(name, m, isa):
+    kind = gp.KINDS[name]
+    k = _k(name)
+    blocks = random_blocks(name, N_ODD, k, seed=kind + m)
+    packed = gp.prepack_ggml(name, blocks, N_ODD, k)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    x[m // 2, :32] = 0.0  # a block of zeros (d_x = 0)
+    y = gp.linear_ggml_i8(x, packed)  # rows in chunks of ROWS, the rest one at a time
+    one = np.concatenate([gp.linear_ggml_i8(x[i:i + 1], packed) for i in range(m)])
+    ref = naive_ref.linear_ggml_int8(kind, blocks, x)
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+    assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+def test_parallel_driver_rows_bitwise(name, isa):
+    """Above SERIAL_MAX_WORK (the parallel driver, tasks over groups), M not a multiple of
+    ROWS."""
+    kind = gp.KINDS[name]
+    n, m, k = 45, 2 * ggml_gemm.ROWS * 8 + 3, _k(name) * 2
+    assert m * n * k >= gp.SERIAL_MAX_WORK
+    blocks = random_blocks(name, n, k, seed=kind)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(2).standard_normal((m, k)).astype(np.float32)
+    ws = gp.make_workspace_ggml(m, k, n_tasks=4)
+    y = gp.linear_ggml_i8(x, packed, workspace=ws)
+    ref = naive_ref.linear_ggml_int8(kind, blocks, x)
+    assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
