@@ -8,7 +8,8 @@ the one-row path (every record decoded once per activation row) in the same run.
 Shapes: Qwen2.5-0.5B's gate/up (N=4864, K=896), down (N=896, K=4864), qkv (N=1152, K=896).
 Random blocks (valid float16 scales). ``old`` is a copy of the driver as it was before the
 multi-row kernels (the same activation quantization and tasks, ``_row_i8`` for every row);
-``new`` is ``linear_ggml_i8`` (out and workspace preallocated). Per (kind, shape, M) the two
+``new`` is ``linear_ggml_i8`` (out and workspace preallocated; ``--exact``: ``linear_ggml_exact``
+against ``_row_f32`` for every row). Per (kind, shape, M) the two
 are timed alternately, ``--rounds`` rounds of a few calls each; the figure is the best round
 (the machine may be shared: compare the ratio, measured in the same minute). GMAC/s =
 M N K / time. Not run by the test command.
@@ -30,22 +31,37 @@ SHAPES = {"gate/up": (4864, 896), "down": (896, 4864), "qkv": (1152, 896)}  # na
 
 
 @njit(**config.JIT)
-def _old_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, vnni):
+def _old_groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, quant, vnni):
     for g in range(g0, g1):
         for i in range(m):
-            acc = gp._row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
+            if quant:
+                acc = gp._row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
+            else:
+                acc = gp._row_f32(kind, data, g, x, xsum, i)
             store_group(acc, facc, g, i, n, out)
 
 
+@njit(**config.JIT)
+def _old_linear_ser(kind, data, x, m, k, n, out, xq, xd, xs8, xs16, xsum, facc, quant, vnni):
+    if quant:
+        quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
+    gp._act_sums(kind, m, k, xq, xs16, x, xsum, quant)
+    _old_groups(kind, data, np.int64(0), data.shape[0], x, xq, xd, xs8, xs16, xsum, m, n, out,
+                facc, quant, vnni)
+
+
 @njit(**config.PJIT)
-def _old_linear(kind, data, x, m, k, n, out, ntasks, xq, xd, xs8, xs16, xsum, facc, vnni):
-    quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
-    gp._act_sums(kind, m, k, xq, xs16, x, xsum, True)
+def _old_linear(kind, data, x, m, k, n, out, ntasks, xq, xd, xs8, xs16, xsum, facc, quant,
+                vnni):
+    if quant:
+        quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
+    gp._act_sums(kind, m, k, xq, xs16, x, xsum, quant)
     ng = data.shape[0]
     for task in prange(ntasks):
         g0 = task * ng // ntasks
         g1 = (task + 1) * ng // ntasks
-        _old_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc[task], vnni)
+        _old_groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc[task],
+                    quant, vnni)
 
 
 def random_blocks(name, n, k, rng):
@@ -59,7 +75,7 @@ def random_blocks(name, n, k, rng):
     return b
 
 
-def measure(name, n, k, m, rounds, threads, rng):
+def measure(name, n, k, m, rounds, threads, rng, exact=False):
     blocks = random_blocks(name, n, k, rng)
     packed = gp.prepack_ggml(name, blocks, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -68,12 +84,18 @@ def measure(name, n, k, m, rounds, threads, rng):
     y_old = np.empty((m, n), np.float32)
     ntasks = min(ws.n_tasks, numba.get_num_threads(), packed.n_groups)
 
+    linear = gp.linear_ggml_exact if exact else gp.linear_ggml_i8
+
     def new():
-        gp.linear_ggml_i8(x, packed, y_new, ws)
+        linear(x, packed, y_new, ws)
 
     def old():
+        if m * n * k < gp.SERIAL_MAX_WORK or ntasks == 1:  # the serial driver, as _run
+            _old_linear_ser(packed.kind, packed.data, x, m, k, n, y_old, ws.xq, ws.xd, ws.xs8,
+                            ws.xs16, ws.xsum, ws.facc[0], not exact, use_vnni())
+            return
         _old_linear(packed.kind, packed.data, x, m, k, n, y_old, ntasks, ws.xq, ws.xd, ws.xs8,
-                    ws.xs16, ws.xsum, ws.facc, use_vnni())
+                    ws.xs16, ws.xsum, ws.facc, not exact, use_vnni())
     new()
     old()
     assert np.array_equal(y_new.view(np.uint32), y_old.view(np.uint32)), "results differ"
@@ -95,16 +117,21 @@ def main():
     ap.add_argument("--kinds", default="Q8_0,Q5_0,Q4_K,Q6_K")
     ap.add_argument("--ms", default="1,8,128,512")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--exact", action="store_true",
+                    help="linear_ggml_exact (float32 activations) instead of linear_ggml_i8")
     args = ap.parse_args()
     numba.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    print(f"threads={args.threads} rounds={args.rounds} (GMAC/s, best round; new/old ratio)")
+    mode = "exact" if args.exact else "int8"
+    print(f"{mode}: threads={args.threads} rounds={args.rounds} (GMAC/s, best round; new/old)")
     print(f"{'kind':5} {'shape':8} {'N':>5} {'K':>5} {'M':>4} {'old':>7} {'new':>7} {'ratio':>6}")
     for name in args.kinds.split(","):
         for sname in args.shapes.split(","):
             n, k = SHAPES[sname]
+            if k % gp.BLOCKS[gp.KINDS[name]][0]:
+                continue  # K=896 is not a multiple of 256 (llama.cpp's fallback types cover it)
             for m in (int(v) for v in args.ms.split(",")):
-                r = measure(name, n, k, m, args.rounds, args.threads, rng)
+                r = measure(name, n, k, m, args.rounds, args.threads, rng, args.exact)
                 print(f"{name:5} {sname:8} {n:5d} {k:5d} {m:4d} {r['old']:7.1f} {r['new']:7.1f} "
                       f"{r['new'] / r['old']:6.2f}", flush=True)
 

@@ -41,6 +41,7 @@ from .ggml_ir import (
     LV8I32,
     LV16I16,
     LV32I8,
+    OFFSET,
     PF_BYTES,
     Emit,
     idx,
@@ -52,10 +53,13 @@ from .ggml_ir import (
 )
 from .packed_i8 import HOST_VNNI, V8F32, check_array_arg, prefetch, splat
 
-__all__ = ["I16_TERMS", "ROWS", "rows_i8"]
+__all__ = ["I16_TERMS", "ROWS", "ROWS_F32", "rows_f32", "rows_i8"]
 
 #: activation rows per decoded record.
 ROWS = 4
+#: activation rows per decoded record in exact mode (float32 activations): 4 FMA chains per row
+#: and 32-block half, so 2 rows (8 chains) with the decoded codes and accumulators in 16 ymm.
+ROWS_F32 = 2
 #: AVX2: ``vpmaddubsw`` results (int16 pair sums) added in int16 before ``vpmaddwd``, per kind.
 I16_TERMS = {8: 1, 6: 4, 12: 8, 14: 2}
 
@@ -235,21 +239,104 @@ def _make_rows_i8(kind, nrows):
     return rec
 
 
-@intrinsic
-def _zeros(typingctx):
-    """:data:`ROWS` float32 x 8 zero accumulators."""
-    tup = types.UniTuple(V8F32, ROWS)
+def _emit_rows_f32(kind, nrows, context, builder, sig, args):
+    """IR of one record in exact mode for ``nrows`` activation rows (``xo + r kx``, ``bo + r
+    kbx``): each code decoded to float32 once (``(u >> 8j) & 255 - offset``), per row the FMA
+    chains and the float32 operations of ``ggml_packed._make_rec_f32`` in the same order."""
+    accs, dat, ro, xa, xoff, kx, xsa, boff, kbx = args
+    at = sig.args
+    a = [builder.extract_value(accs, r) for r in range(nrows)]
+    e = Emit(context, builder, at[1], dat, ro)
+    d = e.f16x8(0)
+    dmin = e.f16x8(16) if kind == 12 else None
+    fma = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(LV8F32, [LV8F32] * 3), "llvm.fma.v8f32")
+    off = ir.Constant(LV8I32, [OFFSET[kind]] * 8)
+    m255 = ir.Constant(LV8I32, [255] * 8)
+    zero = ir.Constant(LV8F32, [0.0] * 8)
+    xo_r = [builder.add(xoff, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
+    bo_r = [builder.add(boff, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
+    for sub in range(nsub(kind)):
+        xo_s = [idx(builder, xo, 32 * sub) for xo in xo_r]
+        halves = [[] for _ in range(nrows)]
+        for grp in ((0, 1, 2, 3), (4, 5, 6, 7)):
+            ch = [[zero] * 4 for _ in range(nrows)]  # per row 4 chains (j = byte in the lane)
+            for t in grp:
+                v = builder.bitcast(_chunk(e, kind, sub, t), LV8I32)
+                for j in range(4):
+                    w = builder.and_(builder.lshr(v, ir.Constant(LV8I32, [8 * j] * 8)),
+                                     m255) if j else builder.and_(v, m255)
+                    if OFFSET[kind]:
+                        w = builder.sub(w, off)
+                    wf = builder.sitofp(w, LV8F32)
+                    for r in range(nrows):
+                        xv = load_f32(context, builder, at[3], xa, idx(builder, xo_s[r], 4 * t + j))
+                        ch[r][j] = builder.call(fma, [wf, splat(builder, xv, LV8F32), ch[r][j]])
+            for r in range(nrows):
+                halves[r].append(builder.fadd(builder.fadd(ch[r][0], ch[r][1]),
+                                              builder.fadd(ch[r][2], ch[r][3])))
+        if kind == 14:
+            sc0 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub), signed=True), LV8F32)
+            sc1 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), LV8F32)
+            for r in range(nrows):
+                a[r] = builder.call(fma, [halves[r][0], builder.fmul(d, sc0), a[r]])
+                a[r] = builder.call(fma, [halves[r][1], builder.fmul(d, sc1), a[r]])
+            continue
+        if kind == 12:
+            sc, mn = k4_scales(e, sub)
+            big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
+            big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
+        for r in range(nrows):
+            s = builder.fadd(halves[r][0], halves[r][1])
+            if kind in (6, 8):
+                a[r] = builder.call(fma, [s, d, a[r]])
+                continue
+            sx = splat(builder, load_f32(context, builder, at[6], xsa, idx(builder, bo_r[r], sub)),
+                       LV8F32)
+            a[r] = builder.fadd(a[r], builder.fsub(builder.fmul(big_d, s),
+                                                   builder.fmul(big_m, sx)))
+    return context.make_tuple(builder, sig.return_type, a)
 
-    def codegen(context, builder, sig, args):
-        z = ir.Constant(LV8F32, [0.0] * 8)
-        return context.make_tuple(builder, tup, [z] * ROWS)
-    return tup(), codegen
+
+def _make_rows_f32(kind, nrows):
+    tup = types.UniTuple(V8F32, nrows)
+
+    @intrinsic
+    def rec(typingctx, accs, data, roff, x, xo, kx, xsum, bo, kbx):
+        if not (accs == tup and check_array_arg(data, types.uint8)
+                and check_array_arg(x, types.float32) and check_array_arg(xsum, types.float32)):
+            return None
+        sig = tup(tup, data, types.intp, x, types.intp, types.intp, xsum, types.intp, types.intp)
+        return sig, (lambda context, builder, sig, args:
+                     _emit_rows_f32(kind, nrows, context, builder, sig, args))
+    return rec
+
+
+def _make_zeros(nrows):
+    @intrinsic
+    def zeros(typingctx):
+        """``nrows`` float32 x 8 zero accumulators."""
+        tup = types.UniTuple(V8F32, nrows)
+
+        def codegen(context, builder, sig, args):
+            z = ir.Constant(LV8F32, [0.0] * 8)
+            return context.make_tuple(builder, tup, [z] * nrows)
+        return tup(), codegen
+    return zeros
+
+
+_zeros = _make_zeros(ROWS)
+_zeros_f32 = _make_zeros(ROWS_F32)
 
 
 _rows_q8_0 = _make_rows_i8(8, ROWS)
 _rows_q5_0 = _make_rows_i8(6, ROWS)
 _rows_q4_k = _make_rows_i8(12, ROWS)
 _rows_q6_k = _make_rows_i8(14, ROWS)
+_rows_f32_q8_0 = _make_rows_f32(8, ROWS_F32)
+_rows_f32_q5_0 = _make_rows_f32(6, ROWS_F32)
+_rows_f32_q4_k = _make_rows_f32(12, ROWS_F32)
+_rows_f32_q6_k = _make_rows_f32(14, ROWS_F32)
 
 
 @njit(**JIT)
@@ -289,4 +376,33 @@ def rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni):
             ro = (base + s) * rb
             acc = _rows_q6_k(acc, data, ro, xq, xo + 256 * s, kx, xd, xs8, xs16, bo + 8 * s,
                              kbx, vnni)
+    return acc
+
+
+@njit(**JIT)
+def rows_f32(kind, data, g, x, xsum, i0):
+    """Exact mode: group ``g`` of activation rows ``i0 .. i0 + ROWS_F32 - 1`` (float32 ``x``
+    [M, K], ``xsum`` float32 [M, K / 32] per-32 sums of ``x``, read by Q4_K): a tuple of
+    :data:`ROWS_F32` float32 x 8 accumulators, each bitwise equal to ``ggml_packed._row_f32`` of
+    its row."""
+    nrec = data.shape[1]
+    rb = data.shape[2]
+    kx = x.shape[1]
+    kbx = xsum.shape[1]
+    xo = i0 * kx
+    bo = i0 * kbx
+    acc = _zeros_f32()
+    base = g * nrec
+    for s in range(nrec):
+        ro = (base + s) * rb
+        for p in range(0, rb, 64):
+            prefetch(data, ro + PF_BYTES + p)
+        if kind == 8:
+            acc = _rows_f32_q8_0(acc, data, ro, x, xo + 32 * s, kx, xsum, bo + s, kbx)
+        elif kind == 6:
+            acc = _rows_f32_q5_0(acc, data, ro, x, xo + 32 * s, kx, xsum, bo + s, kbx)
+        elif kind == 12:
+            acc = _rows_f32_q4_k(acc, data, ro, x, xo + 256 * s, kx, xsum, bo + 8 * s, kbx)
+        else:
+            acc = _rows_f32_q6_k(acc, data, ro, x, xo + 256 * s, kx, xsum, bo + 8 * s, kbx)
     return acc

@@ -16,6 +16,8 @@ from numba.core import cgutils
 
 from .packed_i8 import HOST_VNNI, elem_ptr, splat
 
+#: exact mode: ``u - OFFSET[kind]`` is the signed code of a chunk byte ``u``.
+OFFSET = {8: 128, 6: 16, 12: 0, 14: 32}
 #: prefetch distance (bytes ahead in a group's record stream) of the int8 record loops.
 PF_BYTES = 2048
 

@@ -68,12 +68,13 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
-from .ggml_gemm import ROWS, rows_i8
+from .ggml_gemm import ROWS, ROWS_F32, rows_f32, rows_i8
 from .ggml_ir import (
     F32,
     I32,
     LV8F32,
     LV8I32,
+    OFFSET,
     PF_BYTES,
     Emit,
     chunks,
@@ -189,9 +190,6 @@ _rec_i8_q6_k = _make_rec_i8(14)
 # ------------------------------------------------------------------------------------------------
 # exact (float32 activation) record kernels
 # ------------------------------------------------------------------------------------------------
-_OFFSET = {8: 128, 6: 16, 12: 0, 14: 32}  # u - offset = the signed code
-
-
 def _make_rec_f32(kind):
     @intrinsic
     def rec(typingctx, acc, data, roff, x, xo, xsum, bo):
@@ -208,7 +206,7 @@ def _make_rec_f32(kind):
             dmin = e.f16x8(16) if kind == 12 else None
             fma = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(LV8F32, [LV8F32] * 3), "llvm.fma.v8f32")
-            off = ir.Constant(LV8I32, [_OFFSET[kind]] * 8)
+            off = ir.Constant(LV8I32, [OFFSET[kind]] * 8)
             m255 = ir.Constant(LV8I32, [255] * 8)
             zero = ir.Constant(LV8F32, [0.0] * 8)
             for sub in range(nsub(kind)):
@@ -222,7 +220,7 @@ def _make_rec_f32(kind):
                         for j in range(4):
                             w = builder.and_(builder.lshr(v, ir.Constant(LV8I32, [8 * j] * 8)),
                                              m255) if j else builder.and_(v, m255)
-                            if _OFFSET[kind]:
+                            if OFFSET[kind]:
                                 w = builder.sub(w, off)
                             wf = builder.sitofp(w, LV8F32)
                             xv = load_f32(context, builder, at[3], xa, idx(builder, xo_s, 4 * t + j))
@@ -342,9 +340,10 @@ def _act_sums(kind, m, k, xq, xs16, x, xsum, quant):
 
 @njit(**JIT)
 def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, quant, vnni):
-    """Groups g0..g1-1 of ``out[:m]``; int8 mode: activation rows in chunks of
-    :data:`~.ggml_gemm.ROWS` (:func:`~.ggml_gemm.rows_i8`, each record decoded once per chunk),
-    the rows left over one at a time (bitwise the same results)."""
+    """Groups g0..g1-1 of ``out[:m]``: activation rows in chunks of :data:`~.ggml_gemm.ROWS`
+    (int8 mode, :func:`~.ggml_gemm.rows_i8`) or :data:`~.ggml_gemm.ROWS_F32` (exact mode,
+    :func:`~.ggml_gemm.rows_f32`), each record decoded once per chunk; the rows left over one at
+    a time (bitwise the same results)."""
     for g in range(g0, g1):
         i0 = 0
         if quant:
@@ -353,6 +352,12 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
                 for r in range(ROWS):
                     store_group(accs[r], facc, g, i0 + r, n, out)
                 i0 += ROWS
+        else:
+            while m - i0 >= ROWS_F32:
+                accs = rows_f32(kind, data, g, x, xsum, i0)
+                for r in range(ROWS_F32):
+                    store_group(accs[r], facc, g, i0 + r, n, out)
+                i0 += ROWS_F32
         for i in range(i0, m):
             if quant:
                 acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)

@@ -1,8 +1,10 @@
-"""Multi-row ggml kernels (kernels/ggml_gemm.py) used by kernels/ggml_packed.py for M >= ROWS.
+"""Multi-row ggml kernels (kernels/ggml_gemm.py) used by kernels/ggml_packed.py for M >= ROWS
+(int8 mode) / ROWS_F32 (exact mode).
 
-Oracles: the one-row kernel (each activation row in its own call, M = 1: ``_row_i8`` only) and
-the plain numpy model of the int8 arithmetic (tests/reference.py ``linear_ggml_int8``); both
-bitwise, on the AVX2 path (forced) and, on a VNNI host, the VNNI path.
+Oracles: the one-row kernel (each activation row in its own call, M = 1: ``_row_i8`` /
+``_row_f32`` only) and, int8 mode, the plain numpy model of its arithmetic (tests/reference.py
+``linear_ggml_int8``); all bitwise, int8 mode on the AVX2 path (forced) and, on a VNNI host, the
+VNNI path. Exact mode is also checked against a float64 product within the stated bound.
 """
 import numpy as np
 import pytest
@@ -79,3 +81,36 @@ def test_parallel_driver_rows_bitwise(name, isa):
     y = gp.linear_ggml_i8(x, packed, workspace=ws)
     ref = naive_ref.linear_ggml_int8(kind, blocks, x)
     assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+@pytest.mark.parametrize("m", ROW_COUNTS)
+def test_exact_rows_bitwise_equal_one_row_kernel(name, m):
+    """Exact mode (float32 activations, FMA chains): rows in chunks of ROWS_F32 give the bits of
+    the one-row kernel, and stay within the module's tolerance of a float64 product."""
+    kind = gp.KINDS[name]
+    k = _k(name)
+    blocks = random_blocks(name, N_ODD, k, seed=kind + m)
+    packed = gp.prepack_ggml(name, blocks, N_ODD, k)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    y = gp.linear_ggml_exact(x, packed)
+    one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+    w = gp.dequantize_rows(name, blocks)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
+    if name == "Q4_K":  # the bound also counts the mins (d sc q - dmin m)
+        mag = mag + np.abs(x).astype(np.float64).sum(1, keepdims=True) * 0.02 * 63
+    assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6), np.abs(y - ref).max()
+
+
+def test_exact_parallel_driver_rows_bitwise():
+    name = "Q4_K"
+    n, m, k = 45, 2 * ggml_gemm.ROWS_F32 * 8 + 1, 512
+    assert m * n * k >= gp.SERIAL_MAX_WORK
+    blocks = random_blocks(name, n, k, seed=5)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(4).standard_normal((m, k)).astype(np.float32)
+    y = gp.linear_ggml_exact(x, packed, workspace=gp.make_workspace_ggml(m, k, n_tasks=4))
+    one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
