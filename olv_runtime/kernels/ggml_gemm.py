@@ -3,10 +3,10 @@
 The one-row kernels of :mod:`.ggml_packed` (``_row_i8``) decode every record of a group once per
 activation row, so prefill with M rows decodes each record M times. Here a record is decoded once
 (its float16 scales, 6-bit / int8 sub-block scales and the 8 chunk vectors ``U_t`` of each
-32-block, the values of :func:`~.ggml_ir.chunks`) and used for :data:`ROWS` activation rows whose float32
-accumulators stay in registers across the group's records (the technique of register-blocked
-quantized GEMMs such as ik_llama.cpp's ``iqk`` kernels: decode a weight tile once, reuse it for
-several activation rows).
+32-block, the values of :func:`~.ggml_ir.chunks`) and used for :data:`ROWS` activation rows
+whose float32 accumulators stay in registers across the group's records (the technique of
+register-blocked quantized GEMMs such as ik_llama.cpp's ``iqk`` kernels: decode a weight tile
+once, reuse it for several activation rows).
 
 Bitwise equality with the one-row kernel: per activation row the int32 block sums are exact on
 both paths, and the float32 operations per (row, block) are those of ``_row_i8`` in the same
@@ -63,13 +63,16 @@ from .ggml_ir import (
 )
 from .packed_i8 import HOST_VNNI, V8F32, check_array_arg, prefetch, splat
 
-__all__ = ["I16_TERMS", "ROWS", "ROWS_F32", "rows_f32", "rows_i8"]
+__all__ = ["BLOCK_BYTES", "I16_TERMS", "ROWS", "ROWS_F32", "block_rows", "rows_f32", "rows_i8"]
 
 #: activation rows per decoded record.
 ROWS = 4
 #: activation rows per decoded record in exact mode (float32 activations): 4 FMA chains per row
 #: and 32-block half, so 2 rows (8 chains) with the decoded codes and accumulators in 16 ymm.
 ROWS_F32 = 2
+#: bytes of activation codes per row block of a task (half of Zen 3's 512 KiB L2): a block's
+#: rows stay in L2 while the task's groups stream past them.
+BLOCK_BYTES = 1 << 18
 #: AVX2: ``vpmaddubsw`` results (int16 pair sums) added in int16 before ``vpmaddwd``, per kind.
 I16_TERMS = {8: 1, 6: 4, 12: 8, 14: 2}
 
@@ -347,6 +350,13 @@ _rows_f32_q8_0 = _make_rows_f32(8, ROWS_F32)
 _rows_f32_q5_0 = _make_rows_f32(6, ROWS_F32)
 _rows_f32_q4_k = _make_rows_f32(12, ROWS_F32)
 _rows_f32_q6_k = _make_rows_f32(14, ROWS_F32)
+
+
+@njit(**JIT)
+def block_rows(row_bytes):
+    """Activation rows per block: ``BLOCK_BYTES // row_bytes`` rounded down to a multiple of
+    :data:`ROWS` (at least ROWS)."""
+    return max(ROWS, BLOCK_BYTES // row_bytes // ROWS * ROWS)
 
 
 @njit(**JIT)

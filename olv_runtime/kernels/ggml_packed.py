@@ -68,7 +68,7 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
-from .ggml_gemm import ROWS, ROWS_F32, rows_f32, rows_i8
+from .ggml_gemm import ROWS, ROWS_F32, block_rows, rows_f32, rows_i8
 from .ggml_ir import (
     F32,
     I32,
@@ -340,30 +340,34 @@ def _act_sums(kind, m, k, xq, xs16, x, xsum, quant):
 
 @njit(**JIT)
 def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, quant, vnni):
-    """Groups g0..g1-1 of ``out[:m]``: activation rows in chunks of :data:`~.ggml_gemm.ROWS`
-    (int8 mode, :func:`~.ggml_gemm.rows_i8`) or :data:`~.ggml_gemm.ROWS_F32` (exact mode,
-    :func:`~.ggml_gemm.rows_f32`), each record decoded once per chunk; the rows left over one at
-    a time (bitwise the same results)."""
-    for g in range(g0, g1):
-        i0 = 0
-        if quant:
-            while m - i0 >= ROWS:
-                accs = rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni)
-                for r in range(ROWS):
-                    store_group(accs[r], facc, g, i0 + r, n, out)
-                i0 += ROWS
-        else:
-            while m - i0 >= ROWS_F32:
-                accs = rows_f32(kind, data, g, x, xsum, i0)
-                for r in range(ROWS_F32):
-                    store_group(accs[r], facc, g, i0 + r, n, out)
-                i0 += ROWS_F32
-        for i in range(i0, m):
+    """Groups g0..g1-1 of ``out[:m]``: activation rows in blocks of
+    :func:`~.ggml_gemm.block_rows` (their codes stay in L2 while the groups stream), within a
+    block in chunks of :data:`~.ggml_gemm.ROWS` (int8 mode, :func:`~.ggml_gemm.rows_i8`) or
+    :data:`~.ggml_gemm.ROWS_F32` (exact mode, :func:`~.ggml_gemm.rows_f32`), each record decoded
+    once per chunk; the rows left over one at a time (bitwise the same results)."""
+    mb = block_rows(xq.shape[1] if quant else 4 * x.shape[1])
+    for ib in range(0, m, mb):
+        ie = min(m, ib + mb)
+        for g in range(g0, g1):
+            i0 = ib
             if quant:
-                acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
+                while ie - i0 >= ROWS:
+                    accs = rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni)
+                    for r in range(ROWS):
+                        store_group(accs[r], facc, g, i0 + r, n, out)
+                    i0 += ROWS
             else:
-                acc = _row_f32(kind, data, g, x, xsum, i)
-            store_group(acc, facc, g, i, n, out)
+                while ie - i0 >= ROWS_F32:
+                    accs = rows_f32(kind, data, g, x, xsum, i0)
+                    for r in range(ROWS_F32):
+                        store_group(accs[r], facc, g, i0 + r, n, out)
+                    i0 += ROWS_F32
+            for i in range(i0, ie):
+                if quant:
+                    acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
+                else:
+                    acc = _row_f32(kind, data, g, x, xsum, i)
+                store_group(acc, facc, g, i, n, out)
 
 
 @njit(**PJIT)

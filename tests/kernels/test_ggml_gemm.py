@@ -114,3 +114,22 @@ def test_exact_parallel_driver_rows_bitwise():
     y = gp.linear_ggml_exact(x, packed, workspace=gp.make_workspace_ggml(m, k, n_tasks=4))
     one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
     assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_row_blocks_bitwise(exact):
+    """K long enough that a task's rows run in several L2 blocks (``block_rows``: 32 rows of
+    int8 codes, 8 of float32 here), the last one with rows left over."""
+    name, n, m, k = "Q8_0", 21, 70, 8192
+    rows = ggml_gemm.block_rows.py_func(4 * k if exact else k)
+    assert m > rows and m % rows % ggml_gemm.ROWS
+    blocks = random_blocks(name, n, k, seed=9)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(9).standard_normal((m, k)).astype(np.float32)
+    linear = gp.linear_ggml_exact if exact else gp.linear_ggml_i8
+    y = linear(x, packed)
+    one = np.concatenate([linear(x[i:i + 1], packed) for i in range(m)])
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+    if not exact:
+        ref = naive_ref.linear_ggml_int8(gp.KINDS[name], blocks, x)
+        assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
