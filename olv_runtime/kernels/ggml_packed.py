@@ -49,9 +49,10 @@ chains per block, combined per block with the scales as above (Q4_K: ``(d sc_b) 
 sum(x)``). Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
 ``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |dmin m|) + 1e-6`` (tests/kernels/test_ggml_packed.py).
 
-Prefill (int8 mode, M >= :data:`~.ggml_gemm.ROWS`): :mod:`.ggml_gemm` decodes each record once
-for ROWS activation rows held in registers (bitwise the one-row results); rows left over run
-the one-row kernel. The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
+Prefill (M >= :data:`~.ggml_gemm.ROWS` in int8 mode, :data:`~.ggml_gemm.ROWS_F32` in exact
+mode): :mod:`.ggml_gemm` decodes each record once for that many activation rows held in
+registers (bitwise the one-row results), rows in L2-sized blocks; rows left over run the one-row
+kernels. The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
 
 Memory: each task streams one contiguous range of groups; ``prefetcht0`` :data:`PF_BYTES` ahead.
 Bytes read per call: ``packed.nbytes`` (= the GGUF tensor's bytes, rows padded to 8).
