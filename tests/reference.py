@@ -10,7 +10,8 @@ Contents: bit packing (``pack_codes``, ``unpack_codes``), DequantizeLinear (``ex
 the ggml group records (``ggml_records``), the blocked INT4 linears (``int4_weight``,
 ``dequantize_int4``, ``quantize_int8_blocks``, ``linear_int4_int8``, ``linear_int4_exact``,
 ``exact_bound``), int8 activations against any float weight (``linear_int8_float64``: the ggml
-kernels), and the exact-mode VNNI path's activation digits and error term
+kernels) and from ggml blocks bitwise (``linear_ggml_int8``), and the exact-mode VNNI path's
+activation digits and error term
 (``activation_digits``, ``fixed_point_term``).
 """
 from __future__ import annotations
@@ -327,6 +328,89 @@ def linear_int8_float64(x, w):
     xq, d = quantize_int8_blocks(x)
     wb = np.asarray(w, np.float64).reshape(w.shape[0], k // 32, 32)
     return np.einsum("mbj,nbj,mb->mn", xq.astype(np.float64), wb, d.astype(np.float64))
+
+
+def _ggml_codes(kind, blocks):
+    """ggml blocks uint8 [N, nb, type_size] -> signed integer codes int64 [N, nb * block_size]
+    (Q8_0 ``q``, Q5_0 ``u - 16``, Q4_K ``q`` (0..15), Q6_K ``u - 32``) as gguf-py defines them."""
+    n, nb, _ = blocks.shape
+    if kind == 8:
+        return blocks[..., 2:34].view(np.int8).astype(np.int64).reshape(n, -1)
+    if kind == 6:
+        qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+        h = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64)
+        qs = blocks[..., 6:22].astype(np.int64)
+        lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        return (lo | (h << 4)).reshape(n, -1) - 16
+    if kind == 12:
+        qs = blocks[..., 16:144].reshape(n, nb, 4, 1, 32).astype(np.int64) >> np.array(
+            [0, 4]).reshape(1, 1, 1, 2, 1)
+        return (qs & 15).reshape(n, -1)
+    ql = blocks[..., 0:128].reshape(n, nb, 2, 1, 64).astype(np.int64) >> np.array(
+        [0, 4]).reshape(1, 1, 1, 2, 1)
+    qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32).astype(np.int64) >> np.array(
+        [0, 2, 4, 6]).reshape(1, 1, 1, 4, 1)
+    return ((ql & 15).reshape(n, nb, 8, 32) | ((qh & 3).reshape(n, nb, 8, 32) << 4)).reshape(
+        n, -1) - 32
+
+
+def linear_ggml_int8(kind, blocks, x):
+    """``y = x @ W.T`` for ggml blocks (type id ``kind``: 8 Q8_0, 6 Q5_0, 12 Q4_K, 14 Q6_K) with
+    int8-quantized activations (:func:`quantize_int8_blocks`), bitwise as
+    kernels/ggml_packed.py's int8 kernels compute it (module docstring there): exact integer
+    sums per 32-block (Q6_K per 16), then per 32-block ``b`` in order from 0.0, float32, no FMA:
+
+    * Q8_0, Q5_0: ``y += float32(S) * (d * d_x)``
+    * Q4_K: ``y += ((d sc_b) float32(S) - (dmin m_b) float32(sum xq)) * d_x``
+    * Q6_K: ``y += float32(sc_0 S_0 + sc_1 S_1) * (d * d_x)`` (``S_h`` over 16 codes)
+
+    Parameters
+    ----------
+    kind : int
+    blocks : ndarray of uint8, shape [N, K / block_size, type_size]
+    x : ndarray of float32, shape [M, K]
+
+    Returns
+    -------
+    ndarray of float32, shape [M, N]
+    """
+    n, nb, _ = blocks.shape
+    m, k = x.shape
+    xq, dx = quantize_int8_blocks(x)                      # [m, kb, 32], [m, kb]
+    q = _ggml_codes(kind, blocks)                         # [n, k]
+
+    def f16(off):
+        return _f16bits(blocks, off).view(np.float16).astype(np.float32)  # [n, nb]
+    y = np.zeros((m, n), np.float32)
+    if kind in (6, 8):
+        d = f16(0)
+        s = np.einsum("mbj,nbj->mnb", xq, q.reshape(n, nb, 32))
+        for b in range(nb):
+            y += s[:, :, b].astype(np.float32) * (d[None, :, b] * dx[:, None, b])
+        return y
+    if kind == 12:
+        d, dmin = f16(0), f16(2)
+        sb = blocks[..., 4:16].astype(np.int64)
+        d_, m_, md = sb[..., 0:4], sb[..., 4:8], sb[..., 8:12]
+        sc = np.concatenate([d_ & 63, (md & 15) | ((d_ >> 2) & 0x30)], axis=-1)  # [n, nb, 8]
+        mn = np.concatenate([m_ & 63, (md >> 4) | ((m_ >> 2) & 0x30)], axis=-1)
+        big_d = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)           # [n, kb]
+        big_m = (dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+        s = np.einsum("mbj,nbj->mnb", xq, q.reshape(n, k // 32, 32))
+        sx = xq.sum(axis=2).astype(np.float32)                                   # [m, kb]
+        for b in range(k // 32):
+            f = (big_d[None, :, b] * s[:, :, b].astype(np.float32)
+                 - big_m[None, :, b] * sx[:, b, None])
+            y += f * dx[:, b, None]
+        return y
+    d = f16(208)
+    sc = blocks[..., 192:208].view(np.int8).astype(np.int64).reshape(n, -1)     # [n, k / 16]
+    s16 = np.einsum("mhj,nhj->mnh", xq.reshape(m, k // 16, 16), q.reshape(n, k // 16, 16))
+    tot = s16 * sc[None]
+    for b in range(k // 32):
+        t = (tot[:, :, 2 * b] + tot[:, :, 2 * b + 1]).astype(np.float32)
+        y += t * (d[None, :, b // 8] * dx[:, b, None])
+    return y
 
 
 def fixed_point_term(x64, w64):

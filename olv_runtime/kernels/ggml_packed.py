@@ -49,6 +49,11 @@ chains per block, combined per block with the scales as above (Q4_K: ``(d sc_b) 
 sum(x)``). Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
 ``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |dmin m|) + 1e-6`` (tests/kernels/test_ggml_packed.py).
 
+Prefill (M >= :data:`~.ggml_gemm.ROWS` in int8 mode, :data:`~.ggml_gemm.ROWS_F32` in exact
+mode): :mod:`.ggml_gemm` decodes each record once for that many activation rows held in
+registers (bitwise the one-row results), rows in L2-sized blocks; rows left over run the one-row
+kernels. The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
+
 Memory: each task streams one contiguous range of groups; ``prefetcht0`` :data:`PF_BYTES` ahead.
 Bytes read per call: ``packed.nbytes`` (= the GGUF tensor's bytes, rows padded to 8).
 """
@@ -64,14 +69,30 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
+from .ggml_gemm import ROWS, ROWS_F32, block_rows, rows_f32, rows_i8
+from .ggml_ir import (
+    F32,
+    I32,
+    LV8F32,
+    LV8I32,
+    OFFSET,
+    PF_BYTES,
+    Emit,
+    chunks,
+    dot_sums,
+    idx,
+    k4_scales,
+    load_f32,
+    load_i32,
+    nsub,
+    xbcast,
+)
 from .packed import prepare_call, workspace_args
 from .packed_i8 import (
     GROUP_ROWS,
-    HOST_VNNI,
     V8F32,
     aligned_empty,
     check_array_arg,
-    elem_ptr,
     fzero,
     prefetch,
     quantize_rows_i8,
@@ -90,196 +111,7 @@ KINDS = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 BLOCKS = {6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
 #: bytes per record (8 rows x one ggml block).
 RECORD_BYTES = {k: GROUP_ROWS * b for k, (_, b) in BLOCKS.items()}
-PF_BYTES = 2048
 SERIAL_MAX_WORK = 1 << 18
-
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-_F32 = ir.FloatType()
-_LV32I8 = ir.VectorType(_I8, 32)
-_LV16I16 = ir.VectorType(_I16, 16)
-_LV8I32 = ir.VectorType(_I32, 8)
-_LV8F32 = ir.VectorType(_F32, 8)
-_LV8I16 = ir.VectorType(_I16, 8)
-_LV8I8 = ir.VectorType(_I8, 8)
-_LV8F16 = ir.VectorType(ir.HalfType(), 8)
-
-
-# ------------------------------------------------------------------------------------------------
-# IR building blocks
-# ------------------------------------------------------------------------------------------------
-class _Emit:
-    """IR helpers over one record: ``data`` (uint8 array) at byte offset ``roff``."""
-
-    def __init__(self, context, builder, dty, data, roff):
-        self.c, self.b = context, builder
-        self.dty, self.data, self.roff = dty, data, roff
-
-    def const(self, v, ty=None):
-        return ir.Constant(ty or self.roff.type, v)
-
-    def ptr(self, off, vty):
-        o = self.b.add(self.roff, self.const(off))
-        return elem_ptr(self.c, self.b, self.dty, self.data, o, vty)
-
-    def v32(self, off):
-        return self.b.load(self.ptr(off, _LV32I8), align=1)
-
-    def f16x8(self, off):
-        h = self.b.bitcast(self.b.load(self.ptr(off, _LV8I16), align=1), _LV8F16)
-        return self.b.fpext(h, _LV8F32)
-
-    def bytes8(self, off, signed):
-        v = self.b.load(self.ptr(off, _LV8I8), align=1)
-        return self.b.sext(v, _LV8I32) if signed else self.b.zext(v, _LV8I32)
-
-    def srl16(self, v, s):
-        if s == 0:
-            return v
-        w = self.b.bitcast(v, _LV16I16)
-        return self.b.bitcast(self.b.lshr(w, ir.Constant(_LV16I16, [s] * 16)), _LV32I8)
-
-    def and8(self, v, m):
-        return self.b.and_(v, ir.Constant(_LV32I8, [m] * 32))
-
-    def nibbles(self, off):
-        """Chunk vectors U_0..U_7 (low 4 bits) of the 128 nibble bytes at ``off``."""
-        vs = [self.v32(off + 32 * c) for c in range(4)]
-        return [self.and8(v, 15) for v in vs] + [self.and8(self.srl16(v, 4), 15) for v in vs]
-
-    def with_high(self, lo, hvecs, bits):
-        """U_t |= (high bits of chunk t) << 4; ``hvecs``: vectors holding ``8 // per`` chunks."""
-        per = 8 // bits  # chunks per high-bit vector
-        out = []
-        mask = (1 << bits) - 1
-        for t, u in enumerate(lo):
-            h = self.and8(self.srl16(hvecs[t // per], bits * (t % per)), mask)
-            out.append(self.b.or_(u, self.b.bitcast(
-                self.b.shl(self.b.bitcast(h, _LV16I16), ir.Constant(_LV16I16, [4] * 16)),
-                _LV32I8)))
-        return out
-
-
-def _xbcast(context, builder, xty, xq, xo, t):
-    """The 4 int8 activations ``xq[xo + 4t : xo + 4t + 4]`` repeated in the 8 lanes."""
-    o = builder.add(xo, ir.Constant(xo.type, 4 * t))
-    p = elem_ptr(context, builder, xty, xq, o, _I32)
-    return builder.bitcast(splat(builder, builder.load(p, align=1), _LV8I32), _LV32I8)
-
-
-def _sign_trick(builder, us, xs):
-    """Signed codes ``q = u ^ 0x80`` -> (``|q|``, ``sign(x, q)``): ``|q| * sign(x, q) = q * x``
-    with ``|q| <= 128`` unsigned, so ``vpmaddubsw`` pair sums stay within int16."""
-    zero = ir.Constant(_LV32I8, [0] * 32)
-    su, sx = [], []
-    for u, x in zip(us, xs):
-        q = builder.xor(u, ir.Constant(_LV32I8, [0x80] * 32))
-        neg = builder.icmp_signed("<", q, zero)
-        su.append(builder.select(neg, builder.sub(zero, q), q))
-        xn = builder.select(neg, builder.sub(zero, x), x)
-        sx.append(builder.select(builder.icmp_signed("==", q, zero), zero, xn))
-    return su, sx
-
-
-def _dot_sums(builder, us, xs, vnni, groups, signed=False, xsum=None):
-    """Exact int32 lanes ``sum_{t in group} dot4(U_t, X_t)`` for each group of chunk indices, on
-    the VNNI path (``vpdpbusd``) when ``vnni`` is true at run time (and the host has it), else
-    ``vpmaddubsw`` + ``vpmaddwd``. ``signed``: the sums of ``q = u - 128`` (Q8_0, stored as
-    ``u = q ^ 0x80``): VNNI subtracts ``128 * sum(x)`` (``xsum`` = that int32 value), AVX2
-    uses the sign trick on ``q``."""
-
-    def avx2():
-        u2, x2 = _sign_trick(builder, us, xs) if signed else (us, xs)
-        mub = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_LV16I16, [_LV32I8, _LV32I8]),
-            "llvm.x86.avx2.pmadd.ub.sw")
-        mwd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_LV8I32, [_LV16I16, _LV16I16]),
-            "llvm.x86.avx2.pmadd.wd")
-        ones = ir.Constant(_LV16I16, [1] * 16)
-        res = []
-        for grp in groups:
-            acc = None
-            for t in grp:
-                p = builder.call(mwd, [builder.call(mub, [u2[t], x2[t]]), ones])
-                acc = p if acc is None else builder.add(acc, p)
-            res.append(acc)
-        return res
-
-    def avx512vnni():
-        dp = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_LV8I32, [_LV8I32, _LV32I8, _LV32I8]),
-            "llvm.x86.avx512.vpdpbusd.256")
-        res = []
-        for grp in groups:
-            acc = (splat(builder, builder.sub(ir.Constant(_I32, 0), xsum), _LV8I32) if signed
-                   else ir.Constant(_LV8I32, [0] * 8))
-            for t in grp:
-                acc = builder.call(dp, [acc, us[t], xs[t]])
-            res.append(acc)
-        return res
-
-    if not HOST_VNNI:  # the VNNI instruction cannot even be compiled here
-        return avx2()
-    pred = builder.icmp_unsigned("!=", vnni, ir.Constant(vnni.type, 0))
-    with builder.if_else(pred) as (then, otherwise):
-        with then:
-            r_v = avx512vnni()
-            b_v = builder.block
-        with otherwise:
-            r_a = avx2()
-            b_a = builder.block
-    out = []
-    for x1, x2 in zip(r_v, r_a):
-        phi = builder.phi(_LV8I32)
-        phi.add_incoming(x1, b_v)
-        phi.add_incoming(x2, b_a)
-        out.append(phi)
-    return out
-
-
-def _load_i32(context, builder, aty, arr, off):
-    return builder.load(elem_ptr(context, builder, aty, arr, off, _I32))
-
-
-def _load_f32(context, builder, aty, arr, off):
-    return builder.load(elem_ptr(context, builder, aty, arr, off, _F32))
-
-
-def _idx(builder, base, k):
-    return builder.add(base, ir.Constant(base.type, k))
-
-
-def _k4_scales(e, b):
-    """(sc_b, m_b) lanes (int32, one per row) of sub-block ``b`` from the packed 6-bit scales
-    (record bytes 32..127, byte ``8j + r``)."""
-    bl = e.b
-
-    def s(j):
-        return e.bytes8(32 + 8 * j, signed=False)
-
-    def c(v):
-        return ir.Constant(_LV8I32, [v] * 8)
-    if b < 4:
-        return bl.and_(s(b), c(63)), bl.and_(s(b + 4), c(63))
-    sc = bl.or_(bl.and_(s(b + 4), c(15)), bl.shl(bl.lshr(s(b - 4), c(6)), c(4)))
-    mn = bl.or_(bl.lshr(s(b + 4), c(4)), bl.shl(bl.lshr(s(b), c(6)), c(4)))
-    return sc, mn
-
-
-def _chunks(e, kind, sub):
-    """Chunk vectors U_0..U_7 of 32-block ``sub`` of the record."""
-    if kind == 8:
-        return [e.v32(16 + 32 * t) for t in range(8)]
-    if kind == 6:
-        return e.with_high(e.nibbles(48), [e.v32(16)], 1)
-    if kind == 12:
-        return e.nibbles(128 + 128 * sub)
-    o = 144 + 192 * sub  # Q6_K sub-block: 128 nibble bytes, then 64 high-bit bytes
-    return e.with_high(e.nibbles(o), [e.v32(o + 128), e.v32(o + 160)], 2)
-
-
-def _nsub(kind):
-    return 1 if kind in (6, 8) else 8
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,52 +130,52 @@ def _make_rec_i8(kind):
         def codegen(context, builder, sig, args):
             a, dat, ro, xqa, xoff, xda, s8a, s16a, boff, vn = args
             at = sig.args
-            e = _Emit(context, builder, at[1], dat, ro)
+            e = Emit(context, builder, at[1], dat, ro)
             d = e.f16x8(0)
             dmin = e.f16x8(16) if kind == 12 else None
-            for sub in range(_nsub(kind)):
-                us = _chunks(e, kind, sub)
-                xo_s = _idx(builder, xoff, 32 * sub)
-                xs = [_xbcast(context, builder, at[3], xqa, xo_s, t) for t in range(8)]
-                bo_s = _idx(builder, boff, sub)
-                xd_s = splat(builder, _load_f32(context, builder, at[5], xda, bo_s), _LV8F32)
+            for sub in range(nsub(kind)):
+                us = chunks(e, kind, sub)
+                xo_s = idx(builder, xoff, 32 * sub)
+                xs = [xbcast(context, builder, at[3], xqa, xo_s, t) for t in range(8)]
+                bo_s = idx(builder, boff, sub)
+                xd_s = splat(builder, load_f32(context, builder, at[5], xda, bo_s), LV8F32)
                 if kind == 14:
-                    s0, s1 = _dot_sums(builder, us, xs, vn, ((0, 1, 2, 3), (4, 5, 6, 7)))
+                    s0, s1 = dot_sums(builder, us, xs, vn, ((0, 1, 2, 3), (4, 5, 6, 7)))
                     i16 = builder.mul(bo_s, ir.Constant(bo_s.type, 2))
-                    t0 = _load_i32(context, builder, at[7], s16a, i16)
-                    t1 = _load_i32(context, builder, at[7], s16a, _idx(builder, i16, 1))
-                    c32 = ir.Constant(_I32, 32)
-                    s0 = builder.sub(s0, splat(builder, builder.mul(t0, c32), _LV8I32))
-                    s1 = builder.sub(s1, splat(builder, builder.mul(t1, c32), _LV8I32))
+                    t0 = load_i32(context, builder, at[7], s16a, i16)
+                    t1 = load_i32(context, builder, at[7], s16a, idx(builder, i16, 1))
+                    c32 = ir.Constant(I32, 32)
+                    s0 = builder.sub(s0, splat(builder, builder.mul(t0, c32), LV8I32))
+                    s1 = builder.sub(s1, splat(builder, builder.mul(t1, c32), LV8I32))
                     sc0 = e.bytes8(16 + 8 * (2 * sub), signed=True)
                     sc1 = e.bytes8(16 + 8 * (2 * sub + 1), signed=True)
                     tot = builder.add(builder.mul(sc0, s0), builder.mul(sc1, s1))
-                    f = builder.sitofp(tot, _LV8F32)
+                    f = builder.sitofp(tot, LV8F32)
                     a = builder.fadd(a, builder.fmul(f, builder.fmul(d, xd_s)))
                     continue
-                x8 = _load_i32(context, builder, at[6], s8a, bo_s)  # 8 * sum(xq)
+                x8 = load_i32(context, builder, at[6], s8a, bo_s)  # 8 * sum(xq)
                 if kind == 8:
-                    (s,) = _dot_sums(builder, us, xs, vn, (tuple(range(8)),), signed=True,
-                                     xsum=builder.shl(x8, ir.Constant(_I32, 4)))
+                    (s,) = dot_sums(builder, us, xs, vn, (tuple(range(8)),), signed=True,
+                                     xsum=builder.shl(x8, ir.Constant(I32, 4)))
                 else:
-                    (s,) = _dot_sums(builder, us, xs, vn, (tuple(range(8)),))
+                    (s,) = dot_sums(builder, us, xs, vn, (tuple(range(8)),))
                 if kind == 8:
-                    a = builder.fadd(a, builder.fmul(builder.sitofp(s, _LV8F32),
+                    a = builder.fadd(a, builder.fmul(builder.sitofp(s, LV8F32),
                                                      builder.fmul(d, xd_s)))
                     continue
                 if kind == 6:
-                    s = builder.sub(s, splat(builder, builder.shl(x8, ir.Constant(_I32, 1)),
-                                             _LV8I32))
-                    a = builder.fadd(a, builder.fmul(builder.sitofp(s, _LV8F32),
+                    s = builder.sub(s, splat(builder, builder.shl(x8, ir.Constant(I32, 1)),
+                                             LV8I32))
+                    a = builder.fadd(a, builder.fmul(builder.sitofp(s, LV8F32),
                                                      builder.fmul(d, xd_s)))
                     continue
                 # Q4_K
-                sc, mn = _k4_scales(e, sub)
-                big_d = builder.fmul(d, builder.sitofp(sc, _LV8F32))
-                big_m = builder.fmul(dmin, builder.sitofp(mn, _LV8F32))
-                sx = builder.sitofp(builder.ashr(x8, ir.Constant(_I32, 3)), _F32)
-                f = builder.fsub(builder.fmul(big_d, builder.sitofp(s, _LV8F32)),
-                                 builder.fmul(big_m, splat(builder, sx, _LV8F32)))
+                sc, mn = k4_scales(e, sub)
+                big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
+                big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
+                sx = builder.sitofp(builder.ashr(x8, ir.Constant(I32, 3)), F32)
+                f = builder.fsub(builder.fmul(big_d, builder.sitofp(s, LV8F32)),
+                                 builder.fmul(big_m, splat(builder, sx, LV8F32)))
                 a = builder.fadd(a, builder.fmul(f, xd_s))
             return a
         return sig, codegen
@@ -359,9 +191,6 @@ _rec_i8_q6_k = _make_rec_i8(14)
 # ------------------------------------------------------------------------------------------------
 # exact (float32 activation) record kernels
 # ------------------------------------------------------------------------------------------------
-_OFFSET = {8: 128, 6: 16, 12: 0, 14: 32}  # u - offset = the signed code
-
-
 def _make_rec_f32(kind):
     @intrinsic
     def rec(typingctx, acc, data, roff, x, xo, xsum, bo):
@@ -373,36 +202,36 @@ def _make_rec_f32(kind):
         def codegen(context, builder, sig, args):
             a, dat, ro, xa, xoff, xsa, boff = args
             at = sig.args
-            e = _Emit(context, builder, at[1], dat, ro)
+            e = Emit(context, builder, at[1], dat, ro)
             d = e.f16x8(0)
             dmin = e.f16x8(16) if kind == 12 else None
             fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_LV8F32, [_LV8F32] * 3), "llvm.fma.v8f32")
-            off = ir.Constant(_LV8I32, [_OFFSET[kind]] * 8)
-            m255 = ir.Constant(_LV8I32, [255] * 8)
-            zero = ir.Constant(_LV8F32, [0.0] * 8)
-            for sub in range(_nsub(kind)):
-                us = _chunks(e, kind, sub)
-                xo_s = _idx(builder, xoff, 32 * sub)
+                builder.module, ir.FunctionType(LV8F32, [LV8F32] * 3), "llvm.fma.v8f32")
+            off = ir.Constant(LV8I32, [OFFSET[kind]] * 8)
+            m255 = ir.Constant(LV8I32, [255] * 8)
+            zero = ir.Constant(LV8F32, [0.0] * 8)
+            for sub in range(nsub(kind)):
+                us = chunks(e, kind, sub)
+                xo_s = idx(builder, xoff, 32 * sub)
                 halves = []
                 for grp in ((0, 1, 2, 3), (4, 5, 6, 7)):
                     ch = [zero] * 4  # 4 chains (j = byte within the lane)
                     for t in grp:
-                        v = builder.bitcast(us[t], _LV8I32)
+                        v = builder.bitcast(us[t], LV8I32)
                         for j in range(4):
-                            w = builder.and_(builder.lshr(v, ir.Constant(_LV8I32, [8 * j] * 8)),
+                            w = builder.and_(builder.lshr(v, ir.Constant(LV8I32, [8 * j] * 8)),
                                              m255) if j else builder.and_(v, m255)
-                            if _OFFSET[kind]:
+                            if OFFSET[kind]:
                                 w = builder.sub(w, off)
-                            wf = builder.sitofp(w, _LV8F32)
-                            xv = _load_f32(context, builder, at[3], xa, _idx(builder, xo_s, 4 * t + j))
-                            ch[j] = builder.call(fma, [wf, splat(builder, xv, _LV8F32), ch[j]])
+                            wf = builder.sitofp(w, LV8F32)
+                            xv = load_f32(context, builder, at[3], xa, idx(builder, xo_s, 4 * t + j))
+                            ch[j] = builder.call(fma, [wf, splat(builder, xv, LV8F32), ch[j]])
                     halves.append(builder.fadd(builder.fadd(ch[0], ch[1]),
                                                builder.fadd(ch[2], ch[3])))
-                bo_s = _idx(builder, boff, sub)
+                bo_s = idx(builder, boff, sub)
                 if kind == 14:
-                    sc0 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub), signed=True), _LV8F32)
-                    sc1 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), _LV8F32)
+                    sc0 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub), signed=True), LV8F32)
+                    sc1 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), LV8F32)
                     a = builder.call(fma, [halves[0], builder.fmul(d, sc0), a])
                     a = builder.call(fma, [halves[1], builder.fmul(d, sc1), a])
                     continue
@@ -410,10 +239,10 @@ def _make_rec_f32(kind):
                 if kind in (6, 8):
                     a = builder.call(fma, [s, d, a])
                     continue
-                sc, mn = _k4_scales(e, sub)
-                big_d = builder.fmul(d, builder.sitofp(sc, _LV8F32))
-                big_m = builder.fmul(dmin, builder.sitofp(mn, _LV8F32))
-                sx = splat(builder, _load_f32(context, builder, at[5], xsa, bo_s), _LV8F32)
+                sc, mn = k4_scales(e, sub)
+                big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
+                big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
+                sx = splat(builder, load_f32(context, builder, at[5], xsa, bo_s), LV8F32)
                 a = builder.fadd(a, builder.fsub(builder.fmul(big_d, s), builder.fmul(big_m, sx)))
             return a
         return sig, codegen
@@ -512,13 +341,34 @@ def _act_sums(kind, m, k, xq, xs16, x, xsum, quant):
 
 @njit(**JIT)
 def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, quant, vnni):
-    for g in range(g0, g1):
-        for i in range(m):
+    """Groups g0..g1-1 of ``out[:m]``: activation rows in blocks of
+    :func:`~.ggml_gemm.block_rows` (their codes stay in L2 while the groups stream), within a
+    block in chunks of :data:`~.ggml_gemm.ROWS` (int8 mode, :func:`~.ggml_gemm.rows_i8`) or
+    :data:`~.ggml_gemm.ROWS_F32` (exact mode, :func:`~.ggml_gemm.rows_f32`), each record decoded
+    once per chunk; the rows left over one at a time (bitwise the same results)."""
+    mb = block_rows(xq.shape[1] if quant else 4 * x.shape[1])
+    for ib in range(0, m, mb):
+        ie = min(m, ib + mb)
+        for g in range(g0, g1):
+            i0 = ib
             if quant:
-                acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
+                while ie - i0 >= ROWS:
+                    accs = rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni)
+                    for r in range(ROWS):
+                        store_group(accs[r], facc, g, i0 + r, n, out)
+                    i0 += ROWS
             else:
-                acc = _row_f32(kind, data, g, x, xsum, i)
-            store_group(acc, facc, g, i, n, out)
+                while ie - i0 >= ROWS_F32:
+                    accs = rows_f32(kind, data, g, x, xsum, i0)
+                    for r in range(ROWS_F32):
+                        store_group(accs[r], facc, g, i0 + r, n, out)
+                    i0 += ROWS_F32
+            for i in range(i0, ie):
+                if quant:
+                    acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
+                else:
+                    acc = _row_f32(kind, data, g, x, xsum, i)
+                store_group(acc, facc, g, i, n, out)
 
 
 @njit(**PJIT)

@@ -1,0 +1,428 @@
+"""Register-blocked prefill kernels for the ggml group records (Q8_0, Q5_0, Q4_K, Q6_K).
+
+The one-row kernels of :mod:`.ggml_packed` (``_row_i8``) decode every record of a group once per
+activation row, so prefill with M rows decodes each record M times. Here a record is decoded once
+(its float16 scales, 6-bit / int8 sub-block scales and the 8 chunk vectors ``U_t`` of each
+32-block, the values of :func:`~.ggml_ir.chunks`) and used for :data:`ROWS` activation rows
+whose float32 accumulators stay in registers across the group's records (the technique of
+register-blocked quantized GEMMs such as ik_llama.cpp's ``iqk`` kernels: decode a weight tile
+once, reuse it for several activation rows).
+
+Bitwise equality with the one-row kernel: per activation row the int32 block sums are exact on
+both paths, and the float32 operations per (row, block) are those of ``_row_i8`` in the same
+order (module docstring of :mod:`.ggml_packed`), so every output row has the same bits.
+
+Integer sums, per activation row and 32-block (``X_t`` = the row's 4 int8 activations of chunk
+``t`` broadcast to the 8 lanes):
+
+* ``avx2`` -- ``vpmaddubsw`` per chunk, then the int16 pair sums of up to :data:`I16_TERMS`
+  chunks added (``vpaddw``) before one ``vpmaddwd``: a pair sum is ``<= 2 * max(u) * 127``
+  (Q4_K 3810, Q5_0 7874, Q6_K 16002, Q8_0 with the sign trick 32512), so 8 / 4 / 2 / 1 of them
+  stay within int16 (the one-row kernel widens every chunk; the integers are the same). Q8_0's
+  ``|q|`` (sign trick) is computed once per record, ``sign(x, q)`` per row.
+* ``avx512vnni`` -- ``vpdpbusd`` chains as in the one-row kernel, one per row (``vnni`` flag at
+  run time; compiled only on a VNNI host).
+
+Emission order (AVX2, 16 ymm): chunk-outer -- chunk ``t`` is decoded (Q8_0: ``vpabsb``), then
+used by every row (``vpbroadcastd`` of the row's 4 activations, Q8_0 ``vpsignb``,
+``vpmaddubsw``, ``vpaddw``), so one chunk vector is live beside the :data:`ROWS` float32
+accumulators and the rows' running int16 / int32 sums (an order that decodes all 8 chunks first
+spilled on every record). :data:`ROWS` = 4 measured best or within noise of 3 for every kind
+(1, 2, 3, 4, 6, 8 tried in one process, one thread, cache-resident weights, a shared Zen 3:
+1.3-1.8x the same emitter with one row); past 3-4 rows the per-row work (broadcast, multiply,
+float epilogue per 32-block) dominates and the registers run out.
+
+Exact mode (float32 activations, :func:`rows_f32`): each code is converted to float32 once and
+used by :data:`ROWS_F32` rows, each with the 4 FMA chains per half 32-block and the per-block
+combination of ``ggml_packed._make_rec_f32`` in the same order (bitwise its results).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from .config import JIT
+from .ggml_ir import (
+    F32,
+    I32,
+    LV8F32,
+    LV8I32,
+    LV16I16,
+    LV32I8,
+    OFFSET,
+    PF_BYTES,
+    Emit,
+    idx,
+    k4_scales,
+    load_f32,
+    load_i32,
+    nsub,
+    xbcast,
+)
+from .packed_i8 import HOST_VNNI, V8F32, check_array_arg, prefetch, splat
+
+__all__ = ["BLOCK_BYTES", "I16_TERMS", "ROWS", "ROWS_F32", "block_rows", "rows_f32", "rows_i8"]
+
+#: activation rows per decoded record.
+ROWS = 4
+#: activation rows per decoded record in exact mode (float32 activations): 4 FMA chains per row
+#: and 32-block half, so 2 rows (8 chains) with the decoded codes and accumulators in 16 ymm.
+ROWS_F32 = 2
+#: bytes of activation codes per row block of a task (half of Zen 3's 512 KiB L2): a block's
+#: rows stay in L2 while the task's groups stream past them.
+BLOCK_BYTES = 1 << 18
+#: AVX2: ``vpmaddubsw`` results (int16 pair sums) added in int16 before ``vpmaddwd``, per kind.
+I16_TERMS = {8: 1, 6: 4, 12: 8, 14: 2}
+
+
+def _chunk(e, kind, sub, t):
+    """Chunk vector ``U_t`` of 32-block ``sub`` of the record, decoded on its own (the values of
+    :func:`~.ggml_ir.chunks`; emitted where it is used, so that only one chunk is live)."""
+    if kind == 8:
+        return e.v32(16 + 32 * t)
+    nib = 48 if kind == 6 else (128 + 128 * sub if kind == 12 else 144 + 192 * sub)
+    v = e.v32(nib + 32 * (t % 4))
+    u = e.and8(v if t < 4 else e.srl16(v, 4), 15)
+    if kind == 12:
+        return u
+    bits = 1 if kind == 6 else 2
+    hv = e.v32(16) if kind == 6 else e.v32(nib + 128 + 32 * (t // 4))
+    h = e.and8(e.srl16(hv, bits * (t % (8 // bits))), (1 << bits) - 1)
+    b = e.b
+    return b.or_(u, b.bitcast(b.shl(b.bitcast(h, LV16I16), ir.Constant(LV16I16, [4] * 16)),
+                              LV32I8))
+
+
+def _order(groups):
+    """Chunk order within each group: a nibble load's low and high halves one after the other."""
+    return [sorted(grp, key=lambda t: (t % 4, t)) for grp in groups]
+
+
+def _avx2_rows(builder, chunk, xrow, nrows, groups, signed, terms):
+    """Per row, per group of chunks: exact int32 ``sum_t dot4(U_t, X_t)`` (``vpmaddubsw``, up to
+    ``terms`` int16 results summed with ``vpaddw``, ``vpmaddwd`` with ones). Chunk-outer: each
+    ``U_t`` is decoded once (``chunk(t)``) and used for the ``nrows`` rows (``xrow(r, t)``).
+    ``signed`` (Q8_0): ``|q|`` and ``sign(x, q)`` (``vpabsb``, ``vpsignb``, ``q = u ^ 0x80``)."""
+    def fn(name, ret, args):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+    mub = fn("llvm.x86.avx2.pmadd.ub.sw", LV16I16, [LV32I8, LV32I8])
+    mwd = fn("llvm.x86.avx2.pmadd.wd", LV8I32, [LV16I16, LV16I16])
+    psign = fn("llvm.x86.avx2.psign.b", LV32I8, [LV32I8, LV32I8])
+    absb = fn("llvm.abs.v32i8", LV32I8, [LV32I8, ir.IntType(1)])
+    ones = ir.Constant(LV16I16, [1] * 16)
+    out = [[None] * len(groups) for _ in range(nrows)]
+    for gi, grp in enumerate(_order(groups)):
+        s16 = [None] * nrows
+        for c, t in enumerate(grp):
+            u = chunk(t)
+            if signed:
+                q = builder.xor(u, ir.Constant(LV32I8, [0x80] * 32))
+                u = builder.call(absb, [q, ir.Constant(ir.IntType(1), 0)])
+            for r in range(nrows):
+                x = xrow(r, t)
+                if signed:
+                    x = builder.call(psign, [x, q])
+                p = builder.call(mub, [u, x])
+                s16[r] = p if s16[r] is None else builder.add(s16[r], p)
+                if (c + 1) % terms == 0 or c + 1 == len(grp):
+                    w = builder.call(mwd, [s16[r], ones])
+                    out[r][gi] = w if out[r][gi] is None else builder.add(out[r][gi], w)
+                    s16[r] = None
+    return out
+
+
+def _vnni_rows(builder, chunk, xrow, nrows, groups, signed, xsums):
+    """As :func:`_avx2_rows` with ``vpdpbusd`` (Q8_0: chains start at ``-128 sum(xq)``)."""
+    dp = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(LV8I32, [LV8I32, LV32I8, LV32I8]),
+        "llvm.x86.avx512.vpdpbusd.256")
+    out = [[None] * len(groups) for _ in range(nrows)]
+    for gi, grp in enumerate(_order(groups)):
+        acc = [splat(builder, builder.sub(ir.Constant(I32, 0), xsums[r]), LV8I32) if signed
+               else ir.Constant(LV8I32, [0] * 8) for r in range(nrows)]
+        for t in grp:
+            u = chunk(t)
+            for r in range(nrows):
+                acc[r] = builder.call(dp, [acc[r], u, xrow(r, t)])
+        for r in range(nrows):
+            out[r][gi] = acc[r]
+    return out
+
+
+def _row_sums(builder, kind, chunk, xrow, nrows, vnni, groups, xsums=None):
+    """``[row][group]`` int32 sums on the path chosen by ``vnni`` at run time (VNNI host)."""
+    signed = kind == 8
+    if not HOST_VNNI:  # the VNNI instruction cannot even be compiled here
+        return _avx2_rows(builder, chunk, xrow, nrows, groups, signed, I16_TERMS[kind])
+    pred = builder.icmp_unsigned("!=", vnni, ir.Constant(vnni.type, 0))
+    with builder.if_else(pred) as (then, otherwise):
+        with then:
+            r_v = _vnni_rows(builder, chunk, xrow, nrows, groups, signed, xsums)
+            b_v = builder.block
+        with otherwise:
+            r_a = _avx2_rows(builder, chunk, xrow, nrows, groups, signed, I16_TERMS[kind])
+            b_a = builder.block
+    out = []
+    for row_v, row_a in zip(r_v, r_a):
+        row = []
+        for x1, x2 in zip(row_v, row_a):
+            phi = builder.phi(LV8I32)
+            phi.add_incoming(x1, b_v)
+            phi.add_incoming(x2, b_a)
+            row.append(phi)
+        out.append(row)
+    return out
+
+
+def _emit_rows_i8(kind, nrows, context, builder, sig, args):
+    """IR of one record for ``nrows`` activation rows (``xo + r kx``, ``bo + r kbx``): the
+    record decoded once, per row the float32 operations of ``ggml_packed._make_rec_i8``."""
+    accs, dat, ro, xqa, xoff, kx, xda, s8a, s16a, boff, kbx, vn = args
+    at = sig.args
+    a = [builder.extract_value(accs, r) for r in range(nrows)]
+    e = Emit(context, builder, at[1], dat, ro)
+    d = e.f16x8(0)
+    dmin = e.f16x8(16) if kind == 12 else None
+    xo_r = [builder.add(xoff, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
+    bo_r = [builder.add(boff, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
+    for sub in range(nsub(kind)):
+        xo_s = [idx(builder, xo, 32 * sub) for xo in xo_r]
+
+        def chunk(t, sub=sub):
+            return _chunk(e, kind, sub, t)
+
+        def xrow(r, t, xo_s=xo_s):
+            return xbcast(context, builder, at[3], xqa, xo_s[r], t)
+        bo_s = [idx(builder, bo, sub) for bo in bo_r]
+        xd_s = [splat(builder, load_f32(context, builder, at[6], xda, b), LV8F32) for b in bo_s]
+        if kind == 14:
+            sums = _row_sums(builder, kind, chunk, xrow, nrows, vn, ((0, 1, 2, 3), (4, 5, 6, 7)))
+            sc0 = e.bytes8(16 + 8 * (2 * sub), signed=True)
+            sc1 = e.bytes8(16 + 8 * (2 * sub + 1), signed=True)
+            c32 = ir.Constant(I32, 32)
+            for r in range(nrows):
+                s0, s1 = sums[r]
+                i16 = builder.mul(bo_s[r], ir.Constant(bo_s[r].type, 2))
+                t0 = load_i32(context, builder, at[8], s16a, i16)
+                t1 = load_i32(context, builder, at[8], s16a, idx(builder, i16, 1))
+                s0 = builder.sub(s0, splat(builder, builder.mul(t0, c32), LV8I32))
+                s1 = builder.sub(s1, splat(builder, builder.mul(t1, c32), LV8I32))
+                tot = builder.add(builder.mul(sc0, s0), builder.mul(sc1, s1))
+                f = builder.sitofp(tot, LV8F32)
+                a[r] = builder.fadd(a[r], builder.fmul(f, builder.fmul(d, xd_s[r])))
+            continue
+        x8 = [load_i32(context, builder, at[7], s8a, b) for b in bo_s]  # 8 * sum(xq)
+        xsums = [builder.shl(v, ir.Constant(I32, 4)) for v in x8] if kind == 8 else None
+        sums = _row_sums(builder, kind, chunk, xrow, nrows, vn, (tuple(range(8)),), xsums)
+        if kind == 12:
+            sc, mn = k4_scales(e, sub)
+            big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
+            big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
+        for r in range(nrows):
+            (s,) = sums[r]
+            if kind == 6:
+                s = builder.sub(s, splat(builder, builder.shl(x8[r], ir.Constant(I32, 1)),
+                                         LV8I32))
+            if kind in (6, 8):
+                a[r] = builder.fadd(a[r], builder.fmul(builder.sitofp(s, LV8F32),
+                                                       builder.fmul(d, xd_s[r])))
+                continue
+            sx = builder.sitofp(builder.ashr(x8[r], ir.Constant(I32, 3)), F32)
+            f = builder.fsub(builder.fmul(big_d, builder.sitofp(s, LV8F32)),
+                             builder.fmul(big_m, splat(builder, sx, LV8F32)))
+            a[r] = builder.fadd(a[r], builder.fmul(f, xd_s[r]))
+    return context.make_tuple(builder, sig.return_type, a)
+
+
+def _make_rows_i8(kind, nrows):
+    tup = types.UniTuple(V8F32, nrows)
+
+    @intrinsic
+    def rec(typingctx, accs, data, roff, xq, xo, kx, xd, xs8, xs16, bo, kbx, vnni):
+        if not (accs == tup and check_array_arg(data, types.uint8)
+                and check_array_arg(xq, types.int8) and check_array_arg(xd, types.float32)
+                and check_array_arg(xs8, types.int32) and check_array_arg(xs16, types.int32)):
+            return None
+        sig = tup(tup, data, types.intp, xq, types.intp, types.intp, xd, xs8, xs16, types.intp,
+                  types.intp, types.boolean)
+        return sig, (lambda context, builder, sig, args:
+                     _emit_rows_i8(kind, nrows, context, builder, sig, args))
+    return rec
+
+
+def _emit_rows_f32(kind, nrows, context, builder, sig, args):
+    """IR of one record in exact mode for ``nrows`` activation rows (``xo + r kx``, ``bo + r
+    kbx``): each code decoded to float32 once (``(u >> 8j) & 255 - offset``), per row the FMA
+    chains and the float32 operations of ``ggml_packed._make_rec_f32`` in the same order."""
+    accs, dat, ro, xa, xoff, kx, xsa, boff, kbx = args
+    at = sig.args
+    a = [builder.extract_value(accs, r) for r in range(nrows)]
+    e = Emit(context, builder, at[1], dat, ro)
+    d = e.f16x8(0)
+    dmin = e.f16x8(16) if kind == 12 else None
+    fma = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(LV8F32, [LV8F32] * 3), "llvm.fma.v8f32")
+    off = ir.Constant(LV8I32, [OFFSET[kind]] * 8)
+    m255 = ir.Constant(LV8I32, [255] * 8)
+    zero = ir.Constant(LV8F32, [0.0] * 8)
+    xo_r = [builder.add(xoff, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
+    bo_r = [builder.add(boff, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
+    for sub in range(nsub(kind)):
+        xo_s = [idx(builder, xo, 32 * sub) for xo in xo_r]
+        halves = [[] for _ in range(nrows)]
+        for grp in ((0, 1, 2, 3), (4, 5, 6, 7)):
+            ch = [[zero] * 4 for _ in range(nrows)]  # per row 4 chains (j = byte in the lane)
+            for t in grp:
+                v = builder.bitcast(_chunk(e, kind, sub, t), LV8I32)
+                for j in range(4):
+                    w = builder.and_(builder.lshr(v, ir.Constant(LV8I32, [8 * j] * 8)),
+                                     m255) if j else builder.and_(v, m255)
+                    if OFFSET[kind]:
+                        w = builder.sub(w, off)
+                    wf = builder.sitofp(w, LV8F32)
+                    for r in range(nrows):
+                        xv = load_f32(context, builder, at[3], xa, idx(builder, xo_s[r], 4 * t + j))
+                        ch[r][j] = builder.call(fma, [wf, splat(builder, xv, LV8F32), ch[r][j]])
+            for r in range(nrows):
+                halves[r].append(builder.fadd(builder.fadd(ch[r][0], ch[r][1]),
+                                              builder.fadd(ch[r][2], ch[r][3])))
+        if kind == 14:
+            sc0 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub), signed=True), LV8F32)
+            sc1 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), LV8F32)
+            for r in range(nrows):
+                a[r] = builder.call(fma, [halves[r][0], builder.fmul(d, sc0), a[r]])
+                a[r] = builder.call(fma, [halves[r][1], builder.fmul(d, sc1), a[r]])
+            continue
+        if kind == 12:
+            sc, mn = k4_scales(e, sub)
+            big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
+            big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
+        for r in range(nrows):
+            s = builder.fadd(halves[r][0], halves[r][1])
+            if kind in (6, 8):
+                a[r] = builder.call(fma, [s, d, a[r]])
+                continue
+            sx = splat(builder, load_f32(context, builder, at[6], xsa, idx(builder, bo_r[r], sub)),
+                       LV8F32)
+            a[r] = builder.fadd(a[r], builder.fsub(builder.fmul(big_d, s),
+                                                   builder.fmul(big_m, sx)))
+    return context.make_tuple(builder, sig.return_type, a)
+
+
+def _make_rows_f32(kind, nrows):
+    tup = types.UniTuple(V8F32, nrows)
+
+    @intrinsic
+    def rec(typingctx, accs, data, roff, x, xo, kx, xsum, bo, kbx):
+        if not (accs == tup and check_array_arg(data, types.uint8)
+                and check_array_arg(x, types.float32) and check_array_arg(xsum, types.float32)):
+            return None
+        sig = tup(tup, data, types.intp, x, types.intp, types.intp, xsum, types.intp, types.intp)
+        return sig, (lambda context, builder, sig, args:
+                     _emit_rows_f32(kind, nrows, context, builder, sig, args))
+    return rec
+
+
+def _make_zeros(nrows):
+    @intrinsic
+    def zeros(typingctx):
+        """``nrows`` float32 x 8 zero accumulators."""
+        tup = types.UniTuple(V8F32, nrows)
+
+        def codegen(context, builder, sig, args):
+            z = ir.Constant(LV8F32, [0.0] * 8)
+            return context.make_tuple(builder, tup, [z] * nrows)
+        return tup(), codegen
+    return zeros
+
+
+_zeros = _make_zeros(ROWS)
+_zeros_f32 = _make_zeros(ROWS_F32)
+
+
+_rows_q8_0 = _make_rows_i8(8, ROWS)
+_rows_q5_0 = _make_rows_i8(6, ROWS)
+_rows_q4_k = _make_rows_i8(12, ROWS)
+_rows_q6_k = _make_rows_i8(14, ROWS)
+_rows_f32_q8_0 = _make_rows_f32(8, ROWS_F32)
+_rows_f32_q5_0 = _make_rows_f32(6, ROWS_F32)
+_rows_f32_q4_k = _make_rows_f32(12, ROWS_F32)
+_rows_f32_q6_k = _make_rows_f32(14, ROWS_F32)
+
+
+@njit(**JIT)
+def block_rows(row_bytes):
+    """Activation rows per block: ``BLOCK_BYTES // row_bytes`` rounded down to a multiple of
+    :data:`ROWS` (at least ROWS)."""
+    return max(ROWS, BLOCK_BYTES // row_bytes // ROWS * ROWS)
+
+
+@njit(**JIT)
+def rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni):
+    """Group ``g`` (8 output rows) of activation rows ``i0 .. i0 + ROWS - 1``: a tuple of
+    :data:`ROWS` float32 x 8 accumulators, each bitwise equal to ``ggml_packed._row_i8`` of its
+    row. Every record of the group is read and decoded once."""
+    nrec = data.shape[1]
+    rb = data.shape[2]
+    kx = xq.shape[1]
+    kbx = xd.shape[1]
+    xo = i0 * kx
+    bo = i0 * kbx
+    acc = _zeros()
+    base = g * nrec
+    if kind == 8:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            for p in range(0, 320, 64):
+                prefetch(data, ro + PF_BYTES + p)
+            acc = _rows_q8_0(acc, data, ro, xq, xo + 32 * s, kx, xd, xs8, xs16, bo + s, kbx,
+                             vnni)
+    elif kind == 6:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            for p in range(0, 192, 64):
+                prefetch(data, ro + PF_BYTES + p)
+            acc = _rows_q5_0(acc, data, ro, xq, xo + 32 * s, kx, xd, xs8, xs16, bo + s, kbx,
+                             vnni)
+    elif kind == 12:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            acc = _rows_q4_k(acc, data, ro, xq, xo + 256 * s, kx, xd, xs8, xs16, bo + 8 * s,
+                             kbx, vnni)
+    else:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            acc = _rows_q6_k(acc, data, ro, xq, xo + 256 * s, kx, xd, xs8, xs16, bo + 8 * s,
+                             kbx, vnni)
+    return acc
+
+
+@njit(**JIT)
+def rows_f32(kind, data, g, x, xsum, i0):
+    """Exact mode: group ``g`` of activation rows ``i0 .. i0 + ROWS_F32 - 1`` (float32 ``x``
+    [M, K], ``xsum`` float32 [M, K / 32] per-32 sums of ``x``, read by Q4_K): a tuple of
+    :data:`ROWS_F32` float32 x 8 accumulators, each bitwise equal to ``ggml_packed._row_f32`` of
+    its row."""
+    nrec = data.shape[1]
+    rb = data.shape[2]
+    kx = x.shape[1]
+    kbx = xsum.shape[1]
+    xo = i0 * kx
+    bo = i0 * kbx
+    acc = _zeros_f32()
+    base = g * nrec
+    for s in range(nrec):
+        ro = (base + s) * rb
+        for p in range(0, rb, 64):
+            prefetch(data, ro + PF_BYTES + p)
+        if kind == 8:
+            acc = _rows_f32_q8_0(acc, data, ro, x, xo + 32 * s, kx, xsum, bo + s, kbx)
+        elif kind == 6:
+            acc = _rows_f32_q5_0(acc, data, ro, x, xo + 32 * s, kx, xsum, bo + s, kbx)
+        elif kind == 12:
+            acc = _rows_f32_q4_k(acc, data, ro, x, xo + 256 * s, kx, xsum, bo + 8 * s, kbx)
+        else:
+            acc = _rows_f32_q6_k(acc, data, ro, x, xo + 256 * s, kx, xsum, bo + 8 * s, kbx)
+    return acc

@@ -1,0 +1,135 @@
+"""Multi-row ggml kernels (kernels/ggml_gemm.py) used by kernels/ggml_packed.py for M >= ROWS
+(int8 mode) / ROWS_F32 (exact mode).
+
+Oracles: the one-row kernel (each activation row in its own call, M = 1: ``_row_i8`` /
+``_row_f32`` only) and, int8 mode, the plain numpy model of its arithmetic (tests/reference.py
+``linear_ggml_int8``); all bitwise, int8 mode on the AVX2 path (forced) and, on a VNNI host, the
+VNNI path. Exact mode is also checked against a float64 product within the stated bound.
+"""
+import numpy as np
+import pytest
+import reference as naive_ref  # tests/reference.py
+
+from olv_runtime.kernels import ggml_gemm, packed_i8
+from olv_runtime.kernels import ggml_packed as gp
+
+KIND_NAMES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 13, 64)
+N_ODD = 21  # three groups, the last one partial
+
+
+def random_blocks(name, n, k, seed):
+    """Random valid blocks: random code and scale bytes, finite small float16 d (and dmin)."""
+    rng = np.random.default_rng(seed)
+    bs, ts = gp.BLOCKS[gp.KINDS[name]]
+    b = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+
+    def put_f16(off, lo, hi):
+        v = rng.uniform(lo, hi, size=b.shape[:2]).astype(np.float16)
+        b[..., off:off + 2] = v.view(np.uint8).reshape(*b.shape[:2], 2)
+    if name == "Q6_K":
+        put_f16(208, 0.001, 0.01)
+    else:
+        put_f16(0, 0.001, 0.02)
+        if name == "Q4_K":
+            put_f16(2, 0.0, 0.02)
+    return b
+
+
+def _k(name):
+    return 3 * 256 if gp.BLOCKS[gp.KINDS[name]][0] == 256 else 5 * 32
+
+
+def _isas():
+    return ["avx2"] + (["avx512vnni"] if packed_i8.HOST_VNNI else [])
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    packed_i8.set_isa(request.param)
+    yield request.param
+    packed_i8.set_isa(None)
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+@pytest.mark.parametrize("m", ROW_COUNTS)
+def test_rows_bitwise_equal_one_row_kernel_and_reference(name, m, isa):
+    kind = gp.KINDS[name]
+    k = _k(name)
+    blocks = random_blocks(name, N_ODD, k, seed=kind + m)
+    packed = gp.prepack_ggml(name, blocks, N_ODD, k)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    x[m // 2, :32] = 0.0  # a block of zeros (d_x = 0)
+    y = gp.linear_ggml_i8(x, packed)  # rows in chunks of ROWS, the rest one at a time
+    one = np.concatenate([gp.linear_ggml_i8(x[i:i + 1], packed) for i in range(m)])
+    ref = naive_ref.linear_ggml_int8(kind, blocks, x)
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+    assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+def test_parallel_driver_rows_bitwise(name, isa):
+    """Above SERIAL_MAX_WORK (the parallel driver, tasks over groups), M not a multiple of
+    ROWS."""
+    kind = gp.KINDS[name]
+    n, m, k = 45, 2 * ggml_gemm.ROWS * 8 + 3, _k(name) * 2
+    assert m * n * k >= gp.SERIAL_MAX_WORK
+    blocks = random_blocks(name, n, k, seed=kind)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(2).standard_normal((m, k)).astype(np.float32)
+    ws = gp.make_workspace_ggml(m, k, n_tasks=4)
+    y = gp.linear_ggml_i8(x, packed, workspace=ws)
+    ref = naive_ref.linear_ggml_int8(kind, blocks, x)
+    assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+@pytest.mark.parametrize("m", ROW_COUNTS)
+def test_exact_rows_bitwise_equal_one_row_kernel(name, m):
+    """Exact mode (float32 activations, FMA chains): rows in chunks of ROWS_F32 give the bits of
+    the one-row kernel, and stay within the module's tolerance of a float64 product."""
+    kind = gp.KINDS[name]
+    k = _k(name)
+    blocks = random_blocks(name, N_ODD, k, seed=kind + m)
+    packed = gp.prepack_ggml(name, blocks, N_ODD, k)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    y = gp.linear_ggml_exact(x, packed)
+    one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+    w = gp.dequantize_rows(name, blocks)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
+    if name == "Q4_K":  # the bound also counts the mins (d sc q - dmin m)
+        mag = mag + np.abs(x).astype(np.float64).sum(1, keepdims=True) * 0.02 * 63
+    assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6), np.abs(y - ref).max()
+
+
+def test_exact_parallel_driver_rows_bitwise():
+    name = "Q4_K"
+    n, m, k = 45, 2 * ggml_gemm.ROWS_F32 * 8 + 1, 512
+    assert m * n * k >= gp.SERIAL_MAX_WORK
+    blocks = random_blocks(name, n, k, seed=5)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(4).standard_normal((m, k)).astype(np.float32)
+    y = gp.linear_ggml_exact(x, packed, workspace=gp.make_workspace_ggml(m, k, n_tasks=4))
+    one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_row_blocks_bitwise(exact):
+    """K long enough that a task's rows run in several L2 blocks (``block_rows``: 32 rows of
+    int8 codes, 8 of float32 here), the last one with rows left over."""
+    name, n, m, k = "Q8_0", 21, 70, 8192
+    rows = ggml_gemm.block_rows.py_func(4 * k if exact else k)
+    assert m > rows and m % rows % ggml_gemm.ROWS
+    blocks = random_blocks(name, n, k, seed=9)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(9).standard_normal((m, k)).astype(np.float32)
+    linear = gp.linear_ggml_exact if exact else gp.linear_ggml_i8
+    y = linear(x, packed)
+    one = np.concatenate([linear(x[i:i + 1], packed) for i in range(m)])
+    assert np.array_equal(y.view(np.uint32), one.view(np.uint32))
+    if not exact:
+        ref = naive_ref.linear_ggml_int8(gp.KINDS[name], blocks, x)
+        assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
