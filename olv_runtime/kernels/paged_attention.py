@@ -49,7 +49,14 @@ scale per head), 16 keys at a time are scored by ``vpdpbusd`` (AVX-512 VNNI) or 
 and the exact integer sum times ``(query scale * attention scale) * key scale`` is the score
 (:func:`~.paged_ir._qk16_i8`). On the VNNI path (``D <= 256``) the 16 key rows are loaded and transposed in
 registers once for all the query heads of the group, each head then taking one ``vpdpbusd`` per
-4 features with no horizontal sums (:func:`~.paged_ir._qkblk_i8`). INT8/INT4 value rows are decoded in
+4 features with no horizontal sums (:func:`~.paged_ir._qkblk_i8`). On the AVX2 path the 8 query
+heads of a pass sit in the lanes of one vector instead (:func:`~.paged_ir._qkg_i8`, INT8 keys,
+``D <= 256``): each key row is loaded and sign-extended once, one ``vpmaddwd`` accumulator per head,
+the 8 accumulators summed across lanes in one shuffle tree and the 8 keys' results transposed into
+the score rows -- the same exact sums and epilogue (bitwise equal). float16 key rows (any mode,
+``D % 64 == 0``) are scored the same way against the float32 queries (:func:`~.paged_ir._qkg_f16`:
+converted in registers by ``vcvtph2ps``, one fused multiply-add per 8 features and head, no decoded
+scratch). INT8/INT4 value rows are decoded in
 registers inside ``p @ V`` (codes sign-extended, converted, times the row's scale; up to eight
 query heads per pass, :func:`~.paged_ir._make_pvq`): no decoded copy of a quantized value
 block. The block format -- codes and scales -- is read as it is. The cache is never dequantized into a buffer

@@ -42,6 +42,8 @@ from .paged_ir import (
     _qk16_i8,
     _qkblk_i4,
     _qkblk_i8,
+    _qkg_f16,
+    _qkg_i8,
     _u8p,
     _u16p,
 )
@@ -294,6 +296,11 @@ def _block_scores_i8(qi, qip, qmul, qsum, ng, kside, g, bs, d, nk, sc, c0, mx, r
             else:
                 _qkblk_i8(qi, ng, base, jj, min(16, nk - jj), rb, qsum, qmul, rmul, sc, c0 + jj, mx)
         return
+    if not is4 and d <= QKBLK_MAX_D:  # AVX2: 8 heads in the lanes per load of a key row
+        for jj in range(0, nk, 16):
+            _qkg_i8(qi, ng, base + jj * rb, min(16, nk - jj), rb, qmul, rmul[jj:], sc, c0 + jj,
+                    mx)
+        return
     for hh in range(ng):
         qv = qip[hh] if is4 else qi[hh]
         qm = qmul[hh]
@@ -332,6 +339,12 @@ def _block_scores(qg, ng, fmt, addr, saddr, pt, g, bs, d, nk, scale, sc, c0, mx,
     """Scores of the first ``nk`` tokens of one block side (any format) into ``sc[:, c0:]``."""
     if fmt == 0:
         _scores_rows(qg, ng, _block_f32(addr, g, bs, d), 0, nk, scale, sc, c0, mx)
+    elif fmt == 1 and d % 64 == 0:  # float16 rows converted in registers, 8 heads per load
+        rmul[0] = scale
+        base = addr + g * bs * d * 2
+        for jj in range(0, nk, 16):
+            _qkg_f16(qg, ng, base + jj * d * 2, min(16, nk - jj), d * 2, rmul, rmul, sc, c0 + jj,
+                     mx)
     else:
         _dequant_block(fmt, addr, saddr, pt, g, bs, d, nk, np.float32(1.0), scr, rmul)
         if fmt == 2 or fmt == 3:  # the scales into the rows: decoded values

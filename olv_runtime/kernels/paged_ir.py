@@ -637,3 +637,247 @@ def _make_pv(nh):
 
 
 _pv1, _pv2, _pv3, _pv4 = (_make_pv(n) for n in (1, 2, 3, 4))
+
+
+# -- AVX2: the query heads of a group in the lanes, one pass over each key row --------------------
+#: Query heads scored per key row by :func:`_qkg_i8` / :func:`_qkg_f16` (one 8-lane vector).
+QKG_LANES = 8
+
+_V8F = ir.VectorType(ir.FloatType(), 8)
+
+
+def _sum_tree(builder, vecs, n, add):
+    """Horizontal sums of ``n`` vectors of ``n`` lanes in one (``n`` a power of two): lane
+    ``j`` of the result is the sum of the lanes of ``vecs[j]`` (a tree of two-source shuffles
+    and ``add``s, ``n - 1`` adds per level pair)."""
+    w = n
+    while len(vecs) > 1:
+        half = w // 2
+        m = n // w
+        lo_idx = [g * w + i for g in range(m) for i in range(half)]
+        hi_idx = [g * w + half + i for g in range(m) for i in range(half)]
+        lo_m = ir.Constant(ir.VectorType(_I32T, n), lo_idx + [n + x for x in lo_idx])
+        hi_m = ir.Constant(ir.VectorType(_I32T, n), hi_idx + [n + x for x in hi_idx])
+        vecs = [add(builder.shuffle_vector(a, b, lo_m), builder.shuffle_vector(a, b, hi_m))
+                for a, b in zip(vecs[0::2], vecs[1::2])]
+        w = half
+    return vecs[0]
+
+
+def _transpose8(builder, rows):
+    """8 x 8 transpose of 8 ``<8 x float>`` rows (unpack, 64-bit shuffles, 128-bit lane
+    shuffles: 24 two-source shuffles): ``cols[c][j] = rows[j][c]``."""
+    def shuf(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32T, 8), idx))
+
+    t = []
+    for r in range(0, 8, 2):
+        t.append(shuf(rows[r], rows[r + 1], [0, 8, 1, 9, 4, 12, 5, 13]))
+        t.append(shuf(rows[r], rows[r + 1], [2, 10, 3, 11, 6, 14, 7, 15]))
+    lo, hi = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    u = [shuf(t[0], t[2], lo), shuf(t[0], t[2], hi), shuf(t[1], t[3], lo), shuf(t[1], t[3], hi),
+         shuf(t[4], t[6], lo), shuf(t[4], t[6], hi), shuf(t[5], t[7], lo), shuf(t[5], t[7], hi)]
+    cols = [None] * 8
+    for k in range(4):
+        cols[k] = shuf(u[k], u[4 + k], [0, 1, 2, 3, 8, 9, 10, 11])
+        cols[4 + k] = shuf(u[k], u[4 + k], [4, 5, 6, 7, 12, 13, 14, 15])
+    return cols
+
+
+def _qkg_store(builder, vals, live, h0, nh, sca, off_v, mxv):
+    """Epilogue of 8 keys of :func:`_make_qkg`: ``vals[j]`` (lanes = heads ``h0 ..``) of keys
+    ``j`` with ``live[j]`` (``i1``) into the running max vector ``mxv`` (``>`` selects, as
+    :func:`_hmax16`), then transposed and stored as ``sc[h0 + h, off : off + 8]`` for
+    ``h < nh``; returns the new max vector."""
+    i64 = ir.IntType(64)
+    f32 = ir.FloatType()
+    for j in range(8):
+        gt = builder.fcmp_ordered(">", vals[j], mxv)
+        nm = builder.select(gt, vals[j], mxv)
+        mxv = builder.select(live[j], nm, mxv)
+    cols = _transpose8(builder, vals)
+    for h in range(QKG_LANES):
+        with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, h), nh)):
+            srow = builder.inttoptr(_row_ptr(builder, sca, builder.add(h0, ir.Constant(i64, h))),
+                                    f32.as_pointer())
+            builder.store(cols[h], builder.bitcast(builder.gep(srow, [off_v]),
+                                                   _V8F.as_pointer()), align=4)
+    return mxv
+
+
+def _qkg_key_i8(builder, row, nch, qbuf, nd16, qmv, rm):
+    """Scores of one INT8 key row (at ``row``) against the 8 heads of a pass: per head one
+    ``vpmaddwd`` accumulator over the ``nch`` chunks of 64 features (the key sign-extended once,
+    the heads' int16 queries from ``qbuf``), summed across lanes in one tree, then
+    ``float32(S) * (qmul * rmul)`` (``qmv`` the heads' ``qmul``, ``rm`` the row's scale)."""
+    i64 = ir.IntType(64)
+    mwd = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V8I32, [_V16I16, _V16I16]), "llvm.x86.avx2.pmadd.wd")
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8I32, [0] * 8)) for _ in range(8)]
+    with cgutils.for_range(builder, nch) as cl:
+        c = cl.index
+        ks = [builder.sext(builder.load(builder.bitcast(builder.gep(row, [builder.add(
+            builder.mul(c, ir.Constant(i64, 64)), ir.Constant(i64, 16 * p))]),
+            _V16I8.as_pointer()), align=1), _V16I16) for p in range(4)]
+        for h in range(QKG_LANES):
+            a = builder.load(accs[h])
+            for p in range(4):
+                qv = builder.load(builder.gep(qbuf, [builder.add(
+                    builder.mul(ir.Constant(i64, h), nd16),
+                    builder.add(builder.mul(c, ir.Constant(i64, 4)), ir.Constant(i64, p)))]))
+                a = builder.add(a, builder.call(mwd, [ks[p], qv]))
+            builder.store(a, accs[h])
+    tot = _sum_tree(builder, [builder.load(a) for a in accs], 8, builder.add)
+    return builder.fmul(builder.sitofp(tot, _V8F), builder.fmul(qmv, _vsplat(builder, rm, _V8F)))
+
+
+def _qkg_key_f16(builder, row, nch, qrows, mult):
+    """Scores of one float16 key row (at ``row``) against the float32 query rows ``qrows`` of
+    the 8 heads of a pass: the row converted in registers (``fpext``), one fused multiply-add
+    per 8 features and head, summed across lanes in one tree, times ``mult``."""
+    i64 = ir.IntType(64)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(8)]
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+        _V8F, [_V8F, _V8F, _V8F]), "llvm.fma.v8f32")
+    hrow = builder.bitcast(row, ir.IntType(16).as_pointer())
+    v8h = ir.VectorType(ir.HalfType(), 8)
+    with cgutils.for_range(builder, nch) as cl:
+        c64 = builder.mul(cl.index, ir.Constant(i64, 64))
+        kf = [builder.fpext(builder.load(builder.bitcast(builder.gep(hrow, [builder.add(
+            c64, ir.Constant(i64, 8 * s))]), v8h.as_pointer()), align=2), _V8F)
+            for s in range(8)]
+        for h in range(QKG_LANES):
+            a = builder.load(accs[h])
+            for s in range(8):
+                qv = builder.load(builder.bitcast(builder.gep(qrows[h], [builder.add(
+                    c64, ir.Constant(i64, 8 * s))]), _V8F.as_pointer()), align=4)
+                a = builder.call(fma, [kf[s], qv, a])
+            builder.store(a, accs[h])
+    tot = _sum_tree(builder, [builder.load(a) for a in accs], 8, builder.fadd)
+    return builder.fmul(tot, _vsplat(builder, mult, _V8F))
+
+
+def _qkg_heads(builder, kind, qa, h0, nh, mxp, qmp, qbuf, nd16):
+    """Set-up of one pass over 8 heads ``h0 ..`` of :func:`_make_qkg` (``nh`` heads left):
+    their row pointers (the spare lanes repeat the last head), the running max and ``qmul``
+    vectors, and for ``i8`` the heads' query codes sign-extended into ``qbuf``."""
+    i64 = ir.IntType(64)
+    f32 = ir.FloatType()
+    hmax = builder.sub(nh, ir.Constant(i64, 1))
+    hidx = [builder.add(h0, builder.select(builder.icmp_signed("<", ir.Constant(i64, h), nh),
+                                           ir.Constant(i64, h), hmax))
+            for h in range(QKG_LANES)]
+    mxv = ir.Constant(_V8F, ir.Undefined)
+    qmv = ir.Constant(_V8F, ir.Undefined)
+    for h in range(QKG_LANES):
+        mxv = builder.insert_element(mxv, builder.load(builder.gep(mxp, [hidx[h]])),
+                                     ir.Constant(_I32T, h))
+        if kind == "i8":
+            qmv = builder.insert_element(qmv, builder.load(builder.gep(qmp, [hidx[h]])),
+                                         ir.Constant(_I32T, h))
+    qrows = [builder.inttoptr(_row_ptr(builder, qa, hidx[h]),
+                              (_I8T if kind == "i8" else f32).as_pointer())
+             for h in range(QKG_LANES)]
+    if kind == "i8":
+        with cgutils.for_range(builder, nd16) as ql:
+            for h in range(QKG_LANES):
+                qv = builder.load(builder.bitcast(builder.gep(qrows[h], [builder.mul(
+                    ql.index, ir.Constant(i64, 16))]), _V16I8.as_pointer()), align=1)
+                builder.store(builder.sext(qv, _V16I16), builder.gep(qbuf, [
+                    builder.add(builder.mul(ir.Constant(i64, h), nd16), ql.index)]))
+    return qrows, mxv, qmv
+
+
+def _qkg_body(builder, kind, arrs, ng_v, kaddr_v, nrows_v, rb, off0):
+    """The body of :func:`_make_qkg` (``arrs``: the array structs of ``q, qmul, rmul, sc,
+    mx``)."""
+    i64 = ir.IntType(64)
+    f32 = ir.FloatType()
+    qa, qma, ra, sca, mxa = arrs
+    d = builder.extract_value(qa.shape, 1)
+    nch = builder.udiv(d, ir.Constant(i64, 64))
+    nd16 = builder.udiv(d, ir.Constant(i64, 16))
+    last = builder.sub(nrows_v, ir.Constant(i64, 1))
+    kbase = builder.inttoptr(kaddr_v, _I8T.as_pointer())
+    qmp = builder.bitcast(qma.data, f32.as_pointer())
+    rmp = builder.bitcast(ra.data, f32.as_pointer())
+    mxp = builder.bitcast(mxa.data, f32.as_pointer())
+    # the sign-extended queries of the 8 heads of a pass: [8 heads][D / 16]
+    qbuf = (cgutils.alloca_once(builder, _V16I16, size=QKBLK_MAX_D // 16 * 8)
+            if kind == "i8" else None)
+    with cgutils.for_range_slice(builder, ir.Constant(i64, 0), ng_v,
+                                 ir.Constant(i64, QKG_LANES)) as (h0, _):
+        nh = builder.sub(ng_v, h0)
+        qrows, mxv, qmv = _qkg_heads(builder, kind, qa, h0, nh, mxp, qmp, qbuf, nd16)
+        mxa_ptr = cgutils.alloca_once_value(builder, mxv)
+        for half in range(2):
+            j0 = 8 * half
+            cond = (ir.Constant(ir.IntType(1), 1) if half == 0 else
+                    builder.icmp_signed(">", nrows_v, ir.Constant(i64, 8)))
+            with builder.if_then(cond):
+                vals, live = [], []
+                for jj in range(8):
+                    j = ir.Constant(i64, j0 + jj)
+                    jl = builder.icmp_signed("<", j, nrows_v)
+                    r = builder.select(jl, j, last)
+                    row = builder.gep(kbase, [builder.mul(r, rb)])
+                    if kind == "i8":
+                        vals.append(_qkg_key_i8(builder, row, nch, qbuf, nd16, qmv,
+                                                builder.load(builder.gep(rmp, [r]))))
+                    else:
+                        vals.append(_qkg_key_f16(builder, row, nch, qrows, builder.load(qmp)))
+                    live.append(jl)
+                m = _qkg_store(builder, vals, live, h0, nh, sca,
+                               builder.add(off0, ir.Constant(i64, j0)), builder.load(mxa_ptr))
+                builder.store(m, mxa_ptr)
+        mxv = builder.load(mxa_ptr)
+        for h in range(QKG_LANES):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, h), nh)):
+                builder.store(builder.extract_element(mxv, ir.Constant(_I32T, h)),
+                              builder.gep(mxp, [builder.add(h0, ir.Constant(i64, h))]))
+
+
+def _make_qkg(kind):
+    """The grouped score intrinsic of INT8 key rows against int8 queries (``kind`` "i8":
+    ``_qkg_i8``) or float16 key rows against float32 queries ("f16": ``_qkg_f16``), AVX2."""
+
+    @intrinsic
+    def qkg(typingctx, q, ng, kaddr, nrows, rowbytes, qmul, rmul, sc, off, mx):
+        """Scores of up to 16 key rows (``nrows``, at ``kaddr``, ``rowbytes`` apart; rows
+        ``>= nrows`` repeat the last one, never read out of bounds) against ``ng`` query heads
+        ``q [ng, D]``, :data:`QKG_LANES` heads per pass in the lanes of one vector, so each key
+        row is loaded (and sign-extended / converted) once per 8 heads: ``sc[h, off + j]`` for
+        ``h < ng``, ``j < 16`` (all 16 written when ``nrows > 8``, else 8); ``mx[h]`` becomes
+        the max of itself and the first ``nrows`` scores. ``D % 64 == 0``.
+
+        ``i8``: ``q`` int8 codes (:func:`_quantize_heads`), INT8 key codes; per key and head one
+        8-lane ``vpmaddwd`` accumulator over the features (both sides sign-extended to int16),
+        the 8 heads' accumulators summed across lanes in one shuffle tree: the exact int32 sums
+        ``S`` of :func:`_qk16_i8`, and the same epilogue ``float32(S) * (qmul[h] * rmul[j])``
+        (bitwise equal scores). ``D <= QKBLK_MAX_D`` (the sign-extended queries of 8 heads live
+        in a stack buffer).
+
+        ``f16``: ``q`` float32, float16 key rows converted in registers (``fpext``:
+        ``vcvtph2ps``), one fused multiply-add per 8 features and head, summed across lanes in
+        a shuffle tree, times ``qmul[0]`` (the attention scale); ``rmul`` unused."""
+        qdt = types.int8 if kind == "i8" else types.float32
+        if not (isinstance(q, types.Array) and q.dtype == qdt and q.ndim == 2
+                and isinstance(sc, types.Array) and sc.dtype == types.float32 and sc.ndim == 2
+                and all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32
+                        for a in (qmul, rmul, mx))):
+            return None
+        sig = types.void(q, ng, kaddr, nrows, rowbytes, qmul, rmul, sc, off, mx)
+
+        def codegen(context, builder, sig, args):
+            arrs = [context.make_array(sig.args[k])(context, builder, args[k])
+                    for k in (0, 5, 6, 7, 9)]
+            ng_v, kaddr_v, nrows_v, rb, off0 = (
+                context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2, 3, 4, 8))
+            _qkg_body(builder, kind, arrs, ng_v, kaddr_v, nrows_v, rb, off0)
+            return context.get_dummy_value()
+        return sig, codegen
+    return qkg
+
+
+_qkg_i8 = _make_qkg("i8")
+_qkg_f16 = _make_qkg("f16")
