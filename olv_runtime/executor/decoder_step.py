@@ -74,17 +74,89 @@ _ALL = slice(None)
 STACK_SERIAL_MAX_WORK = 1 << 18
 
 
-def _linear(step, n_out=1, residual=False):
+#: The packed modes the compiled step runs: olv's INT4 8-row groups and the ggml group
+#: records (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K), each with int8 or float32 activations.
+_STEP_MODES = (LinearMode.INT8, LinearMode.EXACT, LinearMode.GGML_INT8, LinearMode.GGML_EXACT)
+
+
+class StackLinear:
+    """One linear of the compiled step: the plan's Linear steps computing its outputs in order
+    -- one step, or several reading the same input whose weights the plan could not merge (a
+    GGUF file's q|k in one block type and v in another, as llama.cpp's Q4_K_M writes them).
+    Their packed weights are the linear's parts in the step's weight table
+    (:class:`~olv_runtime.kernels.step_buffers.WeightTable`)."""
+
+    def __init__(self, lins: list):
+        self.lins = list(lins)
+        L0 = self.lins[0]
+        self.ns = [n for lin in self.lins for n in lin.ns]
+        self.n = sum(self.ns)
+        self.k = L0.k
+        self.residual = self.lins[-1].residual
+        self.quantized = L0.mode.quantized
+        self.weights = [w for lin in self.lins for w in lin.weights]
+        bs = [lin.bias for lin in self.lins]
+        self.bias = None if all(b is None for b in bs) else np.concatenate(
+            [b if b is not None else np.zeros(lin.n, np.float32) for b, lin in zip(bs, self.lins)])
+
+    @property
+    def packs(self) -> list:
+        """The packed weights (parts), read when asked (:func:`_narrow_scales` replaces the
+        INT4 ones)."""
+        return [lin.packed for lin in self.lins]
+
+    @property
+    def int4(self) -> list:
+        """The INT4 :class:`~olv_runtime.kernels.packed_i8.PackedInt4I8` parts."""
+        return [p for p in self.packs if type(p) is PackedInt4I8]
+
+    def arrays(self) -> list:
+        """The arrays the step reads through addresses (codes and scales, ggml records)."""
+        return [a for p in self.packs for a in ((p.codes, p.scale) if type(p) is PackedInt4I8
+                                                 else (p.data,))]
+
+
+def _linear_step(step, residual=False):
+    """The LinearStep of a plan step the compiled step can run (a packed mode of
+    :data:`_STEP_MODES`, symmetric INT4 or ggml records, K a multiple of 32), or None."""
     if step.kind != "Linear":
         return None
     lin = step.impl
-    if not isinstance(lin, LinearStep) or type(lin.packed) is not PackedInt4I8:
-        return None  # (zero-point weights, PackedInt4I8Zp, run per operator)
-    if lin.mode not in (LinearMode.INT8, LinearMode.EXACT) or lin.residual != residual or len(step.outputs) != n_out:
+    if not isinstance(lin, LinearStep) or lin.mode not in _STEP_MODES:
         return None
-    if lin.k % 32:
+    if lin.mode in (LinearMode.INT8, LinearMode.EXACT) and type(lin.packed) is not PackedInt4I8:
+        return None  # (zero-point weights, PackedInt4I8Zp, run per operator)
+    if lin.residual != residual or lin.k % 32:
         return None
     return lin
+
+
+def _linear(step, n_out=1, residual=False):
+    """A :class:`StackLinear` of one plan step with ``n_out`` outputs, or None."""
+    lin = _linear_step(step, residual)
+    if lin is None or len(step.outputs) != n_out:
+        return None
+    return StackLinear([lin])
+
+
+def _linear_run(steps, j, inp, n_out):
+    """A :class:`StackLinear` of the consecutive Linear steps from ``steps[j]`` reading only
+    ``inp`` that make ``n_out`` outputs together: ``(linear, outputs, next index)`` or None.
+    Every part but the last must end on a whole 8-row group (the step's groups of a linear
+    run across its parts)."""
+    lins, outs = [], []
+    while j < len(steps) and len(outs) < n_out:
+        lin = _linear_step(steps[j])
+        if lin is None or steps[j].inputs != (inp,):
+            return None
+        lins.append(lin)
+        outs += steps[j].outputs
+        j += 1
+    if len(outs) != n_out or any(lin.n % 8 for lin in lins[:-1]):
+        return None
+    if len({lin.mode.quantized for lin in lins}) != 1:
+        return None
+    return StackLinear(lins), tuple(outs), j
 
 
 def _norm(step, constants):
@@ -121,21 +193,28 @@ def _skip_norm(step, constants):
             step.outputs[0], total)
 
 
-def _match_mlp(norm_step, gu_step, silu_step, down_step, x1, constants, n0, qkv, o):
-    """The second half of a pre-norm decoder layer after the attention residual ``x1``: RMSNorm,
-    the merged gate|up linear, SiLU*mul, the down linear adding ``x1``, with the sizes the
-    compiled step needs (every linear's K the hidden size, no biases on o/gate|up/down, both
-    norms of one eps). Returns ``(post norm, gate|up, down)`` or None. Shared by the contiguous
-    and the paged layer matchers."""
+def _match_mlp(steps, j, x1, constants, n0, qkv, o):
+    """The second half of a pre-norm decoder layer from ``steps[j]``, after the attention
+    residual ``x1``: RMSNorm, the gate|up linear (one merged step, or gate and up apart),
+    SiLU*mul, the down linear adding ``x1``, with the sizes the compiled step needs (every
+    linear's K the hidden size, no biases on o/gate|up/down, both norms of one eps). Returns
+    ``(post norm, gate|up, down, next index)`` or None. Shared by the contiguous and the paged
+    layer matchers."""
+    if j >= len(steps):
+        return None
+    norm_step = steps[j]
     n1 = _norm(norm_step, constants)
     if n1 is None or norm_step.inputs[0] != x1:
         return None
-    gu = _linear(gu_step, 2)
-    if (gu is None or gu_step.inputs != (norm_step.outputs[0],) or len(gu.ns) != 2
-            or gu.ns[0] != gu.ns[1]):
+    run = _linear_run(steps, j + 1, norm_step.outputs[0], 2)
+    if run is None:
         return None
+    gu, gu_out, j = run
+    if len(gu.ns) != 2 or gu.ns[0] != gu.ns[1] or j + 2 > len(steps):
+        return None
+    silu_step, down_step = steps[j], steps[j + 1]
     if (silu_step.kind != "SiluMul" or not isinstance(silu_step.impl, SiluMul)
-            or silu_step.inputs != gu_step.outputs):
+            or silu_step.inputs != gu_out):
         return None
     down = _linear(down_step, 1, residual=True)
     if down is None or down_step.inputs != (silu_step.outputs[0], x1):
@@ -146,29 +225,32 @@ def _match_mlp(norm_step, gu_step, silu_step, down_step, x1, constants, n0, qkv,
         return None
     if o.bias is not None or gu.bias is not None or down.bias is not None:
         return None
-    return n1, gu, down
+    return n1, gu, down, j + 2
 
 
 def _match_layer(steps, i, x, constants):
-    """The layer starting at ``steps[i]`` reading residual ``x``; returns (layer dict, next x) or
-    None."""
+    """The layer starting at ``steps[i]`` reading residual ``x``; returns (layer dict, next x,
+    next index) or None."""
     if i + 8 > len(steps):
         return None
-    s0, s1, s2, s3, s4, s5, s6, s7 = steps[i:i + 8]
+    s0 = steps[i]
     n0 = _norm(s0, constants)
     if n0 is None or s0.inputs[0] != x:
         return None
     h = s0.outputs[0]
-    qkv = _linear(s1, 3)
-    if qkv is None or s1.inputs != (h,):
+    run = _linear_run(steps, i + 1, h, 3)
+    if run is None:
         return None
+    qkv, (q, k, v), j = run
+    if j + 2 > len(steps):
+        return None
+    s2, s3 = steps[j], steps[j + 1]
     if s2.kind != "RopeAttention" or not isinstance(s2.impl, RopeAttention) or not s2.impl.fast:
         return None
     ra = s2.impl
     at = ra.attention.attrs
     if at.get("softcap", 0.0) or at.get("qk_matmul_output_mode", 0):
         return None
-    q, k, v = s1.outputs
     if (len(s2.inputs) != 9 or s2.inputs[:3] != (q, k, v) or s2.inputs[5] != s2.inputs[7]
             or s2.inputs[6] != s2.inputs[8] or len(s2.outputs) != 3):
         return None
@@ -186,17 +268,17 @@ def _match_layer(steps, i, x, constants):
     if o is None or s3.inputs != (attn, x) or o.k != nh * d:
         return None
     x1 = s3.outputs[0]
-    mlp = _match_mlp(s4, s5, s6, s7, x1, constants, n0, qkv, o)
+    mlp = _match_mlp(steps, j + 2, x1, constants, n0, qkv, o)
     if mlp is None:
         return None
-    n1, gu, down = mlp
+    n1, gu, down, j = mlp
     layer = dict(norm_in=n0[0], norm_post=n1[0], eps=n0[1], qkv=qkv, o=o,
                  gu=gu, down=down, heads=nh, kv_heads=nkv, head_dim=d, rotary_dim=r,
                  interleaved=bool(ra.interleaved), scale_attr=ra.scale_attr,
                  kv_opts=ra.attention.kv_opts,
                  past_k=s2.inputs[3], past_v=s2.inputs[4], cos=s2.inputs[5], sin=s2.inputs[6],
                  present_k=s2.outputs[1], present_v=s2.outputs[2])
-    return layer, s7.outputs[0]
+    return layer, steps[j - 1].outputs[0], j
 
 
 #: Graph nodes (domain, op_type) of the decoders whose layers :func:`fuse_decoder_stack` fuses
@@ -243,10 +325,7 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
             continue
         if (lm.bias is not None or lm.k != layers[0]["o"].n or len(lm.weights) != 1):
             continue
-        arrays = [L[n].packed.codes for L in layers for n in ("qkv", "o", "gu", "down")]
-        arrays += [L[n].packed.scale for L in layers for n in ("qkv", "o", "gu", "down")]
-        arrays += [lm.packed.codes, lm.packed.scale]
-        if not all(a.flags.c_contiguous for a in arrays):
+        if not _contiguous(layers, lm):
             continue
         for L in layers:
             boundary_in += [L["past_k"], L["past_v"]]
@@ -281,8 +360,7 @@ def _olv_run(steps, i, constants):
         if m is None:
             break
         layers.append(m[0])
-        x = m[1]
-        j += 8
+        x, j = m[1], m[2]
     if not layers or j + 2 > len(steps):
         return None
     nf = _norm(steps[j], constants)
@@ -412,15 +490,23 @@ def _genai_run(steps, i, constants):
             [first.inputs[0], L0["cos"], L0["sin"], L0["seqlens"], L0["total"]], True)
 
 
+def _contiguous(layers, lm) -> bool:
+    """Every array the step reads through an address is C-contiguous."""
+    lins = [L[n] for L in layers for n in ("qkv", "o", "gu", "down")] + [lm]
+    return all(a.flags.c_contiguous for lin in lins for a in lin.arrays())
+
+
 def _narrow_scales(layers, lm, counters=None) -> bool:
-    """Store the block scales of every linear of the run as float16 when they are all float32
-    values that float16 represents exactly (e.g. onnxruntime-genai's symmetric scales
+    """Store the block scales of every INT4 linear of the run as float16 when they are all
+    float32 values that float16 represents exactly (e.g. onnxruntime-genai's symmetric scales
     ``absmax / -8`` of a bfloat16 checkpoint): the kernels widen float16 exactly, so every
     result is bitwise the same and each token reads 2 bytes less per 8 rows x 32 weights
     (4.5 instead of 5 bits per weight). All or none (one scale type per compiled step); the
-    per-operator steps share the narrowed packed weights. Returns True when narrowed."""
-    lins = [L[n] for L in layers for n in ("qkv", "o", "gu", "down")] + [lm]
-    if any(lin.packed.scale.dtype != _F32 for lin in lins):
+    per-operator steps share the narrowed packed weights (ggml parts have their own scales).
+    Returns True when narrowed."""
+    lins = [lin for L in layers for n in ("qkv", "o", "gu", "down") for lin in L[n].lins]
+    lins = [lin for lin in lins + lm.lins if type(lin.packed) is PackedInt4I8]
+    if not lins or any(lin.packed.scale.dtype != _F32 for lin in lins):
         return False
     halves = []
     for lin in lins:
@@ -441,10 +527,10 @@ def _narrow_scales(layers, lm, counters=None) -> bool:
 
 
 def _consistent(layers, lm) -> bool:
+    """One activation mode, one INT4 scale dtype and the same shapes in every layer."""
     L0 = layers[0]
     keys = ("heads", "kv_heads", "head_dim", "rotary_dim", "eps")
-    mode = L0["qkv"].mode
-    sdt = L0["qkv"].packed.scale.dtype
+    lins = [L[n] for L in layers for n in ("qkv", "o", "gu", "down")] + [lm]
     for L in layers:
         if any(L[k] != L0[k] for k in keys):
             return False
@@ -452,10 +538,9 @@ def _consistent(layers, lm) -> bool:
             return False
         if L["gu"].ns != L0["gu"].ns:
             return False
-        for name in ("qkv", "o", "gu", "down"):
-            if L[name].mode is not mode or L[name].packed.scale.dtype != sdt:
-                return False
-    return lm.mode is mode and lm.packed.scale.dtype == sdt
+    if len({lin.quantized for lin in lins}) != 1:
+        return False
+    return len({p.scale.dtype for lin in lins for p in lin.int4}) <= 1
 
 
 class DecoderStack:
@@ -483,7 +568,7 @@ class DecoderStack:
         sc = L0["scale_attr"]
         self.att_scale = np.float32(sc if sc is not None else 1.0 / np.sqrt(d))
         self.eps = np.float32(L0["eps"])
-        self.quant = L0["qkv"].mode is LinearMode.INT8
+        self.quant = L0["qkv"].quantized
         self.e = L0["o"].n
         self.inter = L0["gu"].ns[0]
         self.vocab = lm.n
@@ -493,8 +578,13 @@ class DecoderStack:
         self.rope_table = bool(rope_table)
         # views, not copies: an address table of the packed weights (the plan's LinearSteps own
         # them); the norms and biases (E or N_qkv floats per layer) stacked into 2-D arrays
-        packed = [L[name].packed for L in layers for name in ("qkv", "o", "gu", "down")]
-        self._packed_all = packed + [lm.packed]  # -> self.weights, see _load_kernels
+        # per linear its packed parts (INT4 and / or ggml), for the weight table
+        packed = [L[name].packs for L in layers for name in ("qkv", "o", "gu", "down")]
+        self._packed_all = packed + [lm.packs]  # -> self.weights, see _load_kernels
+        #: every linear one INT4 weight (no ggml records, no parts): what the batching
+        #: engine's compiled rows step (kernels.rows_layers) takes
+        self.int4_only = all(len(ps) == 1 and type(ps[0]) is PackedInt4I8
+                             for ps in self._packed_all)
         self.biases = np.zeros((self.n_layers, L0["qkv"].n), np.float32)
         self.has_bias = np.zeros(self.n_layers, np.bool_)
         self.norms = np.empty((2 * self.n_layers + 1, self.e), np.float32)

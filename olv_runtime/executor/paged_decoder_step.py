@@ -27,7 +27,9 @@ from olv_runtime.errors import InvalidArgument
 from olv_runtime.executor.decoder_step import (
     DecoderStack,
     _consistent,
+    _contiguous,
     _linear,
+    _linear_run,
     _match_mlp,
     _norm,
     run_leaks,
@@ -42,18 +44,22 @@ __all__ = ["PagedDecoderStack", "fuse_paged_decoder_stack"]
 
 
 def _match_layer(steps, i, x, constants):
-    """The paged layer starting at ``steps[i]`` reading residual ``x``: (layer dict, next x) or
-    None."""
+    """The paged layer starting at ``steps[i]`` reading residual ``x``: (layer dict, next x,
+    next index) or None. The q|k|v linear may be several steps (:func:`~olv_runtime.executor.
+    decoder_step._linear_run`)."""
     if i + 10 > len(steps):
         return None
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9 = steps[i:i + 10]
+    s0 = steps[i]
     n0 = _norm(s0, constants)
     if n0 is None or s0.inputs[0] != x:
         return None
-    qkv = _linear(s1, 3)
-    if qkv is None or s1.inputs != (s0.outputs[0],):
+    run = _linear_run(steps, i + 1, s0.outputs[0], 3)
+    if run is None:
         return None
-    q, k, v = s1.outputs
+    qkv, (q, k, v), j = run
+    if j + 4 > len(steps):
+        return None
+    s2, s3, s4, s5 = steps[j:j + 4]
     if s2.kind != "RotaryEmbedding" or s3.kind != "RotaryEmbedding":
         return None
     if s2.inputs[:1] == (k,) and s3.inputs[:1] == (q,):
@@ -85,16 +91,16 @@ def _match_layer(steps, i, x, constants):
     if o is None or s5.inputs != (attn, x) or o.k != nh * d:
         return None
     x1 = s5.outputs[0]
-    mlp = _match_mlp(s6, s7, s8, s9, x1, constants, n0, qkv, o)
+    mlp = _match_mlp(steps, j + 4, x1, constants, n0, qkv, o)
     if mlp is None:
         return None
-    n1, gu, down = mlp
-    layer = dict(steps=[s0, s1, s2, s3, s4, s5, s6, s7, s8, s9], norm_in=n0[0], norm_post=n1[0],
+    n1, gu, down, j = mlp
+    layer = dict(steps=steps[i:j], norm_in=n0[0], norm_post=n1[0],
                  eps=n0[1], qkv=qkv, o=o, gu=gu, down=down, op=pa, heads=nh,
                  kv_heads=nkv, head_dim=d, rotary_dim=r, interleaved=bool(rq.attrs["interleaved"]),
                  scale_attr=pa.attrs["scale"], kv_opts={}, cache=s4.inputs[3], cos=s2.inputs[1],
                  sin=s2.inputs[2], present=present)
-    return layer, s9.outputs[0]
+    return layer, steps[j - 1].outputs[0], j
 
 
 def fuse_paged_decoder_stack(steps: list, constants: dict, graph_outputs: set,
@@ -113,8 +119,7 @@ def fuse_paged_decoder_stack(steps: list, constants: dict, graph_outputs: set,
             if m is None:
                 break
             layers.append(m[0])
-            x = m[1]
-            j += 10
+            x, j = m[1], m[2]
         if not layers or j + 2 > len(steps):
             continue
         nf = _norm(steps[j], constants)
@@ -131,10 +136,7 @@ def fuse_paged_decoder_stack(steps: list, constants: dict, graph_outputs: set,
                or L["op"].attrs["block_size"] != L0["op"].attrs["block_size"] for L in layers):
             continue
         run = [st for L in layers for st in L["steps"]] + steps[j:j + 2]
-        arrays = [L[n].packed.codes for L in layers for n in ("qkv", "o", "gu", "down")]
-        arrays += [L[n].packed.scale for L in layers for n in ("qkv", "o", "gu", "down")]
-        arrays += [lm.packed.codes, lm.packed.scale]
-        if not all(a.flags.c_contiguous for a in arrays):
+        if not _contiguous(layers, lm):
             continue
         boundary_in = [x0, L0["cos"], L0["sin"]] + [L["cache"] for L in layers]
         boundary_out = [steps[j + 1].outputs[0]] + [L["present"] for L in layers]
