@@ -5,8 +5,12 @@ Python (the compiled driver of :mod:`olv_runtime.kernels.decoder_layers`).
 steps of the pre-norm decoder form (per layer: ``RMSNormalization -> Linear(q|k|v merged) ->
 RopeAttention -> Linear(o, + residual) -> RMSNormalization -> Linear(gate|up merged) -> SiluMul
 -> Linear(down, + residual)``; then ``RMSNormalization -> Linear(lm_head)``), every linear on the
-8-row packed INT4 layout, every intermediate value read only inside the run and none a graph
-output. It replaces the run with one :class:`DecoderStack` step whose inputs are the run's
+8-row packed INT4 layout or on ggml group records (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K,
+:mod:`olv_runtime.kernels.ggml_packed`), every intermediate value read only inside the run and
+none a graph output. A merged linear may be several plan steps reading the same input (q|k|v or
+gate|up whose weights the plan could not merge: a GGUF file mixes block types per tensor, as
+llama.cpp's Q4_K_M writes q|k in Q5_0 and v in Q8_0): :class:`StackLinear` keeps them as the
+parts of one linear of the step. It replaces the run with one :class:`DecoderStack` step whose inputs are the run's
 boundary values (the embedding output, cos/sin, each layer's past key/value) and whose outputs
 are the logits and each layer's present key/value -- so the executor, the state and its
 counters see the same values at the call boundary as before.

@@ -5,7 +5,8 @@ fuse_decoder_stack`, a run of pre-norm decoder layers + final norm + lm_head, in
 form of the layer (``RMSNormalization -> Linear(q|k|v merged) -> RotaryEmbedding(q) ->
 RotaryEmbedding(k) -> olv.PagedAttention(q, k, v, cache) -> Linear(o, + residual) ->
 RMSNormalization -> Linear(gate|up merged) -> SiluMul -> Linear(down, + residual)``), every linear
-on the 8-row packed INT4 layout, every intermediate read only inside the run. The run becomes
+on the 8-row packed INT4 layout or ggml group records (merged linears possibly over several steps,
+as there), every intermediate read only inside the run. The run becomes
 one :class:`PagedDecoderStack` step whose inputs are the embedding output, cos/sin and each
 layer's cache value, and whose outputs are the logits and each layer's next cache value -- the
 executor, the state (retention, atomic publication) and the counters see the same values at the

@@ -430,7 +430,9 @@ def test_claimed_chunks_give_the_static_split_bits(mode, order):
     ref = ref + res
     out = np.full((1, n), np.nan, np.float32)
     bar = np.zeros(ds.barrier_slots(2), np.int64)
-    done = [ds._linear_part(t, 2, i8, codes, sc, x, out, facc32, vnni, bar, True, res)
+    wt = ds.WeightTable([pk])  # one linear, one INT4 part
+    w = ds.StepWeights(wt.wt, wt.codes0, wt.scale0, None, None, None, None, wt.wl, None)
+    done = [ds._linear_part(t, 2, i8, None, w, 0, x, out, facc32, vnni, bar, True, res)
             for t in order]
     assert done[0] >= 2 and done[1] == 0
     assert np.array_equal(out, ref)
