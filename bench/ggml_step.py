@@ -53,8 +53,8 @@ print("RESULT " + json.dumps({
 
 
 def run_child(spec, env):
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True,
-                         text=True, env=env, timeout=3600)
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], check=False,
+                         capture_output=True, text=True, env=env, timeout=3600)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -63,7 +63,7 @@ def run_child(spec, env):
 
 def llama_bench(exe, f, n, threads):
     out = subprocess.run([exe, "-m", str(f), "-n", str(n), "-p", "0", "-t", str(threads),
-                          "-rtr", "1", "-o", "json"], capture_output=True, text=True,
+                          "-rtr", "1", "-o", "json"], check=False, capture_output=True, text=True,
                          timeout=1800)
     try:
         rows = json.loads(out.stdout)

@@ -10,7 +10,9 @@ RopeAttention -> Linear(o, + residual) -> RMSNormalization -> Linear(gate|up mer
 none a graph output. A merged linear may be several plan steps reading the same input (q|k|v or
 gate|up whose weights the plan could not merge: a GGUF file mixes block types per tensor, as
 llama.cpp's Q4_K_M writes q|k in Q5_0 and v in Q8_0): :class:`StackLinear` keeps them as the
-parts of one linear of the step. It replaces the run with one :class:`DecoderStack` step whose inputs are the run's
+parts of one linear of the step.
+
+It replaces the run with one :class:`DecoderStack` step whose inputs are the run's
 boundary values (the embedding output, cos/sin, each layer's past key/value) and whose outputs
 are the logits and each layer's present key/value -- so the executor, the state and its
 counters see the same values at the call boundary as before.

@@ -30,7 +30,7 @@ from .step_sync import _view
 
 gp = lazy_module("olv_runtime.kernels.ggml_packed")  # imported when a ggml step compiles
 
-__all__ = ["ggml_groups", "ggml_sums", "ggml_prefetch", "task_ggml"]
+__all__ = ["ggml_groups", "ggml_prefetch", "ggml_sums", "task_ggml"]
 
 _OV = dict(fastmath=False, error_model="numpy")  # the JIT flags overload implementations take
 PF_BYTES = 2048  # the head of a part's records prefetched before a barrier (ggml_packed's)
