@@ -9,8 +9,9 @@ RopeAttention -> Linear(o, + residual) -> RMSNormalization -> Linear(gate|up mer
 :mod:`olv_runtime.kernels.ggml_packed`), every intermediate value read only inside the run and
 none a graph output. A merged linear may be several plan steps reading the same input (q|k|v or
 gate|up whose weights the plan could not merge: a GGUF file mixes block types per tensor, as
-llama.cpp's Q4_K_M writes q|k in Q5_0 and v in Q8_0): :class:`StackLinear` keeps them as the
-parts of one linear of the step.
+llama.cpp's Q4_K_M writes q|k in Q5_0 and v in Q8_0):
+:class:`~olv_runtime.executor.stack_linears.StackLinear` keeps them as the parts of one linear
+of the step.
 
 It replaces the run with one :class:`DecoderStack` step whose inputs are the run's
 boundary values (the embedding output, cos/sin, each layer's past key/value) and whose outputs
@@ -44,19 +45,24 @@ import threading
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, ValidationError, node_failed
+from olv_runtime.executor.stack_linears import (
+    consistent,
+    contiguous,
+    linear,
+    linear_run,
+    narrow_scales,
+)
 from olv_runtime.executor.steps import (
     LAST_ONLY,
     KVAppended,
     KVResults,
-    LinearStep,
     RopeAttention,
     SiluMul,
     Step,
     last_position_args,
 )
 from olv_runtime.kernels import config, packed_i8, precompile
-from olv_runtime.kernels.dispatch import LinearMode
-from olv_runtime.kernels.packed_i8 import PackedInt4I8, _aligned_empty
+from olv_runtime.kernels.packed_i8 import PackedInt4I8
 from olv_runtime.kv import contiguous as kv
 from olv_runtime.kv.contiguous import claim_all as kv_claim_all
 from olv_runtime.lazy import import_now, lazy_module
@@ -78,91 +84,6 @@ _ALL = slice(None)
 #: meeting at ~20 barriers per layer, and never compile the parallel driver. Tests set it to 0
 #: to exercise the parallel driver on tiny models.
 STACK_SERIAL_MAX_WORK = 1 << 18
-
-
-#: The packed modes the compiled step runs: olv's INT4 8-row groups and the ggml group
-#: records (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K), each with int8 or float32 activations.
-_STEP_MODES = (LinearMode.INT8, LinearMode.EXACT, LinearMode.GGML_INT8, LinearMode.GGML_EXACT)
-
-
-class StackLinear:
-    """One linear of the compiled step: the plan's Linear steps computing its outputs in order
-    -- one step, or several reading the same input whose weights the plan could not merge (a
-    GGUF file's q|k in one block type and v in another, as llama.cpp's Q4_K_M writes them).
-    Their packed weights are the linear's parts in the step's weight table
-    (:class:`~olv_runtime.kernels.step_buffers.WeightTable`)."""
-
-    def __init__(self, lins: list):
-        self.lins = list(lins)
-        L0 = self.lins[0]
-        self.ns = [n for lin in self.lins for n in lin.ns]
-        self.n = sum(self.ns)
-        self.k = L0.k
-        self.residual = self.lins[-1].residual
-        self.quantized = L0.mode.quantized
-        self.weights = [w for lin in self.lins for w in lin.weights]
-        bs = [lin.bias for lin in self.lins]
-        self.bias = None if all(b is None for b in bs) else np.concatenate(
-            [b if b is not None else np.zeros(lin.n, np.float32) for b, lin in zip(bs, self.lins)])
-
-    @property
-    def packs(self) -> list:
-        """The packed weights (parts), read when asked (:func:`_narrow_scales` replaces the
-        INT4 ones)."""
-        return [lin.packed for lin in self.lins]
-
-    @property
-    def int4(self) -> list:
-        """The INT4 :class:`~olv_runtime.kernels.packed_i8.PackedInt4I8` parts."""
-        return [p for p in self.packs if type(p) is PackedInt4I8]
-
-    def arrays(self) -> list:
-        """The arrays the step reads through addresses (codes and scales, ggml records)."""
-        return [a for p in self.packs for a in ((p.codes, p.scale) if type(p) is PackedInt4I8
-                                                 else (p.data,))]
-
-
-def _linear_step(step, residual=False):
-    """The LinearStep of a plan step the compiled step can run (a packed mode of
-    :data:`_STEP_MODES`, symmetric INT4 or ggml records, K a multiple of 32), or None."""
-    if step.kind != "Linear":
-        return None
-    lin = step.impl
-    if not isinstance(lin, LinearStep) or lin.mode not in _STEP_MODES:
-        return None
-    if lin.mode in (LinearMode.INT8, LinearMode.EXACT) and type(lin.packed) is not PackedInt4I8:
-        return None  # (zero-point weights, PackedInt4I8Zp, run per operator)
-    if lin.residual != residual or lin.k % 32:
-        return None
-    return lin
-
-
-def _linear(step, n_out=1, residual=False):
-    """A :class:`StackLinear` of one plan step with ``n_out`` outputs, or None."""
-    lin = _linear_step(step, residual)
-    if lin is None or len(step.outputs) != n_out:
-        return None
-    return StackLinear([lin])
-
-
-def _linear_run(steps, j, inp, n_out):
-    """A :class:`StackLinear` of the consecutive Linear steps from ``steps[j]`` reading only
-    ``inp`` that make ``n_out`` outputs together: ``(linear, outputs, next index)`` or None.
-    Every part but the last must end on a whole 8-row group (the step's groups of a linear
-    run across its parts)."""
-    lins, outs = [], []
-    while j < len(steps) and len(outs) < n_out:
-        lin = _linear_step(steps[j])
-        if lin is None or steps[j].inputs != (inp,):
-            return None
-        lins.append(lin)
-        outs += steps[j].outputs
-        j += 1
-    if len(outs) != n_out or any(lin.n % 8 for lin in lins[:-1]):
-        return None
-    if len({lin.mode.quantized for lin in lins}) != 1:
-        return None
-    return StackLinear(lins), tuple(outs), j
 
 
 def _norm(step, constants):
@@ -212,7 +133,7 @@ def _match_mlp(steps, j, x1, constants, n0, qkv, o):
     n1 = _norm(norm_step, constants)
     if n1 is None or norm_step.inputs[0] != x1:
         return None
-    run = _linear_run(steps, j + 1, norm_step.outputs[0], 2)
+    run = linear_run(steps, j + 1, norm_step.outputs[0], 2)
     if run is None:
         return None
     gu, gu_out, j = run
@@ -222,7 +143,7 @@ def _match_mlp(steps, j, x1, constants, n0, qkv, o):
     if (silu_step.kind != "SiluMul" or not isinstance(silu_step.impl, SiluMul)
             or silu_step.inputs != gu_out):
         return None
-    down = _linear(down_step, 1, residual=True)
+    down = linear(down_step, 1, residual=True)
     if down is None or down_step.inputs != (silu_step.outputs[0], x1):
         return None
     e = o.n
@@ -244,7 +165,7 @@ def _match_layer(steps, i, x, constants):
     if n0 is None or s0.inputs[0] != x:
         return None
     h = s0.outputs[0]
-    run = _linear_run(steps, i + 1, h, 3)
+    run = linear_run(steps, i + 1, h, 3)
     if run is None:
         return None
     qkv, (q, k, v), j = run
@@ -270,7 +191,7 @@ def _match_layer(steps, i, x, constants):
     if r > d or r % 2:
         return None
     attn = s2.outputs[0]
-    o = _linear(s3, 1, residual=True)
+    o = linear(s3, 1, residual=True)
     if o is None or s3.inputs != (attn, x) or o.k != nh * d:
         return None
     x1 = s3.outputs[0]
@@ -327,11 +248,11 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
         if res is None:
             continue
         layers, nf, lm, run, hoisted, rest, boundary_in, rope_table = res
-        if not _consistent(layers, lm) or nf[1] != layers[0]["eps"]:
+        if not consistent(layers, lm) or nf[1] != layers[0]["eps"]:
             continue
         if (lm.bias is not None or lm.k != layers[0]["o"].n or len(lm.weights) != 1):
             continue
-        if not _contiguous(layers, lm):
+        if not contiguous(layers, lm):
             continue
         for L in layers:
             boundary_in += [L["past_k"], L["past_v"]]
@@ -342,7 +263,7 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
             continue
         if run_leaks(run, steps, boundary_out, graph_outputs):
             continue
-        _narrow_scales(layers, lm, counters)
+        narrow_scales(layers, lm, counters)
         stack = DecoderStack("DecoderStack(" + run[0].name + " .. " + run[-1].name + ")",
                              layers, nf[0], lm, run, boundary_in, boundary_out, constants,
                              counters, rope_table=rope_table)
@@ -370,7 +291,7 @@ def _olv_run(steps, i, constants):
     if not layers or j + 2 > len(steps):
         return None
     nf = _norm(steps[j], constants)
-    lm = _linear(steps[j + 1], 1)
+    lm = linear(steps[j + 1], 1)
     if (nf is None or lm is None or steps[j].inputs[0] != x
             or steps[j + 1].inputs != (steps[j].outputs[0],)):
         return None
@@ -445,24 +366,24 @@ def _genai_run(steps, i, constants):
     layers, c = [], 1
     while c + 8 <= len(core):
         c1, c2, c3, c4, c5, c6, c7, c8 = core[c:c + 8]
-        qkv = _linear(c1, 1)
+        qkv = linear(c1, 1)
         if qkv is None or c1.inputs != (h,):
             break
         att = _gqa(c2, constants, c1.outputs[0], qkv.n)
         if att is None:
             break
-        o = _linear(c3, 1)
+        o = linear(c3, 1)
         if o is None or c3.inputs != (c2.outputs[0],) or o.k != att["heads"] * att["head_dim"]:
             break
         post = _skip_norm(c4, constants)
         if post is None or post[2] != {x, c3.outputs[0]} or not post[4]:
             break
-        gu = _linear(c5, 2)
+        gu = linear(c5, 2)
         if gu is None or c5.inputs != (post[3],) or len(gu.ns) != 2 or gu.ns[0] != gu.ns[1]:
             break
         if c6.kind != "SiluMul" or not isinstance(c6.impl, SiluMul) or c6.inputs != c5.outputs:
             break
-        down = _linear(c7, 1)
+        down = linear(c7, 1)
         if down is None or c7.inputs != (c6.outputs[0],):
             break
         nxt = _skip_norm(c8, constants)
@@ -483,7 +404,7 @@ def _genai_run(steps, i, constants):
             break
     if not layers or c >= len(core):
         return None
-    lm = _linear(core[c], 1)
+    lm = linear(core[c], 1)
     if lm is None or core[c].inputs != (h,):
         return None
     L0 = layers[0]
@@ -494,59 +415,6 @@ def _genai_run(steps, i, constants):
     hoisted = [steps[p] for p in hoist_at if p < last]
     return (layers, (norm_w, eps), lm, core[:c + 1], hoisted, steps[last + 1:],
             [first.inputs[0], L0["cos"], L0["sin"], L0["seqlens"], L0["total"]], True)
-
-
-def _contiguous(layers, lm) -> bool:
-    """Every array the step reads through an address is C-contiguous."""
-    lins = [L[n] for L in layers for n in ("qkv", "o", "gu", "down")] + [lm]
-    return all(a.flags.c_contiguous for lin in lins for a in lin.arrays())
-
-
-def _narrow_scales(layers, lm, counters=None) -> bool:
-    """Store the block scales of every INT4 linear of the run as float16 when they are all
-    float32 values that float16 represents exactly (e.g. onnxruntime-genai's symmetric scales
-    ``absmax / -8`` of a bfloat16 checkpoint): the kernels widen float16 exactly, so every
-    result is bitwise the same and each token reads 2 bytes less per 8 rows x 32 weights
-    (4.5 instead of 5 bits per weight). All or none (one scale type per compiled step); the
-    per-operator steps share the narrowed packed weights (ggml parts have their own scales).
-    Returns True when narrowed."""
-    lins = [lin for L in layers for n in ("qkv", "o", "gu", "down") for lin in L[n].lins]
-    lins = [lin for lin in lins + lm.lins if type(lin.packed) is PackedInt4I8]
-    if not lins or any(lin.packed.scale.dtype != _F32 for lin in lins):
-        return False
-    halves = []
-    for lin in lins:
-        sc = lin.packed.scale
-        h = sc.astype(np.float16)
-        if not np.array_equal(h.astype(np.float32), sc):  # NaN, out of range, more precision
-            return False
-        halves.append(h)
-    for lin, h in zip(lins, halves):
-        bits = _aligned_empty(h.shape, np.uint16)
-        bits[...] = h.view(np.uint16)
-        bits.flags.writeable = False
-        p = lin.packed
-        lin.packed = PackedInt4I8(p.codes, bits, p.n, p.k)
-        if counters is not None:
-            counters.add("bytes_repacked", bits.nbytes)
-    return True
-
-
-def _consistent(layers, lm) -> bool:
-    """One activation mode, one INT4 scale dtype and the same shapes in every layer."""
-    L0 = layers[0]
-    keys = ("heads", "kv_heads", "head_dim", "rotary_dim", "eps")
-    lins = [L[n] for L in layers for n in ("qkv", "o", "gu", "down")] + [lm]
-    for L in layers:
-        if any(L[k] != L0[k] for k in keys):
-            return False
-        if L["interleaved"] != L0["interleaved"] or L["scale_attr"] != L0["scale_attr"]:
-            return False
-        if L["gu"].ns != L0["gu"].ns:
-            return False
-    if len({lin.quantized for lin in lins}) != 1:
-        return False
-    return len({p.scale.dtype for lin in lins for p in lin.int4}) <= 1
 
 
 class DecoderStack:

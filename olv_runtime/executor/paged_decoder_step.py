@@ -25,15 +25,12 @@ import numpy as np
 from numba.typed import List
 
 from olv_runtime.errors import InvalidArgument
-from olv_runtime.executor.decoder_step import (
-    DecoderStack,
-    _consistent,
-    _contiguous,
-    _linear,
-    _linear_run,
-    _match_mlp,
-    _norm,
-    run_leaks,
+from olv_runtime.executor.decoder_step import DecoderStack, _match_mlp, _norm, run_leaks
+from olv_runtime.executor.stack_linears import (
+    consistent,
+    contiguous,
+    linear,
+    linear_run,
 )
 from olv_runtime.executor.steps import Step
 from olv_runtime.kernels import paged_attention as pk
@@ -47,14 +44,14 @@ __all__ = ["PagedDecoderStack", "fuse_paged_decoder_stack"]
 def _match_layer(steps, i, x, constants):
     """The paged layer starting at ``steps[i]`` reading residual ``x``: (layer dict, next x,
     next index) or None. The q|k|v linear may be several steps (:func:`~olv_runtime.executor.
-    decoder_step._linear_run`)."""
+    stack_linears.linear_run`)."""
     if i + 10 > len(steps):
         return None
     s0 = steps[i]
     n0 = _norm(s0, constants)
     if n0 is None or s0.inputs[0] != x:
         return None
-    run = _linear_run(steps, i + 1, s0.outputs[0], 3)
+    run = linear_run(steps, i + 1, s0.outputs[0], 3)
     if run is None:
         return None
     qkv, (q, k, v), j = run
@@ -88,7 +85,7 @@ def _match_layer(steps, i, x, constants):
     if "int4" in pa.policy.key + pa.policy.value and d % 2:
         return None
     attn, present = s4.outputs
-    o = _linear(s5, 1, residual=True)
+    o = linear(s5, 1, residual=True)
     if o is None or s5.inputs != (attn, x) or o.k != nh * d:
         return None
     x1 = s5.outputs[0]
@@ -124,20 +121,20 @@ def fuse_paged_decoder_stack(steps: list, constants: dict, graph_outputs: set,
         if not layers or j + 2 > len(steps):
             continue
         nf = _norm(steps[j], constants)
-        lm = _linear(steps[j + 1], 1)
+        lm = linear(steps[j + 1], 1)
         if (nf is None or lm is None or steps[j].inputs[0] != x
                 or steps[j + 1].inputs != (steps[j].outputs[0],) or lm.bias is not None
                 or lm.k != layers[0]["o"].n or nf[1] != layers[0]["eps"]
                 or len(lm.weights) != 1):
             continue
-        if not _consistent(layers, lm):
+        if not consistent(layers, lm):
             continue
         L0 = layers[0]
         if any(L["op"].policy != L0["op"].policy
                or L["op"].attrs["block_size"] != L0["op"].attrs["block_size"] for L in layers):
             continue
         run = [st for L in layers for st in L["steps"]] + steps[j:j + 2]
-        if not _contiguous(layers, lm):
+        if not contiguous(layers, lm):
             continue
         boundary_in = [x0, L0["cos"], L0["sin"]] + [L["cache"] for L in layers]
         boundary_out = [steps[j + 1].outputs[0]] + [L["present"] for L in layers]
