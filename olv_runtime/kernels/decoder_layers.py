@@ -49,6 +49,20 @@ vectorised differently): the tests bound the difference and require identical gr
 Workspace (:class:`StackWorkspace`) is allocated once per (session, thread); a call allocates
 nothing.
 
+Weights (:class:`~.step_buffers.WeightTable`). Each linear (qkv, o, gate_up, down per layer, the
+lm_head) is one or more *parts* whose output rows follow each other: olv's INT4 8-row groups
+(kind 0) or the ggml group records of a GGUF Q8_0 / Q5_0 / Q4_K / Q6_K tensor (kind = its ggml
+type id), mixed per tensor as llama.cpp's Q4_K_M files mix them (q|k Q5_0 and v Q8_0 in one
+linear; Q4_0 tensors are INT4 parts). ``wt`` has a row per part (addresses, groups, records,
+kind, first group in the linear, rows), ``wl`` a row per linear (first part, parts, groups,
+bytes per group). A linear's groups are numbered across its parts, claimed as one range
+(:func:`_claim`), and each claimed chunk runs every part's share with the part's kernel
+(:func:`_lin_groups`: the kind read from the table at run time, a branch per part and chunk;
+ggml parts through :mod:`.step_ggml`, the plan's own serial group functions at one row, so each
+row is bitwise the per-operator plan's). One quantization of each norm output serves both
+kinds (ggml's int8 mode quantizes with the same :func:`~.packed_i8.quantize_rows_i8`), plus the
+per-16 / per-32 sums Q6_K / Q4_K read (:func:`~.step_ggml.ggml_sums`).
+
 Arguments (:mod:`.step_buffers`, as llama2.c's ``RunState``): the weights, the dimensions, the
 activations and the attention scratch arrive as four named tuples (``StepWeights``,
 ``StepDims``, ``RunState``, ``AttState``; each field's shape and dtype are written beside it),
@@ -61,7 +75,18 @@ phase stamps live in :mod:`.step_sync`.
 Compile cost (cold start, issue 14). numba re-optimises and re-emits every function linked into
 a top-level function when that one is compiled, so the program is kept to what a session uses:
 the activation mode is chosen by the *type* of the int8 buffers argument (None in exact mode,
-an ``overload``), so only one mode's kernels are compiled; the serial entry is
+an ``overload``), so only one mode's kernels are compiled; the ggml kernels likewise by the
+type of ``StepWeights.ggml0`` / ``RunState.g_*`` (None without ggml parts: an INT4 model's step
+is the INT4 program, and :mod:`.ggml_packed` is not even imported), and the INT4 kernels by
+the type of ``StepWeights.codes0`` (None without INT4 parts: a GGUF file without Q4_0 tensors,
+:func:`_int4_part`). A stack with ggml parts compiles the record kernels of all four types for
+its mode (one function with the kind as a run-time value). Measured (cold numba cache, no
+compile worker, CPU seconds of the first one-token call -- the step's compilation -- of 2-layer
+hidden-512 GGUF models, 2 threads, on a machine shared with other compiling processes), while
+every stack still compiled the INT4 kernels: int8 mode 27.0 s with Q4_0 tensors only (the INT4
+program), 46.1 s all Q8_0, 40.2 s a Q4_K_M-like mix (Q5_0 / Q8_0 / Q4_K / Q6_K); exact mode
+31.7 s, 46.9 s, 49.7 s. So a ggml model adds about 13-19 s of CPU to the step's compilation
+(once per numba cache); the serial entry is
 :func:`_stack_thread` itself (one specialisation shared with the parallel driver, whose task
 index is cast to int64); the packed weights and KV buffers arrive as int64 address tables turned
 into array views inside the program (:func:`_view`), not as numba typed lists (whose methods
@@ -257,10 +282,30 @@ def _lin_groups(i8, gx, w, lin, xin, out, facc32, vnni, g0, g1):
         if npart > 1:
             o = _view(out, out.ctypes.data + 4 * GROUP_ROWS * pg0, (1, w.wt[p, W_N]))
         if w.wt[p, W_KIND] == 0:
-            cw, sw = _weight(w.wt, p, w.codes0, w.scale0)
-            _linear_groups(i8, cw, sw, xin, o, facc32, vnni, a - pg0, b - pg0)
+            _int4_part(i8, w, p, xin, o, facc32, vnni, a - pg0, b - pg0, np.int64(-1))
         else:
             ggml_groups(i8, gx, w, p, xin, o, vnni, a - pg0, b - pg0)
+
+
+def _int4_part(i8, w, p, xin, out, facc32, vnni, g0, g1, pf):
+    """INT4 part ``p`` of ``w.wt``: groups ``[g0, g1)`` (:func:`_linear_groups`), or with
+    ``pf >= 0`` only :func:`_prefetch_head` from group ``pf``. Nothing compiled when the stack
+    has no INT4 part (``w.codes0`` None: a GGUF file without Q4_0 tensors)."""
+
+
+@overload(_int4_part, jit_options=_OV)
+def _ov_int4_part(i8, w, p, xin, out, facc32, vnni, g0, g1, pf):
+    if isinstance(w.types[StepWeights._fields.index("codes0")], types.NoneType):
+        return lambda i8, w, p, xin, out, facc32, vnni, g0, g1, pf: None
+    if isinstance(xin, types.NoneType):
+        def impl(i8, w, p, xin, out, facc32, vnni, g0, g1, pf):
+            cw, sw = _weight(w.wt, p, w.codes0, w.scale0)
+            _prefetch_head(cw, sw, pf)
+    else:
+        def impl(i8, w, p, xin, out, facc32, vnni, g0, g1, pf):
+            cw, sw = _weight(w.wt, p, w.codes0, w.scale0)
+            _linear_groups(i8, cw, sw, xin, out, facc32, vnni, g0, g1)
+    return impl
 
 
 @njit(**JIT)
@@ -318,8 +363,7 @@ def _prefetch_group(gx, w, lin, g):
         pg0 = w.wt[p, W_G0]
         if g < pg0 + w.wt[p, W_NG] or p == p0 + w.wl[lin, L_NP] - 1:
             if w.wt[p, W_KIND] == 0:
-                cw, sw = _weight(w.wt, p, w.codes0, w.scale0)
-                _prefetch_head(cw, sw, g - pg0)
+                _int4_part(None, w, p, None, None, None, False, 0, 0, g - pg0)
             else:
                 ggml_prefetch(gx, w, p, g - pg0)
             return

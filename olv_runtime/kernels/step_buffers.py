@@ -32,7 +32,8 @@ StepWeights = namedtuple("StepWeights", [
                  # the codes (INT4) or records (ggml), address of the scale (INT4) or record
                  # bytes (ggml), NG, KB (INT4 blocks / ggml records per group), kind (0 INT4, a
                  # ggml type id), first group in its linear, output rows
-    "codes0",    # uint8 [NG, KB, 128] read-only: the type of every codes view (_weight)
+    "codes0",    # uint8 [NG, KB, 128] read-only: the type of every codes view (_weight), or
+                 # None: no INT4 part (a GGUF file without Q4_0 tensors), no INT4 kernel
     "scale0",    # float32 or uint16 [NG, KB, 8] read-only: the type of every scale view
     "biases",    # float32 [L, N_qkv]: q/k/v bias (zeros where a layer has none)
     "has_bias",  # bool [L]
@@ -274,8 +275,8 @@ class WeightTable:
         Per linear (columns ``L_*``): first row of ``wt``, parts, NG of all parts, the
         largest bytes per 8-row group of its parts.
     codes0, scale0 : read-only views of the first INT4 part's arrays (their numba types are
-        the types of every view :func:`.decoder_layers._weight` makes; small placeholders of
-        the symmetric INT4 types when there is none).
+        the types of every view :func:`.decoder_layers._weight` makes), or None when no part
+        is INT4 (the step then does not compile the INT4 kernels).
     ggml0 : a view of the first ggml part's records (the type of every records view), or
         None when no part is ggml (the step then does not compile the ggml kernels).
     simple : bool
@@ -333,9 +334,8 @@ class WeightTable:
         if int4:
             self.codes0 = _readonly(int4[0].codes)
             self.scale0 = _readonly(int4[0].scale)
-        else:  # the types only (every linear is ggml)
-            self.codes0 = _readonly(np.zeros((1, 1, GROUP_BLOCK_BYTES), np.uint8))
-            self.scale0 = _readonly(np.zeros((1, 1, GROUP_ROWS), np.uint16))
+        else:  # every linear is ggml: no INT4 kernel compiled (decoder_layers._int4_part)
+            self.codes0 = self.scale0 = None
         self.ggml0 = ggml[0].data[:1] if ggml else None
 
 
