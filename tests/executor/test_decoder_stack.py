@@ -285,7 +285,7 @@ def test_float32_scales_exact_in_float16_are_read_as_float16(qwen2_bf16_f32_scal
     sess = _session(model, True, quant)
     assert all(s.dtype == np.uint16 for s in _stack(sess).scales)
     ids, got = _greedy(sess, 8)
-    monkeypatch.setattr(decoder_stack, "_narrow_scales", lambda *a, **k: False)
+    monkeypatch.setattr(decoder_stack, "narrow_scales", lambda *a, **k: False)
     wide = _session(model, True, quant)
     assert all(s.dtype == np.float32 for s in _stack(wide).scales)
     ref_ids, want = _greedy(wide, 8)
