@@ -56,8 +56,16 @@ TOKENS = (["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 def write_gguf(path, arch: str = "qwen2", ttype: str = "Q8_0", *, tied: bool = True,
                seed: int = 0, layers: int = 2, hidden: int = 256, inter: int = 512,
                heads: int = 4, kv_heads: int = 2, vocab: int = 320, embd_type: str | None = None,
-               tokenizer: bool = True) -> str:
-    """Write a tiny random ``arch`` GGUF whose matrices are ``ttype``; returns the path."""
+               tokenizer: bool = True, types: dict | None = None) -> str:
+    """Write a tiny random ``arch`` GGUF whose matrices are ``ttype``; returns the path.
+
+    ``types`` overrides the type per matrix, keyed by tensor name (``"blk.1.attn_v.weight"``)
+    or by role (``"attn_v"``, ``"ffn_down"``, ``"output"``): a llama.cpp-style mix (Q4_K_M)."""
+    types = types or {}
+
+    def ttype_of(name):
+        role = name.split(".")[-2]
+        return types.get(name, types.get(role, ttype))
     rng = np.random.default_rng(seed)
     hd = hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -90,6 +98,8 @@ def write_gguf(path, arch: str = "qwen2", ttype: str = "Q8_0", *, tied: bool = T
         return (rng.standard_normal((n, k)) * sd).astype(np.float32)
 
     def put(name, arr, tt):
+        if tt == ttype:
+            tt = ttype_of(name)
         data, raw = encode(tt, arr, rng)
         if raw is None:
             w.add_tensor(name, data)

@@ -5,8 +5,15 @@ Python (the compiled driver of :mod:`olv_runtime.kernels.decoder_layers`).
 steps of the pre-norm decoder form (per layer: ``RMSNormalization -> Linear(q|k|v merged) ->
 RopeAttention -> Linear(o, + residual) -> RMSNormalization -> Linear(gate|up merged) -> SiluMul
 -> Linear(down, + residual)``; then ``RMSNormalization -> Linear(lm_head)``), every linear on the
-8-row packed INT4 layout, every intermediate value read only inside the run and none a graph
-output. It replaces the run with one :class:`DecoderStack` step whose inputs are the run's
+8-row packed INT4 layout or on ggml group records (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K,
+:mod:`olv_runtime.kernels.ggml_packed`), every intermediate value read only inside the run and
+none a graph output. A merged linear may be several plan steps reading the same input (q|k|v or
+gate|up whose weights the plan could not merge: a GGUF file mixes block types per tensor, as
+llama.cpp's Q4_K_M writes q|k in Q5_0 and v in Q8_0):
+:class:`~olv_runtime.executor.stack_linears.StackLinear` keeps them as the parts of one linear
+of the step.
+
+It replaces the run with one :class:`DecoderStack` step whose inputs are the run's
 boundary values (the embedding output, cos/sin, each layer's past key/value) and whose outputs
 are the logits and each layer's present key/value -- so the executor, the state and its
 counters see the same values at the call boundary as before.
@@ -38,19 +45,24 @@ import threading
 import numpy as np
 
 from olv_runtime.errors import InvalidArgument, ValidationError, node_failed
+from olv_runtime.executor.stack_linears import (
+    consistent,
+    contiguous,
+    linear,
+    linear_run,
+    narrow_scales,
+)
 from olv_runtime.executor.steps import (
     LAST_ONLY,
     KVAppended,
     KVResults,
-    LinearStep,
     RopeAttention,
     SiluMul,
     Step,
     last_position_args,
 )
 from olv_runtime.kernels import config, packed_i8, precompile
-from olv_runtime.kernels.dispatch import LinearMode
-from olv_runtime.kernels.packed_i8 import PackedInt4I8, _aligned_empty
+from olv_runtime.kernels.packed_i8 import PackedInt4I8
 from olv_runtime.kv import contiguous as kv
 from olv_runtime.kv.contiguous import claim_all as kv_claim_all
 from olv_runtime.lazy import import_now, lazy_module
@@ -72,19 +84,6 @@ _ALL = slice(None)
 #: meeting at ~20 barriers per layer, and never compile the parallel driver. Tests set it to 0
 #: to exercise the parallel driver on tiny models.
 STACK_SERIAL_MAX_WORK = 1 << 18
-
-
-def _linear(step, n_out=1, residual=False):
-    if step.kind != "Linear":
-        return None
-    lin = step.impl
-    if not isinstance(lin, LinearStep) or type(lin.packed) is not PackedInt4I8:
-        return None  # (zero-point weights, PackedInt4I8Zp, run per operator)
-    if lin.mode not in (LinearMode.INT8, LinearMode.EXACT) or lin.residual != residual or len(step.outputs) != n_out:
-        return None
-    if lin.k % 32:
-        return None
-    return lin
 
 
 def _norm(step, constants):
@@ -121,23 +120,30 @@ def _skip_norm(step, constants):
             step.outputs[0], total)
 
 
-def _match_mlp(norm_step, gu_step, silu_step, down_step, x1, constants, n0, qkv, o):
-    """The second half of a pre-norm decoder layer after the attention residual ``x1``: RMSNorm,
-    the merged gate|up linear, SiLU*mul, the down linear adding ``x1``, with the sizes the
-    compiled step needs (every linear's K the hidden size, no biases on o/gate|up/down, both
-    norms of one eps). Returns ``(post norm, gate|up, down)`` or None. Shared by the contiguous
-    and the paged layer matchers."""
+def _match_mlp(steps, j, x1, constants, n0, qkv, o):
+    """The second half of a pre-norm decoder layer from ``steps[j]``, after the attention
+    residual ``x1``: RMSNorm, the gate|up linear (one merged step, or gate and up apart),
+    SiLU*mul, the down linear adding ``x1``, with the sizes the compiled step needs (every
+    linear's K the hidden size, no biases on o/gate|up/down, both norms of one eps). Returns
+    ``(post norm, gate|up, down, next index)`` or None. Shared by the contiguous and the paged
+    layer matchers."""
+    if j >= len(steps):
+        return None
+    norm_step = steps[j]
     n1 = _norm(norm_step, constants)
     if n1 is None or norm_step.inputs[0] != x1:
         return None
-    gu = _linear(gu_step, 2)
-    if (gu is None or gu_step.inputs != (norm_step.outputs[0],) or len(gu.ns) != 2
-            or gu.ns[0] != gu.ns[1]):
+    run = linear_run(steps, j + 1, norm_step.outputs[0], 2)
+    if run is None:
         return None
+    gu, gu_out, j = run
+    if len(gu.ns) != 2 or gu.ns[0] != gu.ns[1] or j + 2 > len(steps):
+        return None
+    silu_step, down_step = steps[j], steps[j + 1]
     if (silu_step.kind != "SiluMul" or not isinstance(silu_step.impl, SiluMul)
-            or silu_step.inputs != gu_step.outputs):
+            or silu_step.inputs != gu_out):
         return None
-    down = _linear(down_step, 1, residual=True)
+    down = linear(down_step, 1, residual=True)
     if down is None or down_step.inputs != (silu_step.outputs[0], x1):
         return None
     e = o.n
@@ -146,29 +152,32 @@ def _match_mlp(norm_step, gu_step, silu_step, down_step, x1, constants, n0, qkv,
         return None
     if o.bias is not None or gu.bias is not None or down.bias is not None:
         return None
-    return n1, gu, down
+    return n1, gu, down, j + 2
 
 
 def _match_layer(steps, i, x, constants):
-    """The layer starting at ``steps[i]`` reading residual ``x``; returns (layer dict, next x) or
-    None."""
+    """The layer starting at ``steps[i]`` reading residual ``x``; returns (layer dict, next x,
+    next index) or None."""
     if i + 8 > len(steps):
         return None
-    s0, s1, s2, s3, s4, s5, s6, s7 = steps[i:i + 8]
+    s0 = steps[i]
     n0 = _norm(s0, constants)
     if n0 is None or s0.inputs[0] != x:
         return None
     h = s0.outputs[0]
-    qkv = _linear(s1, 3)
-    if qkv is None or s1.inputs != (h,):
+    run = linear_run(steps, i + 1, h, 3)
+    if run is None:
         return None
+    qkv, (q, k, v), j = run
+    if j + 2 > len(steps):
+        return None
+    s2, s3 = steps[j], steps[j + 1]
     if s2.kind != "RopeAttention" or not isinstance(s2.impl, RopeAttention) or not s2.impl.fast:
         return None
     ra = s2.impl
     at = ra.attention.attrs
     if at.get("softcap", 0.0) or at.get("qk_matmul_output_mode", 0):
         return None
-    q, k, v = s1.outputs
     if (len(s2.inputs) != 9 or s2.inputs[:3] != (q, k, v) or s2.inputs[5] != s2.inputs[7]
             or s2.inputs[6] != s2.inputs[8] or len(s2.outputs) != 3):
         return None
@@ -182,21 +191,21 @@ def _match_layer(steps, i, x, constants):
     if r > d or r % 2:
         return None
     attn = s2.outputs[0]
-    o = _linear(s3, 1, residual=True)
+    o = linear(s3, 1, residual=True)
     if o is None or s3.inputs != (attn, x) or o.k != nh * d:
         return None
     x1 = s3.outputs[0]
-    mlp = _match_mlp(s4, s5, s6, s7, x1, constants, n0, qkv, o)
+    mlp = _match_mlp(steps, j + 2, x1, constants, n0, qkv, o)
     if mlp is None:
         return None
-    n1, gu, down = mlp
+    n1, gu, down, j = mlp
     layer = dict(norm_in=n0[0], norm_post=n1[0], eps=n0[1], qkv=qkv, o=o,
                  gu=gu, down=down, heads=nh, kv_heads=nkv, head_dim=d, rotary_dim=r,
                  interleaved=bool(ra.interleaved), scale_attr=ra.scale_attr,
                  kv_opts=ra.attention.kv_opts,
                  past_k=s2.inputs[3], past_v=s2.inputs[4], cos=s2.inputs[5], sin=s2.inputs[6],
                  present_k=s2.outputs[1], present_v=s2.outputs[2])
-    return layer, s7.outputs[0]
+    return layer, steps[j - 1].outputs[0], j
 
 
 #: Graph nodes (domain, op_type) of the decoders whose layers :func:`fuse_decoder_stack` fuses
@@ -239,14 +248,11 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
         if res is None:
             continue
         layers, nf, lm, run, hoisted, rest, boundary_in, rope_table = res
-        if not _consistent(layers, lm) or nf[1] != layers[0]["eps"]:
+        if not consistent(layers, lm) or nf[1] != layers[0]["eps"]:
             continue
         if (lm.bias is not None or lm.k != layers[0]["o"].n or len(lm.weights) != 1):
             continue
-        arrays = [L[n].packed.codes for L in layers for n in ("qkv", "o", "gu", "down")]
-        arrays += [L[n].packed.scale for L in layers for n in ("qkv", "o", "gu", "down")]
-        arrays += [lm.packed.codes, lm.packed.scale]
-        if not all(a.flags.c_contiguous for a in arrays):
+        if not contiguous(layers, lm):
             continue
         for L in layers:
             boundary_in += [L["past_k"], L["past_v"]]
@@ -257,7 +263,7 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
             continue
         if run_leaks(run, steps, boundary_out, graph_outputs):
             continue
-        _narrow_scales(layers, lm, counters)
+        narrow_scales(layers, lm, counters)
         stack = DecoderStack("DecoderStack(" + run[0].name + " .. " + run[-1].name + ")",
                              layers, nf[0], lm, run, boundary_in, boundary_out, constants,
                              counters, rope_table=rope_table)
@@ -281,12 +287,11 @@ def _olv_run(steps, i, constants):
         if m is None:
             break
         layers.append(m[0])
-        x = m[1]
-        j += 8
+        x, j = m[1], m[2]
     if not layers or j + 2 > len(steps):
         return None
     nf = _norm(steps[j], constants)
-    lm = _linear(steps[j + 1], 1)
+    lm = linear(steps[j + 1], 1)
     if (nf is None or lm is None or steps[j].inputs[0] != x
             or steps[j + 1].inputs != (steps[j].outputs[0],)):
         return None
@@ -361,24 +366,24 @@ def _genai_run(steps, i, constants):
     layers, c = [], 1
     while c + 8 <= len(core):
         c1, c2, c3, c4, c5, c6, c7, c8 = core[c:c + 8]
-        qkv = _linear(c1, 1)
+        qkv = linear(c1, 1)
         if qkv is None or c1.inputs != (h,):
             break
         att = _gqa(c2, constants, c1.outputs[0], qkv.n)
         if att is None:
             break
-        o = _linear(c3, 1)
+        o = linear(c3, 1)
         if o is None or c3.inputs != (c2.outputs[0],) or o.k != att["heads"] * att["head_dim"]:
             break
         post = _skip_norm(c4, constants)
         if post is None or post[2] != {x, c3.outputs[0]} or not post[4]:
             break
-        gu = _linear(c5, 2)
+        gu = linear(c5, 2)
         if gu is None or c5.inputs != (post[3],) or len(gu.ns) != 2 or gu.ns[0] != gu.ns[1]:
             break
         if c6.kind != "SiluMul" or not isinstance(c6.impl, SiluMul) or c6.inputs != c5.outputs:
             break
-        down = _linear(c7, 1)
+        down = linear(c7, 1)
         if down is None or c7.inputs != (c6.outputs[0],):
             break
         nxt = _skip_norm(c8, constants)
@@ -399,7 +404,7 @@ def _genai_run(steps, i, constants):
             break
     if not layers or c >= len(core):
         return None
-    lm = _linear(core[c], 1)
+    lm = linear(core[c], 1)
     if lm is None or core[c].inputs != (h,):
         return None
     L0 = layers[0]
@@ -410,52 +415,6 @@ def _genai_run(steps, i, constants):
     hoisted = [steps[p] for p in hoist_at if p < last]
     return (layers, (norm_w, eps), lm, core[:c + 1], hoisted, steps[last + 1:],
             [first.inputs[0], L0["cos"], L0["sin"], L0["seqlens"], L0["total"]], True)
-
-
-def _narrow_scales(layers, lm, counters=None) -> bool:
-    """Store the block scales of every linear of the run as float16 when they are all float32
-    values that float16 represents exactly (e.g. onnxruntime-genai's symmetric scales
-    ``absmax / -8`` of a bfloat16 checkpoint): the kernels widen float16 exactly, so every
-    result is bitwise the same and each token reads 2 bytes less per 8 rows x 32 weights
-    (4.5 instead of 5 bits per weight). All or none (one scale type per compiled step); the
-    per-operator steps share the narrowed packed weights. Returns True when narrowed."""
-    lins = [L[n] for L in layers for n in ("qkv", "o", "gu", "down")] + [lm]
-    if any(lin.packed.scale.dtype != _F32 for lin in lins):
-        return False
-    halves = []
-    for lin in lins:
-        sc = lin.packed.scale
-        h = sc.astype(np.float16)
-        if not np.array_equal(h.astype(np.float32), sc):  # NaN, out of range, more precision
-            return False
-        halves.append(h)
-    for lin, h in zip(lins, halves):
-        bits = _aligned_empty(h.shape, np.uint16)
-        bits[...] = h.view(np.uint16)
-        bits.flags.writeable = False
-        p = lin.packed
-        lin.packed = PackedInt4I8(p.codes, bits, p.n, p.k)
-        if counters is not None:
-            counters.add("bytes_repacked", bits.nbytes)
-    return True
-
-
-def _consistent(layers, lm) -> bool:
-    L0 = layers[0]
-    keys = ("heads", "kv_heads", "head_dim", "rotary_dim", "eps")
-    mode = L0["qkv"].mode
-    sdt = L0["qkv"].packed.scale.dtype
-    for L in layers:
-        if any(L[k] != L0[k] for k in keys):
-            return False
-        if L["interleaved"] != L0["interleaved"] or L["scale_attr"] != L0["scale_attr"]:
-            return False
-        if L["gu"].ns != L0["gu"].ns:
-            return False
-        for name in ("qkv", "o", "gu", "down"):
-            if L[name].mode is not mode or L[name].packed.scale.dtype != sdt:
-                return False
-    return lm.mode is mode and lm.packed.scale.dtype == sdt
 
 
 class DecoderStack:
@@ -483,7 +442,7 @@ class DecoderStack:
         sc = L0["scale_attr"]
         self.att_scale = np.float32(sc if sc is not None else 1.0 / np.sqrt(d))
         self.eps = np.float32(L0["eps"])
-        self.quant = L0["qkv"].mode is LinearMode.INT8
+        self.quant = L0["qkv"].quantized
         self.e = L0["o"].n
         self.inter = L0["gu"].ns[0]
         self.vocab = lm.n
@@ -493,8 +452,13 @@ class DecoderStack:
         self.rope_table = bool(rope_table)
         # views, not copies: an address table of the packed weights (the plan's LinearSteps own
         # them); the norms and biases (E or N_qkv floats per layer) stacked into 2-D arrays
-        packed = [L[name].packed for L in layers for name in ("qkv", "o", "gu", "down")]
-        self._packed_all = packed + [lm.packed]  # -> self.weights, see _load_kernels
+        # per linear its packed parts (INT4 and / or ggml), for the weight table
+        packed = [L[name].packs for L in layers for name in ("qkv", "o", "gu", "down")]
+        self._packed_all = packed + [lm.packs]  # -> self.weights, see _load_kernels
+        #: every linear one INT4 weight (no ggml records, no parts): what the batching
+        #: engine's compiled rows step (kernels.rows_layers) takes
+        self.int4_only = all(len(ps) == 1 and type(ps[0]) is PackedInt4I8
+                             for ps in self._packed_all)
         self.biases = np.zeros((self.n_layers, L0["qkv"].n), np.float32)
         self.has_bias = np.zeros(self.n_layers, np.bool_)
         self.norms = np.empty((2 * self.n_layers + 1, self.e), np.float32)

@@ -5,7 +5,8 @@ fuse_decoder_stack`, a run of pre-norm decoder layers + final norm + lm_head, in
 form of the layer (``RMSNormalization -> Linear(q|k|v merged) -> RotaryEmbedding(q) ->
 RotaryEmbedding(k) -> olv.PagedAttention(q, k, v, cache) -> Linear(o, + residual) ->
 RMSNormalization -> Linear(gate|up merged) -> SiluMul -> Linear(down, + residual)``), every linear
-on the 8-row packed INT4 layout, every intermediate read only inside the run. The run becomes
+on the 8-row packed INT4 layout or ggml group records (merged linears possibly over several steps,
+as there), every intermediate read only inside the run. The run becomes
 one :class:`PagedDecoderStack` step whose inputs are the embedding output, cos/sin and each
 layer's cache value, and whose outputs are the logits and each layer's next cache value -- the
 executor, the state (retention, atomic publication) and the counters see the same values at the
@@ -24,13 +25,12 @@ import numpy as np
 from numba.typed import List
 
 from olv_runtime.errors import InvalidArgument
-from olv_runtime.executor.decoder_step import (
-    DecoderStack,
-    _consistent,
-    _linear,
-    _match_mlp,
-    _norm,
-    run_leaks,
+from olv_runtime.executor.decoder_step import DecoderStack, _match_mlp, _norm, run_leaks
+from olv_runtime.executor.stack_linears import (
+    consistent,
+    contiguous,
+    linear,
+    linear_run,
 )
 from olv_runtime.executor.steps import Step
 from olv_runtime.kernels import paged_attention as pk
@@ -42,18 +42,22 @@ __all__ = ["PagedDecoderStack", "fuse_paged_decoder_stack"]
 
 
 def _match_layer(steps, i, x, constants):
-    """The paged layer starting at ``steps[i]`` reading residual ``x``: (layer dict, next x) or
-    None."""
+    """The paged layer starting at ``steps[i]`` reading residual ``x``: (layer dict, next x,
+    next index) or None. The q|k|v linear may be several steps (:func:`~olv_runtime.executor.
+    stack_linears.linear_run`)."""
     if i + 10 > len(steps):
         return None
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9 = steps[i:i + 10]
+    s0 = steps[i]
     n0 = _norm(s0, constants)
     if n0 is None or s0.inputs[0] != x:
         return None
-    qkv = _linear(s1, 3)
-    if qkv is None or s1.inputs != (s0.outputs[0],):
+    run = linear_run(steps, i + 1, s0.outputs[0], 3)
+    if run is None:
         return None
-    q, k, v = s1.outputs
+    qkv, (q, k, v), j = run
+    if j + 4 > len(steps):
+        return None
+    s2, s3, s4, s5 = steps[j:j + 4]
     if s2.kind != "RotaryEmbedding" or s3.kind != "RotaryEmbedding":
         return None
     if s2.inputs[:1] == (k,) and s3.inputs[:1] == (q,):
@@ -81,20 +85,20 @@ def _match_layer(steps, i, x, constants):
     if "int4" in pa.policy.key + pa.policy.value and d % 2:
         return None
     attn, present = s4.outputs
-    o = _linear(s5, 1, residual=True)
+    o = linear(s5, 1, residual=True)
     if o is None or s5.inputs != (attn, x) or o.k != nh * d:
         return None
     x1 = s5.outputs[0]
-    mlp = _match_mlp(s6, s7, s8, s9, x1, constants, n0, qkv, o)
+    mlp = _match_mlp(steps, j + 4, x1, constants, n0, qkv, o)
     if mlp is None:
         return None
-    n1, gu, down = mlp
-    layer = dict(steps=[s0, s1, s2, s3, s4, s5, s6, s7, s8, s9], norm_in=n0[0], norm_post=n1[0],
+    n1, gu, down, j = mlp
+    layer = dict(steps=steps[i:j], norm_in=n0[0], norm_post=n1[0],
                  eps=n0[1], qkv=qkv, o=o, gu=gu, down=down, op=pa, heads=nh,
                  kv_heads=nkv, head_dim=d, rotary_dim=r, interleaved=bool(rq.attrs["interleaved"]),
                  scale_attr=pa.attrs["scale"], kv_opts={}, cache=s4.inputs[3], cos=s2.inputs[1],
                  sin=s2.inputs[2], present=present)
-    return layer, s9.outputs[0]
+    return layer, steps[j - 1].outputs[0], j
 
 
 def fuse_paged_decoder_stack(steps: list, constants: dict, graph_outputs: set,
@@ -113,28 +117,24 @@ def fuse_paged_decoder_stack(steps: list, constants: dict, graph_outputs: set,
             if m is None:
                 break
             layers.append(m[0])
-            x = m[1]
-            j += 10
+            x, j = m[1], m[2]
         if not layers or j + 2 > len(steps):
             continue
         nf = _norm(steps[j], constants)
-        lm = _linear(steps[j + 1], 1)
+        lm = linear(steps[j + 1], 1)
         if (nf is None or lm is None or steps[j].inputs[0] != x
                 or steps[j + 1].inputs != (steps[j].outputs[0],) or lm.bias is not None
                 or lm.k != layers[0]["o"].n or nf[1] != layers[0]["eps"]
                 or len(lm.weights) != 1):
             continue
-        if not _consistent(layers, lm):
+        if not consistent(layers, lm):
             continue
         L0 = layers[0]
         if any(L["op"].policy != L0["op"].policy
                or L["op"].attrs["block_size"] != L0["op"].attrs["block_size"] for L in layers):
             continue
         run = [st for L in layers for st in L["steps"]] + steps[j:j + 2]
-        arrays = [L[n].packed.codes for L in layers for n in ("qkv", "o", "gu", "down")]
-        arrays += [L[n].packed.scale for L in layers for n in ("qkv", "o", "gu", "down")]
-        arrays += [lm.packed.codes, lm.packed.scale]
-        if not all(a.flags.c_contiguous for a in arrays):
+        if not contiguous(layers, lm):
             continue
         boundary_in = [x0, L0["cos"], L0["sin"]] + [L["cache"] for L in layers]
         boundary_out = [steps[j + 1].outputs[0]] + [L["present"] for L in layers]

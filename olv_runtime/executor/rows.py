@@ -163,6 +163,7 @@ def _compiled_rows(session, ops, positions, prog):
     st = stacks[0]
     stack = st.impl
     if (getattr(stack, "rope_table", True) or type(stack).__name__ != "DecoderStack"
+            or not stack.int4_only
             or st.outputs[0] != "logits" or tuple(st.inputs[1:3]) != tuple(positions.outputs)
             or stack.rotary_dim // 2 != positions.r2
             or (stack.n_layers, stack.heads, stack.kv_heads, stack.head_dim)

@@ -49,6 +49,20 @@ vectorised differently): the tests bound the difference and require identical gr
 Workspace (:class:`StackWorkspace`) is allocated once per (session, thread); a call allocates
 nothing.
 
+Weights (:class:`~.step_buffers.WeightTable`). Each linear (qkv, o, gate_up, down per layer, the
+lm_head) is one or more *parts* whose output rows follow each other: olv's INT4 8-row groups
+(kind 0) or the ggml group records of a GGUF Q8_0 / Q5_0 / Q4_K / Q6_K tensor (kind = its ggml
+type id), mixed per tensor as llama.cpp's Q4_K_M files mix them (q|k Q5_0 and v Q8_0 in one
+linear; Q4_0 tensors are INT4 parts). ``wt`` has a row per part (addresses, groups, records,
+kind, first group in the linear, rows), ``wl`` a row per linear (first part, parts, groups,
+bytes per group). A linear's groups are numbered across its parts, claimed as one range
+(:func:`_claim`), and each claimed chunk runs every part's share with the part's kernel
+(:func:`_lin_groups`: the kind read from the table at run time, a branch per part and chunk;
+ggml parts through :mod:`.step_ggml`, the plan's own serial group functions at one row, so each
+row is bitwise the per-operator plan's). One quantization of each norm output serves both
+kinds (ggml's int8 mode quantizes with the same :func:`~.packed_i8.quantize_rows_i8`), plus the
+per-16 / per-32 sums Q6_K / Q4_K read (:func:`~.step_ggml.ggml_sums`).
+
 Arguments (:mod:`.step_buffers`, as llama2.c's ``RunState``): the weights, the dimensions, the
 activations and the attention scratch arrive as four named tuples (``StepWeights``,
 ``StepDims``, ``RunState``, ``AttState``; each field's shape and dtype are written beside it),
@@ -61,7 +75,18 @@ phase stamps live in :mod:`.step_sync`.
 Compile cost (cold start, issue 14). numba re-optimises and re-emits every function linked into
 a top-level function when that one is compiled, so the program is kept to what a session uses:
 the activation mode is chosen by the *type* of the int8 buffers argument (None in exact mode,
-an ``overload``), so only one mode's kernels are compiled; the serial entry is
+an ``overload``), so only one mode's kernels are compiled; the ggml kernels likewise by the
+type of ``StepWeights.ggml0`` / ``RunState.g_*`` (None without ggml parts: an INT4 model's step
+is the INT4 program, and :mod:`.ggml_packed` is not even imported), and the INT4 kernels by
+the type of ``StepWeights.codes0`` (None without INT4 parts: a GGUF file without Q4_0 tensors,
+:func:`_int4_part`). A stack with ggml parts compiles the record kernels of all four types for
+its mode (one function with the kind as a run-time value). Measured (cold numba cache, no
+compile worker, CPU seconds of the first one-token call -- the step's compilation -- of 2-layer
+hidden-512 GGUF models, 2 threads, on a machine shared with other compiling processes), while
+every stack still compiled the INT4 kernels: int8 mode 27.0 s with Q4_0 tensors only (the INT4
+program), 46.1 s all Q8_0, 40.2 s a Q4_K_M-like mix (Q5_0 / Q8_0 / Q4_K / Q6_K); exact mode
+31.7 s, 46.9 s, 49.7 s. So a ggml model adds about 13-19 s of CPU to the step's compilation
+(once per numba cache); the serial entry is
 :func:`_stack_thread` itself (one specialisation shared with the parallel driver, whose task
 index is cast to int64); the packed weights and KV buffers arrive as int64 address tables turned
 into array views inside the program (:func:`_view`), not as numba typed lists (whose methods
@@ -100,6 +125,14 @@ from .config import JIT, PJIT
 from .norm import _rms_norm_row
 from .paged_attention import Int8Query, SoftmaxState, TileScratch, _attend_blocks
 from .step_buffers import (
+    L_GB,
+    L_NG,
+    L_NP,
+    L_P0,
+    W_G0,
+    W_KIND,
+    W_N,
+    W_NG,
     AttState,
     KVContig,
     KVPaged,
@@ -109,6 +142,7 @@ from .step_buffers import (
     StepWeights,
     WeightTable,
 )
+from .step_ggml import ggml_groups, ggml_prefetch, ggml_sums, task_ggml
 from .step_sync import (
     BARRIER_SLOTS,
     PHASES,
@@ -177,7 +211,13 @@ CHUNK_DIV = 2          # a claim takes 1/CHUNK_DIV of what is left in the range 
 def _chunk_units(codes, per_unit):
     """Units of ``per_unit`` groups per claimed chunk of a linear: about :data:`CHUNK_BYTES` of
     codes, a multiple of :data:`CHUNK_MULTIPLE` units (at least that many)."""
-    ub = codes.shape[1] * GROUP_BLOCK_BYTES * per_unit * CHUNK_MULTIPLE
+    return _chunk_for(codes.shape[1] * GROUP_BLOCK_BYTES, per_unit)
+
+
+@njit(inline="always", **JIT)
+def _chunk_for(group_bytes, per_unit):
+    """:func:`_chunk_units` for groups of ``group_bytes`` bytes."""
+    ub = group_bytes * per_unit * CHUNK_MULTIPLE
     return CHUNK_MULTIPLE * max(np.int64(1), CHUNK_BYTES // ub)
 
 
@@ -245,27 +285,71 @@ _NO = np.bool_(False)
 
 
 @njit(**JIT)
-def _linear_part(tid, nt, i8, codes, scale, xin, out, facc32, vnni, bar, add, addv):
-    """This task's part of ``out[0, :] = xin[0, :] @ W.T (+ addv)`` (:func:`_linear_groups`):
-    chunks of 8-row groups claimed with :func:`_claim` (with one task: all groups). ``add``:
-    the rows a chunk wrote get ``+ addv[0, r]`` (bias, residual) before the next claim.
-    Returns the number of chunks this task computed."""
-    ng = codes.shape[0]
+def _lin_groups(i8, gx, w, lin, xin, out, facc32, vnni, g0, g1):
+    """8-row groups ``[g0, g1)`` of linear ``lin`` (a row of ``w.wl``): each part's groups in
+    the range (:class:`~.step_buffers.WeightTable`), INT4 (:func:`_linear_groups`) or ggml
+    (:func:`~.step_ggml.ggml_groups`, the part's kind read from the table), into the part's
+    own rows of ``out`` (a view of them when the linear has several parts)."""
+    p0 = w.wl[lin, L_P0]
+    npart = w.wl[lin, L_NP]
+    for p in range(p0, p0 + npart):
+        pg0 = w.wt[p, W_G0]
+        a = max(g0, pg0)
+        b = min(g1, pg0 + w.wt[p, W_NG])
+        if a >= b:
+            continue
+        o = out
+        if npart > 1:
+            o = _view(out, out.ctypes.data + 4 * GROUP_ROWS * pg0, (1, w.wt[p, W_N]))
+        if w.wt[p, W_KIND] == 0:
+            _int4_part(i8, w, p, xin, o, facc32, vnni, a - pg0, b - pg0, np.int64(-1))
+        else:
+            ggml_groups(i8, gx, w, p, xin, o, vnni, a - pg0, b - pg0)
+
+
+def _int4_part(i8, w, p, xin, out, facc32, vnni, g0, g1, pf):
+    """INT4 part ``p`` of ``w.wt``: groups ``[g0, g1)`` (:func:`_linear_groups`), or with
+    ``pf >= 0`` only :func:`_prefetch_head` from group ``pf``. Nothing compiled when the stack
+    has no INT4 part (``w.codes0`` None: a GGUF file without Q4_0 tensors)."""
+
+
+@overload(_int4_part, jit_options=_OV)
+def _ov_int4_part(i8, w, p, xin, out, facc32, vnni, g0, g1, pf):
+    if isinstance(w.types[StepWeights._fields.index("codes0")], types.NoneType):
+        return lambda i8, w, p, xin, out, facc32, vnni, g0, g1, pf: None
+    if isinstance(xin, types.NoneType):
+        def impl(i8, w, p, xin, out, facc32, vnni, g0, g1, pf):
+            cw, sw = _weight(w.wt, p, w.codes0, w.scale0)
+            _prefetch_head(cw, sw, pf)
+    else:
+        def impl(i8, w, p, xin, out, facc32, vnni, g0, g1, pf):
+            cw, sw = _weight(w.wt, p, w.codes0, w.scale0)
+            _linear_groups(i8, cw, sw, xin, out, facc32, vnni, g0, g1)
+    return impl
+
+
+@njit(**JIT)
+def _linear_part(tid, nt, i8, gx, w, lin, xin, out, facc32, vnni, bar, add, addv):
+    """This task's part of ``out[0, :] = xin[0, :] @ W.T (+ addv)`` for linear ``lin``
+    (:func:`_lin_groups`): chunks of 8-row groups claimed with :func:`_claim` (with one task:
+    all groups). ``add``: the rows a chunk wrote get ``+ addv[0, r]`` (bias, residual) before
+    the next claim. Returns the number of chunks this task computed."""
+    ng = w.wl[lin, L_NG]
     n = out.shape[1]
     if nt == 1:
-        _linear_groups(i8, codes, scale, xin, out, facc32, vnni, np.int64(0), ng)
+        _lin_groups(i8, gx, w, lin, xin, out, facc32, vnni, np.int64(0), ng)
         if add:
             for r in range(n):
                 out[0, r] = out[0, r] + addv[0, r]
         return np.int64(1)
-    step = _chunk_units(codes, 1)
+    step = _chunk_for(w.wl[lin, L_GB], 1)
     r = tid
     done = np.int64(0)
     while True:
         g0, g1, r = _claim(bar, nt, ng, step, r)
         if g0 < 0:
             break
-        _linear_groups(i8, codes, scale, xin, out, facc32, vnni, g0, g1)
+        _lin_groups(i8, gx, w, lin, xin, out, facc32, vnni, g0, g1)
         if add:
             for j in range(g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, n)):
                 out[0, j] = out[0, j] + addv[0, j]
@@ -288,6 +372,28 @@ def _prefetch_head(codes, scale, g0):
         # scales: 8 per block, float32 or float16 bits (element offsets; 64-byte lines)
         for off in range(0, pf // GROUP_BLOCK_BYTES * GROUP_ROWS, 64 // scale.itemsize):
             packed_i8._prefetch(scale, sb + off)
+
+
+@njit(**JIT)
+def _prefetch_group(gx, w, lin, g):
+    """:func:`_prefetch_head` (INT4) or :func:`~.step_ggml.ggml_prefetch` of linear ``lin``
+    from its group ``g`` on (the part holding it)."""
+    p0 = w.wl[lin, L_P0]
+    for p in range(p0, p0 + w.wl[lin, L_NP]):
+        pg0 = w.wt[p, W_G0]
+        if g < pg0 + w.wt[p, W_NG] or p == p0 + w.wl[lin, L_NP] - 1:
+            if w.wt[p, W_KIND] == 0:
+                _int4_part(None, w, p, None, None, None, False, 0, 0, g - pg0)
+            else:
+                ggml_prefetch(gx, w, p, g - pg0)
+            return
+
+
+@njit(**JIT)
+def _prefetch_linear(tid, nt, gx, w, lin):
+    """:func:`_prefetch_group` of this task's share of linear ``lin`` (where its first claim,
+    :func:`_claim`, starts)."""
+    _prefetch_group(gx, w, lin, tid * w.wl[lin, L_NG] // nt)
 
 
 @njit(**JIT)
@@ -364,17 +470,25 @@ def _weight(wt, w, codes0, scale0):
 
 
 @njit(inline="always", **JIT)
-def _layer_head(tid, nt, i8, x, li, w, h, qkv, f32, bar, vnni):
+def _activations(i8, gx, w, lin, xin, k):
+    """This task's activations of linear ``lin`` from ``xin[0, :k]``: :func:`_quantize` (int8
+    codes / VNNI digits, shared by INT4 and ggml parts) and the sums its ggml parts read
+    (:func:`~.step_ggml.ggml_sums`)."""
+    _quantize(i8, xin, k, (k + 31) // 32)
+    ggml_sums(i8, gx, w, lin, xin, k)
+
+
+@njit(inline="always", **JIT)
+def _layer_head(tid, nt, i8, gx, x, li, w, h, qkv, f32, bar, vnni):
     """Steps 1-2: input norm (private), q/k/v projection (+ bias); barrier."""
     e = x.shape[1]
     _rms_norm_row(x[0], w.norms[2 * li], w.eps, h[0])
-    cw, sw = _weight(w.wt, 4 * li, w.codes0, w.scale0)
-    _quantize(i8, h, e, cw.shape[1])
+    _activations(i8, gx, w, 4 * li, h, e)
     _stamp(bar, tid, nt, np.int64(0))
-    _linear_part(tid, nt, i8, cw, sw, h, qkv, f32, vnni, bar, w.has_bias[li],
+    _linear_part(tid, nt, i8, gx, w, 4 * li, h, qkv, f32, vnni, bar, w.has_bias[li],
                  w.biases[li:li + 1])
     # the output projection's start
-    _prefetch_part(tid, nt, w.wt, 4 * li + 1, w.codes0, w.scale0)
+    _prefetch_linear(tid, nt, gx, w, 4 * li + 1)
     _stamp(bar, tid, nt, np.int64(1))
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(2))
@@ -390,23 +504,20 @@ def _merge_heads(tid, nt, n_heads, d, pm, pl, po, attn_p):
 
 
 @njit(inline="always", **JIT)
-def _layer_tail(tid, nt, i8, x, nxt, li, w, dims, rs, attn, h, f32, bar):
+def _layer_tail(tid, nt, i8, gx, x, nxt, li, w, dims, rs, attn, h, f32, bar):
     """Steps 5-8 (output projection + residual, post norm, gate/up, SiLU*up, down + residual);
     returns the new residual buffer and the flip flag. Before each barrier a task prefetches
-    the start of its share of the next weight (:func:`_prefetch_part`)."""
-    wt, codes0, scale0 = w.wt, w.codes0, w.scale0
+    the start of its share of the next weight (:func:`_prefetch_linear`)."""
     xa, xb, gu, act = rs.xa, rs.xb, rs.gu, rs.act
     inter, vnni = dims.inter, dims.vnni
     wi = 4 * li
     hd = attn.shape[1]
     e = x.shape[1]
     xn = xa if nxt == 0 else xb
-    cw, sw = _weight(wt, wi + 1, codes0, scale0)
-    _quantize(i8, attn, hd, cw.shape[1])
-    _linear_part(tid, nt, i8, cw, sw, attn, xn, f32, vnni, bar, _YES, x)
+    _activations(i8, gx, w, wi + 1, attn, hd)
+    _linear_part(tid, nt, i8, gx, w, wi + 1, attn, xn, f32, vnni, bar, _YES, x)
     _stamp(bar, tid, nt, np.int64(6))
-    cw, sw = _weight(wt, wi + 2, codes0, scale0)
-    ng = cw.shape[0]
+    ng = w.wl[wi + 2, L_NG]
     # gate rows [0, inter), up rows [inter, 2 inter): when no 8-row group straddles the two,
     # each task takes the same groups of both halves and applies SiLU * up to its own rows
     # (no barrier between gate/up and the product)
@@ -414,10 +525,10 @@ def _layer_tail(tid, nt, i8, x, nxt, li, w, dims, rs, attn, h, f32, bar):
     gh = ng // 2
     a0 = tid * gh // nt
     if halves:
-        _prefetch_head(cw, sw, a0)
-        _prefetch_head(cw, sw, gh + a0)
+        _prefetch_group(gx, w, wi + 2, a0)
+        _prefetch_group(gx, w, wi + 2, gh + a0)
     else:
-        _prefetch_head(cw, sw, tid * ng // nt)
+        _prefetch_group(gx, w, wi + 2, tid * ng // nt)
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(7))
     x = xn
@@ -425,34 +536,33 @@ def _layer_tail(tid, nt, i8, x, nxt, li, w, dims, rs, attn, h, f32, bar):
     xn = xa if nxt == 0 else xb
     # 6: post-attention norm (private), gate/up projection
     _rms_norm_row(x[0], w.norms[2 * li + 1], w.eps, h[0])
-    _quantize(i8, h, e, cw.shape[1])
+    _activations(i8, gx, w, wi + 2, h, e)
     _stamp(bar, tid, nt, np.int64(8))
     if halves:
         # chunks of gate/up group pairs (the same groups of both halves), claimed as the
         # linears' groups are (_claim); SiLU * up on the chunk's rows
         if nt == 1:
-            _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, np.int64(0), gh)
+            _gate_up_pairs(i8, gx, w, wi + 2, h, gu, act, inter, f32, vnni, np.int64(0), gh)
         else:
-            step = _chunk_units(cw, 2)
+            step = _chunk_for(w.wl[wi + 2, L_GB], 2)
             r = tid
             while True:
                 p0, p1, r = _claim(bar, nt, gh, step, r)
                 if p0 < 0:
                     break
-                _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, p0, p1)
+                _gate_up_pairs(i8, gx, w, wi + 2, h, gu, act, inter, f32, vnni, p0, p1)
     else:
-        _linear_part(tid, nt, i8, cw, sw, h, gu, f32, vnni, bar, _NO, gu)
+        _linear_part(tid, nt, i8, gx, w, wi + 2, h, gu, f32, vnni, bar, _NO, gu)
         _barrier(bar, nt)
         _silu_mul(gu, act, inter, tid * inter // nt, (tid + 1) * inter // nt)
-    _prefetch_part(tid, nt, wt, wi + 3, codes0, scale0)
+    _prefetch_linear(tid, nt, gx, w, wi + 3)
     _stamp(bar, tid, nt, np.int64(9))
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(10))
     # 8: down projection + residual
-    cw, sw = _weight(wt, wi + 3, codes0, scale0)
-    _quantize(i8, act, inter, cw.shape[1])
-    _linear_part(tid, nt, i8, cw, sw, act, xn, f32, vnni, bar, _YES, x)
-    _prefetch_part(tid, nt, wt, wi + 4, codes0, scale0)  # next layer's qkv, or the lm_head
+    _activations(i8, gx, w, wi + 3, act, inter)
+    _linear_part(tid, nt, i8, gx, w, wi + 3, act, xn, f32, vnni, bar, _YES, x)
+    _prefetch_linear(tid, nt, gx, w, wi + 4)  # next layer's qkv, or the lm_head
     _stamp(bar, tid, nt, np.int64(11))
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(12))
@@ -471,24 +581,23 @@ def _silu_mul(gu, act, inter, j0, j1):
 
 
 @njit(inline="always", **JIT)
-def _gate_up_pairs(i8, cw, sw, h, gu, act, inter, f32, vnni, p0, p1):
-    """Gate groups ``[p0, p1)``, the up groups ``gh + [p0, p1)`` (``gh = inter / 8``), then
-    SiLU * up on their rows."""
-    gh = cw.shape[0] // 2
-    _linear_groups(i8, cw, sw, h, gu, f32, vnni, p0, p1)
-    _linear_groups(i8, cw, sw, h, gu, f32, vnni, gh + p0, gh + p1)
+def _gate_up_pairs(i8, gx, w, lin, h, gu, act, inter, f32, vnni, p0, p1):
+    """Gate groups ``[p0, p1)``, the up groups ``gh + [p0, p1)`` (``gh = inter / 8``) of
+    linear ``lin``, then SiLU * up on their rows."""
+    gh = w.wl[lin, L_NG] // 2
+    _lin_groups(i8, gx, w, lin, h, gu, f32, vnni, p0, p1)
+    _lin_groups(i8, gx, w, lin, h, gu, f32, vnni, gh + p0, gh + p1)
     _silu_mul(gu, act, inter, p0 * GROUP_ROWS, p1 * GROUP_ROWS)
 
 
 @njit(inline="always", **JIT)
-def _lm_head(tid, nt, i8, x, n_layers, w, h, logits, f32, vnni, bar):
+def _lm_head(tid, nt, i8, gx, x, n_layers, w, h, logits, f32, vnni, bar):
     """Final norm (private), ``logits = . @ Wlm.T``; a last barrier (it resets the claim
     offsets for the next call)."""
     e = x.shape[1]
     _rms_norm_row(x[0], w.norms[2 * n_layers], w.eps, h[0])
-    cw, sw = _weight(w.wt, 4 * n_layers, w.codes0, w.scale0)
-    _quantize(i8, h, e, cw.shape[1])
-    _linear_part(tid, nt, i8, cw, sw, h, logits, f32, vnni, bar, _NO, logits)
+    _activations(i8, gx, w, 4 * n_layers, h, e)
+    _linear_part(tid, nt, i8, gx, w, 4 * n_layers, h, logits, f32, vnni, bar, _NO, logits)
     _stamp(bar, tid, nt, np.int64(13))
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(14))
@@ -654,6 +763,7 @@ def _stack_thread(tid, nt, x0, cos, sin, logits, bar, i8ws, w, dims, rs, att, kv
     q3 = rs.qpa3[tid]
     h = rs.hx[tid]
     i8 = _task_i8(i8ws, tid)  # None in exact mode
+    gx = task_ggml(rs, tid)  # None without ggml weights
     f32 = rs.facc32[tid]
     attn = att.attn_p[tid]
     # residual stream: x0 -> xa -> xb -> xa ... (each write goes to the buffer x is not in)
@@ -661,7 +771,7 @@ def _stack_thread(tid, nt, x0, cos, sin, logits, bar, i8ws, w, dims, rs, att, kv
     nxt = 0  # 0: the next write goes to xa, 1: to xb
     _stamp(bar, tid, nt, np.int64(-1))  # phase profile (benchmarks only): the start
     for li in range(n_layers):
-        _layer_head(tid, nt, i8, x, li, w, h, qkv, f32, bar, dims.vnni)
+        _layer_head(tid, nt, i8, gx, x, li, w, h, qkv, f32, bar, dims.vnni)
         # 3: RoPE: every task rotates all query heads into its private copy; the task whose
         #    share of the keys ends with the new one (the last) rotates the key heads and
         #    writes k and v to the cache -- no other task reads that position, so no barrier
@@ -682,8 +792,8 @@ def _stack_thread(tid, nt, x0, cos, sin, logits, bar, i8ws, w, dims, rs, att, kv
         _stamp(bar, tid, nt, np.int64(4))
         _merge_heads(tid, nt, n_heads, d, att.pm, att.pl, att.po, att.attn_p)
         _stamp(bar, tid, nt, np.int64(5))
-        x, nxt = _layer_tail(tid, nt, i8, x, nxt, li, w, dims, rs, attn, h, f32, bar)
-    _lm_head(tid, nt, i8, x, n_layers, w, h, logits, f32, dims.vnni, bar)
+        x, nxt = _layer_tail(tid, nt, i8, gx, x, nxt, li, w, dims, rs, attn, h, f32, bar)
+    _lm_head(tid, nt, i8, gx, x, n_layers, w, h, logits, f32, dims.vnni, bar)
 
 
 @njit(**PJIT)
@@ -701,10 +811,12 @@ def _bundles(quant, weights, biases, has_bias, norms, eps, n_heads, n_kv, d, rdi
     StepDims, RunState, AttState)``."""
     qpa, qpa3 = ws.qprivate(n_heads, d)
     return (ws.exact_buffers(quant),
-            StepWeights(weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps),
+            StepWeights(weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps,
+                        weights.wl, weights.ggml0),
             StepDims(n_heads, n_kv, d, rdim, interleaved, att_scale, inter,
                      packed_i8.use_vnni()),
-            RunState(ws.xa, ws.xb, ws.qkv, qpa, qpa3, ws.gu, ws.act, ws.hx, ws.facc32),
+            RunState(ws.xa, ws.xb, ws.qkv, qpa, qpa3, ws.gu, ws.act, ws.hx, ws.facc32,
+                     *ws.ggml_buffers(weights.ggml0 is not None)),
             AttState(*att))
 
 

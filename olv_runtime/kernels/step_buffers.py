@@ -21,22 +21,34 @@ from . import packed_f32, packed_f32_vnni, packed_i8
 from .attention import SLACK, TILE
 from .step_sync import address, barrier_slots
 
-__all__ = ["StepWeights", "StepDims", "RunState", "AttState", "KVContig", "KVPaged",
-           "StackWorkspace", "WeightTable"]
+__all__ = ["StepWeights", "StepDims", "RunState", "GGMLState", "AttState", "KVContig",
+           "KVPaged", "StackWorkspace", "WeightTable"]
 
 GROUP_ROWS = packed_i8.GROUP_ROWS
 GROUP_BLOCK_BYTES = packed_i8.GROUP_BLOCK_BYTES
 
 StepWeights = namedtuple("StepWeights", [
-    "wt",        # int64 [4L + 1, 4]: per packed weight (qkv, o, gate_up, down per layer, then
-                 # the lm_head) address of codes, address of scale, NG, KB (WeightTable.wt)
-    "codes0",    # uint8 [NG, KB, 128] read-only: the type of every codes view (_weight)
+    "wt",        # int64 [P, 7]: per part of a linear (WeightTable.wt; columns W_*): address of
+                 # the codes (INT4) or records (ggml), address of the scale (INT4) or record
+                 # bytes (ggml), NG, KB (INT4 blocks / ggml records per group), kind (0 INT4, a
+                 # ggml type id), first group in its linear, output rows
+    "codes0",    # uint8 [NG, KB, 128] read-only: the type of every codes view (_weight), or
+                 # None: no INT4 part (a GGUF file without Q4_0 tensors), no INT4 kernel
     "scale0",    # float32 or uint16 [NG, KB, 8] read-only: the type of every scale view
     "biases",    # float32 [L, N_qkv]: q/k/v bias (zeros where a layer has none)
     "has_bias",  # bool [L]
     "norms",     # float32 [2L + 1, E]: input and post-attention norm weights per layer, final
     "eps",       # float32: RMSNorm epsilon
-])
+    "wl",        # int64 [4L + 1, 4]: per linear (qkv, o, gate_up, down per layer, lm_head;
+                 # columns L_*): first part row of wt, parts, NG (all parts), bytes per group
+    "ggml0",     # uint8 [NG, NREC, RB] (GGMLPacked.data's type) or None: a stack without ggml
+                 # weights (None) does not compile the ggml kernels
+], defaults=(None, None))
+
+#: Columns of :attr:`WeightTable.wt` (one row per part of a linear).
+W_A, W_B, W_NG, W_KB, W_KIND, W_G0, W_N = range(7)
+#: Columns of :attr:`WeightTable.wl` (one row per linear).
+L_P0, L_NP, L_NG, L_GB = range(4)
 
 StepDims = namedtuple("StepDims", [
     "n_heads",      # int: H
@@ -58,6 +70,18 @@ RunState = namedtuple("RunState", [
     "act",       # float32 [1, I]: SiLU(gate) * up
     "hx",        # float32 [nt, 1, E]: per task, the normed activations
     "facc32",    # float32 [nt, ROWS_MAX * 8]: per task, the float kernels' accumulators
+    # per task, the ggml kernels' buffers ([nt, ...] arrays of GGMLState's fields), or None
+    # when the stack has no ggml weights (flat: the parallel driver takes no nested tuples)
+    "g_xs16", "g_xsum", "g_facc", "g_xq",
+], defaults=(None, None, None, None))
+
+GGMLState = namedtuple("GGMLState", [  # one task's rows of RunState.g_*
+    "xs16",  # int32 [nt, 1, Kp/16]: per task, per-16 sums of the int8 activations (Q6_K)
+    "xsum",  # float32 [nt, 1, Kp/32]: per task, per-32 float sums of the activations (Q4_K,
+             # exact mode)
+    "facc",  # float32 [nt, 1, 8]: per task, a partial last group's rows (store_group)
+    "xq",    # int8 [nt, 1, 32]: the int8 codes argument of ggml_packed._act_sums in exact
+             # mode (never read there)
 ])
 
 AttState = namedtuple("AttState", [
@@ -127,6 +151,22 @@ class StackWorkspace:
         self.i8 = (self.xq, self.xd, self.xs8, self.facc8)  # int8 mode's per-task buffers
         self._att = None
         self._q3 = None
+        self._kp = kp
+        self._ggml = None
+
+    def ggml_buffers(self, has_ggml):
+        """The per-task buffers of the ggml kernels (a :class:`GGMLState` of ``[nt, ...]``
+        arrays, made at the first call; RunState's ``g_*`` fields), or 4 None when the stack
+        has no ggml weights."""
+        if not has_ggml:
+            return (None,) * 4
+        if self._ggml is None:
+            nt, kp = self.nt, self._kp
+            self._ggml = GGMLState(np.zeros((nt, 1, kp // 16), np.int32),
+                                   np.zeros((nt, 1, kp // 32), np.float32),
+                                   np.zeros((nt, 1, GROUP_ROWS), np.float32),
+                                   np.zeros((nt, 1, 32), np.int8))
+        return self._ggml
 
     def qprivate(self, n_heads, d):
         """Per-task rotated queries ``[nt, 1, H*D]`` and the same memory as ``[nt, H, D]``."""
@@ -195,7 +235,7 @@ class StackWorkspace:
         return int(sum(getattr(self, a).nbytes for a in (
             "xa", "xb", "qkv", "attn", "qp", "gu", "act", "hx", "xq", "xd", "xs8", "facc8",
             "facc32", "bar"))) + sum(a.nbytes for a in (self._att or ())) + sum(
-                a.nbytes for a in self.dgt)
+                a.nbytes for a in self.dgt) + sum(a.nbytes for a in (self._ggml or ()))
 
     def exact_buffers(self, quant):
         """The per-task activation buffers argument of the compiled step: int8 mode's
@@ -207,40 +247,101 @@ class StackWorkspace:
 
 
 class WeightTable:
-    """The packed weights of a stack as an address table (views of the arrays, not copies).
+    """The packed weights of a stack as address tables (views of the arrays, not copies).
+
+    A *linear* of the step (qkv, o, gate_up, down per layer, then the lm_head) is one or more
+    *parts*: packed weights whose output rows follow each other (a GGUF file's q|k in one
+    format and v in another, as llama.cpp's Q4_K_M writes them; the plan runs them as
+    separate linears). Each part is an INT4 weight (:class:`~.packed_i8.PackedInt4I8`,
+    kind 0) or ggml group records (:class:`~.ggml_packed.GGMLPacked`, kind = its ggml type
+    id), so a linear knows its kind at run time, per part.
 
     Parameters
     ----------
-    packed : list of :class:`~.packed_i8.PackedInt4I8`
-        4 per layer (qkv, o, gate_up, down), then the lm_head; one scale dtype, C-contiguous.
+    linears : list
+        Per linear, a packed weight or a list of them (its parts, every part but the last a
+        whole number of 8-row groups). The INT4 parts share one scale dtype; all C-contiguous.
 
     Attributes
     ----------
-    wt : int64 [W, 4]
-        Per weight: address of ``codes`` (uint8 [NG, KB, 128]), address of ``scale``
-        ([NG, KB, 8] float32 or uint16), NG, KB.
-    codes0, scale0 : read-only views of the first weight's arrays (their numba types are the
-        types of every view :func:`.decoder_layers._weight` makes).
-    codes, scales : lists of the arrays themselves (inspection; they keep the memory alive).
+    wt : int64 [P, 7]
+        Per part (columns ``W_*``): address of ``codes`` (uint8 [NG, KB, 128]) or of the
+        ggml records (uint8 [NG, KB, RB]); address of ``scale`` ([NG, KB, 8] float32 or
+        uint16) or, ggml, RB (record bytes); NG; KB (blocks / records per group); kind;
+        first 8-row group of the part in its linear; output rows. With one INT4 part per
+        linear, row ``i`` is linear ``i`` and the first 4 columns are those the rows step
+        (:mod:`.rows_layers`) reads.
+    wl : int64 [4L + 1, 4]
+        Per linear (columns ``L_*``): first row of ``wt``, parts, NG of all parts, the
+        largest bytes per 8-row group of its parts.
+    codes0, scale0 : read-only views of the first INT4 part's arrays (their numba types are
+        the types of every view :func:`.decoder_layers._weight` makes), or None when no part
+        is INT4 (the step then does not compile the INT4 kernels).
+    ggml0 : a view of the first ggml part's records (the type of every records view), or
+        None when no part is ggml (the step then does not compile the ggml kernels).
+    simple : bool
+        Every linear is one INT4 part (what the rows step takes).
+    codes, scales : lists of the INT4 parts' arrays (inspection; with ``records`` the ggml
+        parts' arrays, they keep the memory alive).
     """
 
-    def __init__(self, packed):
-        wt = np.zeros((len(packed), 4), np.int64)
-        sdt = packed[0].scale.dtype
-        for i, p in enumerate(packed):
-            c, sc = p.codes, p.scale
-            ng, kb = c.shape[0], c.shape[1]
-            if (c.dtype != np.uint8 or c.shape != (ng, kb, GROUP_BLOCK_BYTES) or sc.dtype != sdt
-                    or sc.shape != (ng, kb, GROUP_ROWS) or not c.flags.c_contiguous
-                    or not sc.flags.c_contiguous):
-                raise InvalidArgument(f"weight {i}: not the packed layout (codes {c.dtype} "
-                                 f"{c.shape}, scale {sc.dtype} {sc.shape})")
-            wt[i] = (address(c), address(sc), ng, kb)
+    def __init__(self, linears):
+        lins = [list(p) if isinstance(p, (list, tuple)) else [p] for p in linears]
+        parts = [p for lin in lins for p in lin]
+        int4 = [p for p in parts if _kind(p) == 0]
+        ggml = [p for p in parts if _kind(p) != 0]
+        sdt = int4[0].scale.dtype if int4 else np.dtype(np.uint16)
+        wt = np.zeros((len(parts), 7), np.int64)
+        wl = np.zeros((len(lins), 4), np.int64)
+        row = 0
+        for li, lin in enumerate(lins):
+            g0 = 0
+            gb = 0
+            for j, p in enumerate(lin):
+                kind = _kind(p)
+                if kind == 0:
+                    c, sc = p.codes, p.scale
+                    ng, kb = c.shape[0], c.shape[1]
+                    if (c.dtype != np.uint8 or c.shape != (ng, kb, GROUP_BLOCK_BYTES)
+                            or sc.dtype != sdt or sc.shape != (ng, kb, GROUP_ROWS)
+                            or not c.flags.c_contiguous or not sc.flags.c_contiguous):
+                        raise InvalidArgument(f"weight {li} part {j}: not the packed layout "
+                                              f"(codes {c.dtype} {c.shape}, scale {sc.dtype} "
+                                              f"{sc.shape})")
+                    wt[row] = (address(c), address(sc), ng, kb, 0, g0, p.n)
+                    gb = max(gb, kb * GROUP_BLOCK_BYTES)
+                else:
+                    d = p.data
+                    if d.dtype != np.uint8 or d.ndim != 3 or not d.flags.c_contiguous:
+                        raise InvalidArgument(f"weight {li} part {j}: not ggml group records "
+                                              f"({d.dtype} {d.shape})")
+                    ng, kb, rb = d.shape
+                    wt[row] = (address(d), rb, ng, kb, kind, g0, p.n)
+                    gb = max(gb, kb * rb)
+                if j + 1 < len(lin) and p.n % GROUP_ROWS:
+                    raise InvalidArgument(f"weight {li} part {j}: {p.n} rows, not a whole "
+                                          f"number of {GROUP_ROWS}-row groups before the next "
+                                          f"part")
+                g0 += ng
+                row += 1
+            wl[li] = (row - len(lin), len(lin), g0, gb)
         self.wt = wt
-        self.codes = [p.codes for p in packed]  # the arrays the addresses point into
-        self.scales = [p.scale for p in packed]
-        self.codes0 = _readonly(packed[0].codes)
-        self.scale0 = _readonly(packed[0].scale)
+        self.wl = wl
+        self.simple = not ggml and all(len(lin) == 1 for lin in lins)
+        self.codes = [p.codes for p in int4]  # the arrays the addresses point into
+        self.scales = [p.scale for p in int4]
+        self.records = [p.data for p in ggml]
+        if int4:
+            self.codes0 = _readonly(int4[0].codes)
+            self.scale0 = _readonly(int4[0].scale)
+        else:  # every linear is ggml: no INT4 kernel compiled (decoder_layers._int4_part)
+            self.codes0 = self.scale0 = None
+        self.ggml0 = ggml[0].data[:1] if ggml else None
+
+
+def _kind(p) -> int:
+    """0 for an INT4 packed weight, the ggml type id for ggml group records."""
+    return int(getattr(p, "kind", 0))
 
 
 def _readonly(a):

@@ -433,7 +433,7 @@ def _compile_step(m: Model, step, pw: _PayloadFile, used_sources: set, skipped: 
     if (arrays.get("scale") is not None and arrays["scale"].dtype == np.uint16
             and all(np.asarray(w.scale).dtype == np.float32 for w in ws)):
         # float32 scales the session stored as float16 (all exact, see
-        # decoder_stack._narrow_scales): persisted as the source's float32 values
+        # executor.stack_linears.narrow_scales): persisted as the source's float32 values
         arrays["scale"] = arrays["scale"].view(np.float16).astype(np.float32)
     # per-weight parts: slices along the row-group axis
     bounds, g0 = [], 0

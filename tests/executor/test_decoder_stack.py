@@ -285,7 +285,7 @@ def test_float32_scales_exact_in_float16_are_read_as_float16(qwen2_bf16_f32_scal
     sess = _session(model, True, quant)
     assert all(s.dtype == np.uint16 for s in _stack(sess).scales)
     ids, got = _greedy(sess, 8)
-    monkeypatch.setattr(decoder_stack, "_narrow_scales", lambda *a, **k: False)
+    monkeypatch.setattr(decoder_stack, "narrow_scales", lambda *a, **k: False)
     wide = _session(model, True, quant)
     assert all(s.dtype == np.float32 for s in _stack(wide).scales)
     ref_ids, want = _greedy(wide, 8)
@@ -430,7 +430,9 @@ def test_claimed_chunks_give_the_static_split_bits(mode, order):
     ref = ref + res
     out = np.full((1, n), np.nan, np.float32)
     bar = np.zeros(ds.barrier_slots(2), np.int64)
-    done = [ds._linear_part(t, 2, i8, codes, sc, x, out, facc32, vnni, bar, True, res)
+    wt = ds.WeightTable([pk])  # one linear, one INT4 part
+    w = ds.StepWeights(wt.wt, wt.codes0, wt.scale0, None, None, None, None, wt.wl, None)
+    done = [ds._linear_part(t, 2, i8, None, w, 0, x, out, facc32, vnni, bar, True, res)
             for t in order]
     assert done[0] >= 2 and done[1] == 0
     assert np.array_equal(out, ref)
