@@ -188,7 +188,7 @@ def test_decode_runs_in_the_compiled_step(genai_models, kind, quant, threads, mo
             if compiled == "wide":
                 if kind != "qwen2_bf16":
                     continue
-                monkeypatch.setattr(decoder_stack, "_narrow_scales", lambda *a, **k: False)
+                monkeypatch.setattr(decoder_stack, "narrow_scales", lambda *a, **k: False)
             sess = InferenceSession(path, SessionOptions(
                 compiled_decode=bool(compiled), quantize_activations=quant, num_threads=threads))
             kinds = [k for k, _ in sess.plan()]
