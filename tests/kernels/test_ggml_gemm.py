@@ -9,6 +9,7 @@ VNNI path. Exact mode is also checked against a float64 product within the state
 import numpy as np
 import pytest
 import reference as naive_ref  # tests/reference.py
+from test_ggml_packed import random_blocks  # the same random valid blocks
 
 from olv_runtime.kernels import ggml_gemm, packed_i8
 from olv_runtime.kernels import ggml_packed as gp
@@ -16,24 +17,6 @@ from olv_runtime.kernels import ggml_packed as gp
 KIND_NAMES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 13, 64)
 N_ODD = 21  # three groups, the last one partial
-
-
-def random_blocks(name, n, k, seed):
-    """Random valid blocks: random code and scale bytes, finite small float16 d (and dmin)."""
-    rng = np.random.default_rng(seed)
-    bs, ts = gp.BLOCKS[gp.KINDS[name]]
-    b = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
-
-    def put_f16(off, lo, hi):
-        v = rng.uniform(lo, hi, size=b.shape[:2]).astype(np.float16)
-        b[..., off:off + 2] = v.view(np.uint8).reshape(*b.shape[:2], 2)
-    if name == "Q6_K":
-        put_f16(208, 0.001, 0.01)
-    else:
-        put_f16(0, 0.001, 0.02)
-        if name == "Q4_K":
-            put_f16(2, 0.0, 0.02)
-    return b
 
 
 def _k(name):
