@@ -133,7 +133,7 @@ def main():
         total = sum(med.values())
         print(f"\n{path.parent.name} ({mode}, {args.threads} threads), prefill {ln}: "
               f"{wall * 1e3:.1f} ms wall = {ln / wall:.1f} tok/s; steps {total * 1e3:.1f} ms")
-        print(f"| step (calls per prefill) | ms | share | GMAC/s |\n|---|---|---|---|")
+        print("| step (calls per prefill) | ms | share | GMAC/s |\n|---|---|---|---|")
         for k in sorted(med, key=med.get, reverse=True)[:args.top]:
             rows = 1 if k in last else ln
             g = (rows * macs[k] * counts[k] / med[k] / 1e9) if macs[k] and med[k] else None
