@@ -42,6 +42,11 @@ They agree with the one-token step and with the per-operator plan to float32 rou
 attention here is not split over the tasks; the exact kernels' float path is used on every CPU),
 which the tests bound.
 
+**Phase profile** (benchmarks only, bench/rows_phases.py): the tasks stamp the time-stamp
+counter at the phase boundaries (:func:`~.step_sync._stamp`, the phases of
+:data:`~.step_sync.PHASES`) when the barrier array is longer than the normal one; with the
+normal array a stamp is one compare.
+
 Arguments are bundles (named tuples, as :mod:`.step_buffers`): the step's rows
 (:class:`RowBatch`), the workspace (:class:`RowsState`), the pool (:class:`PoolKV`), and the
 one-token step's ``StepWeights`` / ``StepDims``.
@@ -62,7 +67,7 @@ from .norm import _rms_norm_row
 from .paged_ir import _f32_to_half
 from .row_attention import _decode_block
 from .step_buffers import StepDims, StepWeights
-from .step_sync import _barrier, barrier_slots
+from .step_sync import _barrier, _stamp, barrier_slots
 
 __all__ = ["RowBatch", "RowsState", "PoolKV", "RowsWorkspace", "rows_forward", "pool_bundle",
            "KV_FORMATS", "StepWeights", "StepDims"]
@@ -400,45 +405,60 @@ def _rows_thread(tid, nt, r_n, batch, bar, i8ws, w, dims, rs, kv):
     h = rs.hx[tid]
     x = batch.x0
     nxt = 0
+    _stamp(bar, tid, nt, np.int64(-1))  # phase profile (benchmarks only): the start
     for li in range(n_layers):
         wi = 4 * li
         # 1-2: norm (private), q/k/v (+ bias)
         _norm_rows(x, r_n, w.norms[2 * li], w.eps, h)
         cw, sw = _weight(wt, wi, codes0, scale0)
         _quantize_rows(i8, h, r_n, e, cw.shape[1])
+        _stamp(bar, tid, nt, np.int64(0))
         _linear_rows(tid, nt, i8, cw, sw, h, r_n, rs.qkv, f32, vnni, bar, w.has_bias[li],
                      w.biases[li:li + 1], _YES)
         _prefetch_part(tid, nt, wt, wi + 1, codes0, scale0)
+        _stamp(bar, tid, nt, np.int64(1))
         _barrier(bar, nt)
+        _stamp(bar, tid, nt, np.int64(2))
         # 3: RoPE, KV write; 4: attention (fused per (row, kv head) when rows are decode rows)
         if not batch.fused:
             _rope_write_rows(tid, nt, r_n, li, batch, rs, dims, kv)
+            _stamp(bar, tid, nt, np.int64(3))
             _barrier(bar, nt)
+            _stamp(bar, tid, nt, np.int64(4))
         _attention_rows(tid, nt, r_n, li, batch, rs, dims, kv, bar)
+        _stamp(bar, tid, nt, np.int64(3))
         _barrier(bar, nt)
+        _stamp(bar, tid, nt, np.int64(4))
         # 5: output projection + residual
         xn = rs.xa if nxt == 0 else rs.xb
         cw, sw = _weight(wt, wi + 1, codes0, scale0)
         _quantize_rows(i8, rs.attn2, r_n, hd, cw.shape[1])
         _linear_rows(tid, nt, i8, cw, sw, rs.attn2, r_n, xn, f32, vnni, bar, _YES, x, _NO)
         _prefetch_part(tid, nt, wt, wi + 2, codes0, scale0)
+        _stamp(bar, tid, nt, np.int64(6))
         _barrier(bar, nt)
+        _stamp(bar, tid, nt, np.int64(7))
         x = xn
         nxt = 1 - nxt
         # 6-7: post norm (private), gate/up, SiLU * up
         _norm_rows(x, r_n, w.norms[2 * li + 1], w.eps, h)
         cw, sw = _weight(wt, wi + 2, codes0, scale0)
         _quantize_rows(i8, h, r_n, e, cw.shape[1])
+        _stamp(bar, tid, nt, np.int64(8))
         _gate_up_rows(tid, nt, i8, cw, sw, h, r_n, rs, inter, f32, vnni, bar)
         _prefetch_part(tid, nt, wt, wi + 3, codes0, scale0)
+        _stamp(bar, tid, nt, np.int64(9))
         _barrier(bar, nt)
+        _stamp(bar, tid, nt, np.int64(10))
         # 8: down + residual
         xn = rs.xa if nxt == 0 else rs.xb
         cw, sw = _weight(wt, wi + 3, codes0, scale0)
         _quantize_rows(i8, rs.act, r_n, inter, cw.shape[1])
         _linear_rows(tid, nt, i8, cw, sw, rs.act, r_n, xn, f32, vnni, bar, _YES, x, _NO)
         _prefetch_part(tid, nt, wt, wi + 4, codes0, scale0)
+        _stamp(bar, tid, nt, np.int64(11))
         _barrier(bar, nt)
+        _stamp(bar, tid, nt, np.int64(12))
         x = xn
         nxt = 1 - nxt
     # the rows that need logits: final norm (private), lm_head
@@ -454,7 +474,9 @@ def _rows_thread(tid, nt, r_n, batch, bar, i8ws, w, dims, rs, kv):
         _quantize_rows(i8, h, n_l, e, cw.shape[1])
         _linear_rows(tid, nt, i8, cw, sw, h, n_l, batch.logits, f32, vnni, bar, _NO,
                      batch.logits, _NO)
+    _stamp(bar, tid, nt, np.int64(13))
     _barrier(bar, nt)
+    _stamp(bar, tid, nt, np.int64(14))
 
 
 @njit(**PJIT)
