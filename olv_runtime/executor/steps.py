@@ -227,9 +227,9 @@ class LinearStep:
         self.kernel = entry.name.format(kind=getattr(self.packed, "type_name", ""))
 
     def _prepare_ggml(self) -> None:
-        """ggml blocks (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K, verified by structs/ggml_native.py):
-        repacked into the group records of kernels/ggml_packed.py, at the file's bits per
-        weight (compiled only for models that have such weights)."""
+        """ggml blocks (GGUF Q8_0 / Q5_0 / Q4_1 / Q5_1 / Q4_K / Q5_K / Q6_K, verified by
+        decoding/ggml_native.py): repacked into the group records of kernels/ggml_packed.py, at
+        the file's bits per weight (compiled only for models that have such weights)."""
         ws = self.weights
         parts = [gp.prepack_ggml(w.kind, w.blocks, w.shape[0], w.shape[1]) for w in ws]
         if len(parts) == 1:
@@ -524,9 +524,10 @@ class _ReleasedInt4(_Released):
 
 
 def release_repacks(values, steps) -> None:
-    """After planning: drop the row-major INT4 codes of Q4_0 weights in linear steps (their prepacked copies are what runs;
-    the steps inside a DecoderStack included), and clear the per-value repack cache. A form a
-    gather still reads stays alive through the gather's own reference."""
+    """After planning: drop the row-major INT4 codes of Q4_0 weights in linear steps (their
+    prepacked copies are what runs; the steps inside a DecoderStack included), and clear the
+    per-value repack cache. A form a gather still reads stays alive through the gather's own
+    reference."""
     for v in values:
         if hasattr(v, "__dict__"):
             v.__dict__.pop("_ggml_repack", None)

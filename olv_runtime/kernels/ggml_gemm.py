@@ -441,7 +441,8 @@ def rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni):
 @njit(**JIT)
 def rows_f32(kind, data, g, x, xsum, i0):
     """Exact mode: group ``g`` of activation rows ``i0 .. i0 + ROWS_F32 - 1`` (float32 ``x``
-    [M, K], ``xsum`` float32 [M, K / 32] per-32 sums of ``x``, read by the kinds with mins (Q4_1, Q5_1, Q4_K, Q5_K)): a tuple of
+    [M, K], ``xsum`` float32 [M, K / 32] per-32 sums of ``x``, read by the kinds with mins:
+    Q4_1, Q5_1, Q4_K, Q5_K): a tuple of
     :data:`ROWS_F32` float32 x 8 accumulators, each bitwise equal to ``ggml_packed._row_f32`` of
     its row."""
     nrec = data.shape[1]
