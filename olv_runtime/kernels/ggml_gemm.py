@@ -1,4 +1,5 @@
-"""Register-blocked prefill kernels for the ggml group records (Q8_0, Q5_0, Q4_K, Q6_K).
+"""Register-blocked prefill kernels for the ggml group records (Q8_0, Q5_0, Q4_1, Q5_1, Q4_K,
+Q5_K, Q6_K).
 
 The one-row kernels of :mod:`.ggml_packed` (``_row_i8``) decode every record of a group once per
 activation row, so prefill with M rows decodes each record M times. Here a record is decoded once
@@ -17,8 +18,9 @@ Integer sums, per activation row and 32-block (``X_t`` = the row's 4 int8 activa
 
 * ``avx2`` -- ``vpmaddubsw`` per chunk, then the int16 pair sums of up to :data:`I16_TERMS`
   chunks added (``vpaddw``) before one ``vpmaddwd``: a pair sum is ``<= 2 * max(u) * 127``
-  (Q4_K 3810, Q5_0 7874, Q6_K 16002, Q8_0 with the sign trick 32512), so 8 / 4 / 2 / 1 of them
-  stay within int16 (the one-row kernel widens every chunk; the integers are the same). Q8_0's
+  (activations in [-127, 127]; Q4_1 and Q4_K ``u <= 15``: 3810; Q5_0, Q5_1 and Q5_K ``u <= 31``:
+  7874; Q6_K 16002; Q8_0 with the sign trick 32512), so 8 / 4 / 2 / 1 of them (8 x 3810 = 30480,
+  4 x 7874 = 31496, 2 x 16002 = 32004 <= 32767) stay within int16 (the one-row kernel widens every chunk; the integers are the same). Q8_0's
   ``|q|`` (sign trick) is computed once per record, ``sign(x, q)`` per row.
 * ``avx512vnni`` -- ``vpdpbusd`` chains as in the one-row kernel, one per row (``vnni`` flag at
   run time; compiled only on a VNNI host).

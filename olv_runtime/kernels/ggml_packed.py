@@ -1,4 +1,5 @@
-"""GEMV/GEMM kernels that read ggml blocks (Q8_0, Q5_0, Q4_K, Q6_K) at their own bits per weight.
+"""GEMV/GEMM kernels that read ggml blocks (Q8_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K) at their own
+bits per weight.
 
 A GGUF weight of one of these types is repacked once, at session creation, from the file's
 blocks (``[N, K / block_size, type_size]`` bytes) into *group records* (:class:`GGMLPacked`):
@@ -6,7 +7,7 @@ blocks (``[N, K / block_size, type_size]`` bytes) into *group records* (:class:`
 group is a sequence of records along K, one per ggml block of the 8 rows. A record holds exactly
 the bytes of the 8 rows' blocks, rearranged so that one 32-byte load gives 8 rows x 4
 consecutive codes (lane ``r`` = row ``r``) -- the same bits per weight as the file (Q8_0 8.5,
-Q5_0 5.5, Q4_K 4.5, Q6_K 6.5625), never a float copy.
+Q5_0 5.5, Q4_1 5, Q5_1 6, Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625), never a float copy.
 
 Codes are written unsigned, ``u`` (Q8_0: ``u = q + 128``, i.e. ``q ^ 0x80``); for every 32-element block
 ``b`` of a record the 8 *chunk vectors* ``U_t`` (``t = 0..7``) have byte ``4r + j`` = code of row
@@ -18,16 +19,21 @@ type    bytes  record (8 rows x one ggml block)
 Q8_0    272    ``d f16[8]`` | 8 chunks x 32 B: byte ``32t + 4r + j`` = ``q[r, 4t+j] ^ 0x80``
 Q5_0    176    ``d f16[8]`` | ``H`` 32 B: byte ``4r + j`` bit ``s`` = ``h[r, 4s + j]`` |
                nibbles 4 x 32 B: byte ``32c + 4r + j`` = ``lo[r, 4c+j] | lo[r, 16+4c+j] << 4``
+Q4_1    160    ``d f16[8]`` | ``m f16[8]`` | nibbles 128 B (as Q5_0's, codes ``q``)
+Q5_1    192    ``d f16[8]`` | ``m f16[8]`` | ``H`` 32 B | nibbles 128 B (both as Q5_0's)
 Q4_K    1152   ``d f16[8]`` | ``dmin f16[8]`` | packed 6-bit scales 12 x 8 B (byte ``8j + r`` =
                ``scales[r, j]``) | 8 sub-blocks x nibbles 128 B (as Q5_0's, codes ``q``)
+Q5_K    1408   as Q4_K's first 128 B | 8 sub-blocks x (nibbles 128 B | ``H`` 32 B, both as
+               Q5_0's; sub-block ``b``'s high bit of ``k`` is bit ``b`` of the file's ``qh[k]``)
 Q6_K    1680   ``d f16[8]`` | ``scales int8`` 16 x 8 B (byte ``8j + r``) | 8 sub-blocks x
                (nibbles 128 B (low 4 bits) | 64 B: vector ``v``, byte ``32v + 4r + j`` bits
                ``2p, 2p+1`` = high 2 bits of ``k = 4(4v + p) + j``): one sequential stream
 ======  =====  ==========================================================================
 
 Weights (gguf-py ``dequantize_blocks``): Q8_0 ``d q``; Q5_0 ``d (u - 16)``, ``u = lo | h << 4``;
-Q4_K ``(d sc_b) q - (dmin m_b)`` per 32-sub-block ``b`` (6-bit ``sc_b``, ``m_b``); Q6_K
-``(d sc_h) (u - 32)`` per 16 weights ``h``.
+Q4_1 ``(d q) + m``; Q5_1 ``(d u) + m``; Q4_K ``(d sc_b) q - (dmin m_b)`` per 32-sub-block ``b``
+(6-bit ``sc_b``, ``m_b``), Q5_K the same with ``u`` (5 bits); Q6_K ``(d sc_h) (u - 32)`` per 16
+weights ``h``. The codes of Q4_1 / Q5_1 / Q4_K / Q5_K are unsigned as stored (offset 0).
 
 int8 activations (:func:`linear_ggml_i8`) -- the quantization of :mod:`.packed_i8` (every
 32-block of ``x`` to int8, ``d_x = max|x| / 127``), then per (row group, 32-block) the exact int32
@@ -40,14 +46,21 @@ Q8_0: VNNI takes ``u = q + 128`` and starts from ``-128 sum(xq)``; AVX2 uses the
 Both paths give the same integers, so the results are bitwise equal. Float lanes per block:
 
 * Q8_0: ``acc += float(S) * (d * d_x)``; Q5_0: ``acc += float(S - 16 sum(xq)) * (d * d_x)``;
-* Q4_K: ``acc += ((d sc_b) float(S) - (dmin m_b) float(sum xq)) * d_x``;
+* Q4_1, Q5_1 (as llama.cpp's ``vec_dot`` with Q8_1 activations, the per-32 ``sum xq`` exact):
+  ``acc += float(S) * (d * d_x) + m * (d_x * float(sum xq))`` (the two products, then their sum,
+  then the add to ``acc``);
+* Q4_K, Q5_K: ``acc += ((d sc_b) float(S) - (dmin m_b) float(sum xq)) * d_x``;
 * Q6_K: ``acc += float(sc_0 (S_0 - 32 s_0) + sc_1 (S_1 - 32 s_1)) * (d * d_x)`` (halves of 16).
 
 Exact mode (:func:`linear_ggml_exact`, float32 activations): the codes are decoded exactly
 (integer ``u - offset`` converted to float32) and multiplied with the activations in 4 FMA
-chains per block, combined per block with the scales as above (Q4_K: ``(d sc_b) s - (dmin m_b)
-sum(x)``). Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
-``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |dmin m|) + 1e-6`` (tests/kernels/test_ggml_packed.py).
+chains per block (``s``: the 4 chains of each half added ``(c0 + c1) + (c2 + c3)``, then the
+halves), combined per block with the scales: Q8_0 / Q5_0 ``acc = fma(s, d, acc)``; Q4_1 / Q5_1
+``acc += (d s) + (m sum(x))``; Q4_K / Q5_K ``acc += (d sc_b) s - (dmin m_b) sum(x)``
+(``sum(x)`` the per-32 float32 sum of ``x`` in order from 0.0); Q6_K ``acc = fma(s_h, d sc_h,
+acc)`` per half. Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
+``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |min|) + 1e-6`` (``|min|`` = ``|dmin m_b|`` or
+``|m|`` of the weight's block; tests/kernels/test_ggml_packed.py).
 
 Prefill (M >= :data:`~.ggml_gemm.ROWS` in int8 mode, :data:`~.ggml_gemm.ROWS_F32` in exact
 mode): :mod:`.ggml_gemm` decodes each record once for that many activation rows held in
@@ -254,7 +267,8 @@ def _make_rec_f32(kind):
                     continue
                 sx = splat(builder, load_f32(context, builder, at[5], xsa, bo_s), LV8F32)
                 if kind in MIN32:  # Q4_1, Q5_1: dmin is m
-                    a = builder.fadd(a, builder.fadd(builder.fmul(d, s), builder.fmul(dmin, sx)))
+                    a = builder.fadd(a, builder.fadd(builder.fmul(d, s),
+                                                     builder.fmul(dmin, sx)))
                     continue
                 sc, mn = k4_scales(e, sub)
                 big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
