@@ -152,9 +152,6 @@ def _olv_weight_bytes(sess) -> int:
                 total += impl.dense.nbytes
             else:
                 total += sum(w.nbytes for w in impl.weights)
-        elif st.kind == "PlanesLinear":  # GGUF blocks repacked as INT4 planes (+ offsets)
-            total += sum(lin.packed.nbytes if lin.packed is not None else 0 for lin in impl.lins)
-            total += impl.offset_t.nbytes if impl.offset_t is not None else 0
         elif st.kind == "Decode":  # no native consumer: decoded every call (GGUF Q6_K, F16)
             w = sess._constants.get(st.inputs[0])
             total += getattr(w, "nbytes", 0)

@@ -171,14 +171,31 @@ def ggml_records(kind, blocks):
         qs = blocks[..., 6:22]
         lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
         return np.concatenate([d, _high_bits(h, 1), _nib_chunks(lo)], axis=-1)
-    if kind == 12:
+    if kind in (3, 7):  # d | m | [Q5_1: high bits] | nibbles
+        mm = _per_row(_f16bits(blocks, 2)).view(np.uint8).reshape(ng, nb, 16)
+        qs = blocks[..., 4:20] if kind == 3 else blocks[..., 8:24]
+        lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        if kind == 3:
+            return np.concatenate([d, mm, _nib_chunks(lo)], axis=-1)
+        qh = np.ascontiguousarray(blocks[..., 4:8]).view("<u4")[..., 0]
+        h = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        return np.concatenate([d, mm, _high_bits(h, 1), _nib_chunks(lo)], axis=-1)
+    if kind in (12, 13):
         dmin = _per_row(_f16bits(blocks, 2)).view(np.uint8).reshape(ng, nb, 16)
         sc = _per_row(blocks[..., 4:16]).reshape(ng, nb, 96)       # byte 8j + r
-        qs = blocks[..., 16:144].reshape(ng, 8, nb, 4, 1, 32) >> np.array(
+        q0 = 16 if kind == 12 else 48
+        qs = blocks[..., q0:q0 + 128].reshape(ng, 8, nb, 4, 1, 32) >> np.array(
             [0, 4], np.uint8).reshape(1, 1, 1, 1, 2, 1)
         q = (qs & 15).reshape(ng, 8, nb * 8, 32)
-        nib = _nib_chunks(q).reshape(ng, nb, 8 * 128)
-        return np.concatenate([d, dmin, sc, nib], axis=-1)
+        nib = _nib_chunks(q).reshape(ng, nb, 8, 128)
+        if kind == 12:
+            return np.concatenate([d, dmin, sc, nib.reshape(ng, nb, 1024)], axis=-1)
+        # Q5_K: element l of sub-block s has bit s of qh[l]; per sub-block nibbles | high bits
+        qh = blocks[..., 16:48].reshape(ng, 8, nb, 1, 32) >> np.arange(
+            8, dtype=np.uint8).reshape(1, 1, 1, 8, 1)
+        h = (qh & 1).reshape(ng, 8, nb * 8, 32)
+        subs = np.concatenate([nib, _high_bits(h, 1).reshape(ng, nb, 8, 32)], axis=-1)
+        return np.concatenate([d, dmin, sc, subs.reshape(ng, nb, 1280)], axis=-1)
     # Q6_K
     ql = blocks[..., 0:128].reshape(ng, 8, nb, 2, 1, 64) >> np.array(
         [0, 4], np.uint8).reshape(1, 1, 1, 1, 2, 1)
@@ -332,7 +349,8 @@ def linear_int8_float64(x, w):
 
 def _ggml_codes(kind, blocks):
     """ggml blocks uint8 [N, nb, type_size] -> signed integer codes int64 [N, nb * block_size]
-    (Q8_0 ``q``, Q5_0 ``u - 16``, Q4_K ``q`` (0..15), Q6_K ``u - 32``) as gguf-py defines them."""
+    (Q8_0 ``q``, Q5_0 ``u - 16``, Q4_1 / Q4_K ``q`` (0..15), Q5_1 / Q5_K ``q`` (0..31), Q6_K
+    ``u - 32``) as gguf-py defines them."""
     n, nb, _ = blocks.shape
     if kind == 8:
         return blocks[..., 2:34].view(np.int8).astype(np.int64).reshape(n, -1)
@@ -342,10 +360,24 @@ def _ggml_codes(kind, blocks):
         qs = blocks[..., 6:22].astype(np.int64)
         lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
         return (lo | (h << 4)).reshape(n, -1) - 16
-    if kind == 12:
-        qs = blocks[..., 16:144].reshape(n, nb, 4, 1, 32).astype(np.int64) >> np.array(
+    if kind in (3, 7):
+        qs = (blocks[..., 4:20] if kind == 3 else blocks[..., 8:24]).astype(np.int64)
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        if kind == 7:
+            qh = np.ascontiguousarray(blocks[..., 4:8]).view("<u4")[..., 0]
+            q = q | (((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64)
+                     << 4)
+        return q.reshape(n, -1)
+    if kind in (12, 13):
+        q0 = 16 if kind == 12 else 48
+        qs = blocks[..., q0:q0 + 128].reshape(n, nb, 4, 1, 32).astype(np.int64) >> np.array(
             [0, 4]).reshape(1, 1, 1, 2, 1)
-        return (qs & 15).reshape(n, -1)
+        q = (qs & 15).reshape(n, nb, 8, 32)
+        if kind == 13:  # element l of sub-block s: bit s of qh[l]
+            qh = blocks[..., 16:48].reshape(n, nb, 1, 32).astype(np.int64) >> np.arange(
+                8).reshape(1, 1, 8, 1)
+            q = q | ((qh & 1) << 4)
+        return q.reshape(n, -1)
     ql = blocks[..., 0:128].reshape(n, nb, 2, 1, 64).astype(np.int64) >> np.array(
         [0, 4]).reshape(1, 1, 1, 2, 1)
     qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32).astype(np.int64) >> np.array(
@@ -355,13 +387,15 @@ def _ggml_codes(kind, blocks):
 
 
 def linear_ggml_int8(kind, blocks, x):
-    """``y = x @ W.T`` for ggml blocks (type id ``kind``: 8 Q8_0, 6 Q5_0, 12 Q4_K, 14 Q6_K) with
+    """``y = x @ W.T`` for ggml blocks (type id ``kind``: 8 Q8_0, 6 Q5_0, 3 Q4_1, 7 Q5_1, 12 Q4_K,
+    13 Q5_K, 14 Q6_K) with
     int8-quantized activations (:func:`quantize_int8_blocks`), bitwise as
     kernels/ggml_packed.py's int8 kernels compute it (module docstring there): exact integer
     sums per 32-block (Q6_K per 16), then per 32-block ``b`` in order from 0.0, float32, no FMA:
 
     * Q8_0, Q5_0: ``y += float32(S) * (d * d_x)``
-    * Q4_K: ``y += ((d sc_b) float32(S) - (dmin m_b) float32(sum xq)) * d_x``
+    * Q4_1, Q5_1: ``y += float32(S) * (d * d_x) + m * (d_x * float32(sum xq))``
+    * Q4_K, Q5_K: ``y += ((d sc_b) float32(S) - (dmin m_b) float32(sum xq)) * d_x``
     * Q6_K: ``y += float32(sc_0 S_0 + sc_1 S_1) * (d * d_x)`` (``S_h`` over 16 codes)
 
     Parameters
@@ -388,7 +422,15 @@ def linear_ggml_int8(kind, blocks, x):
         for b in range(nb):
             y += s[:, :, b].astype(np.float32) * (d[None, :, b] * dx[:, None, b])
         return y
-    if kind == 12:
+    if kind in (3, 7):
+        d, mm = f16(0), f16(2)
+        s = np.einsum("mbj,nbj->mnb", xq, q.reshape(n, nb, 32))
+        sx = xq.sum(axis=2).astype(np.float32)                                   # [m, kb]
+        for b in range(nb):
+            y += (s[:, :, b].astype(np.float32) * (d[None, :, b] * dx[:, None, b])
+                  + mm[None, :, b] * (dx[:, b, None] * sx[:, b, None]))
+        return y
+    if kind in (12, 13):
         d, dmin = f16(0), f16(2)
         sb = blocks[..., 4:16].astype(np.int64)
         d_, m_, md = sb[..., 0:4], sb[..., 4:8], sb[..., 8:12]

@@ -9,27 +9,13 @@ value's resolved root declaration *is* the canonical row declaration of
 record layout has the canonical signature; any other declaration under such a type_id is left
 to its FunctionProto decoder. Never a float copy of a weight:
 
-* Q8_0, Q5_0, Q4_K, Q6_K (:data:`BLOCK_KERNEL_TYPES`): a :class:`GGMLWeight` -- the payload's
-  blocks in place. :class:`~olv_runtime.executor.steps.LinearStep` repacks them into the group records
-  of :mod:`olv_runtime.kernels.ggml_packed` (the file's bits per weight, int8-activation VNNI /
-  AVX2 and exact kernels); :class:`GGMLGather` dequantizes only looked-up rows.
+* Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (:data:`BLOCK_KERNEL_TYPES`): a :class:`GGMLWeight`
+  -- the payload's blocks in place. :class:`~olv_runtime.executor.steps.LinearStep` repacks them
+  into the group records of :mod:`olv_runtime.kernels.ggml_packed` (the file's bits per weight,
+  int8-activation VNNI / AVX2 and exact kernels); :class:`GGMLGather` dequantizes only
+  looked-up rows.
 * Q4_0: exactly the symmetric INT4 block-32 affine form of the converter (float16 scales kept,
   4.5 bits per weight as in the file), so it takes every INT4 fast path.
-* Q4_1, Q5_1, Q5_K: signed INT4 *planes* plus a per-block float offset (one pass over the
-  blocks), every 32-element sub-block ``b`` of row ``n``::
-
-      w[n, k] = sum_p scale_p[n, b] * code_p[n, k] + offset[n, b]      code_p in [-8, 7]
-
-  ======  ================================================  ==========
-  type    planes (scale x code)                             offset
-  ======  ================================================  ==========
-  Q4_1    d x (q - 8)                                       8 d + m
-  Q5_1    d x (lo - 8),  16 d x h                           8 d + m
-  Q5_K    D x (lo - 8),  16 D x h   (D = d sc_b, M = dmin m_b)  8 D - M
-  ======  ================================================  ==========
-
-  run as one packed INT4 kernel per plane plus ``offset @ blocksum(x)``
-  (:class:`~olv_runtime.executor.steps.PlanesLinear`).
 
 F16 and BF16 have no native consumer: they decode through their FunctionProto decoder.
 """
@@ -55,30 +41,12 @@ ggml_packed = lazy_module("olv_runtime.kernels.ggml_packed")  # the block kernel
 # functions that verify a ggml value: a session on a model with no ggml value never needs it
 
 
-__all__ = ["linear_weight", "PlanesWeight", "GGMLWeight", "GGMLGather", "FAST_TYPES",
-           "BLOCK_KERNEL_TYPES"]
+__all__ = ["linear_weight", "GGMLWeight", "GGMLGather", "FAST_TYPES", "BLOCK_KERNEL_TYPES"]
 
 FAST_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
-#: types read by their own block kernels (kernels/ggml_packed.py) instead of INT4 planes
-BLOCK_KERNEL_TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+#: types read by their own block kernels (kernels/ggml_packed.py); Q4_0 is the INT4 form
+BLOCK_KERNEL_TYPES = ("Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
 _CANON: dict[tuple, tuple] = {}
-_ROWS = 256  # rows repacked per chunk (bounds the temporaries)
-
-
-class PlanesWeight:
-    """A ggml weight as INT4 planes (each an :class:`AffineValue`, block 32) plus an optional
-    per-block float offset ``[N, K/32]``; ``shape = (N, K)``."""
-
-    def __init__(self, name, planes, offset):
-        self.name = name
-        self.planes = planes
-        self.offset = offset
-        self.shape = planes[0].shape
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.codes.nbytes + p.scale.nbytes for p in self.planes) + (
-            self.offset.nbytes if self.offset is not None else 0)
 
 
 class GGMLWeight:
@@ -179,73 +147,6 @@ def _type_ref(type_id):
     return st
 
 
-def _f16(blocks, start) -> np.ndarray:
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(
-        np.float32)
-
-
-def _pack(codes: np.ndarray) -> np.ndarray:
-    """Signed codes ``[R, K]`` (-8..7, int8/uint8 two's complement) -> row-major INT4 bytes."""
-    c = codes.astype(np.uint8) & np.uint8(15)
-    return (c[:, 0::2] | (c[:, 1::2] << np.uint8(4))).reshape(-1)
-
-
-def _nibbles32(qs):
-    """Q4_0-order nibbles [R, nb, 16] -> values [R, nb, 32] in element order."""
-    return np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)
-
-
-def _kscales(sc12):
-    d_, m_, md = sc12[..., 0:4], sc12[..., 4:8], sc12[..., 8:12]
-    sc = np.concatenate([d_ & 63, (md & 15) | ((d_ >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m_ & 63, (md >> 4) | ((m_ >> 2) & 0x30)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def _k_nibbles(qs):
-    """Q4_K/Q5_K qs [R, nb, 128] -> [R, nb, 8, 32] sub-block values."""
-    r, nb = qs.shape[:2]
-    q = qs.reshape(r, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-    return (q & np.uint8(15)).reshape(r, nb, 8, 32)
-
-
-def _k_high(qh):
-    r, nb = qh.shape[:2]
-    h = qh.reshape(r, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-    return (h & np.uint8(1)).reshape(r, nb, 8, 32)
-
-
-def _repack_rows(b: ggml.GGMLBlock, blocks: np.ndarray):
-    """blocks uint8 [R, nb, type_size] -> (codes per plane [R, K] int8, scales per plane
-    [R, K/32] float32, offset [R, K/32] float32 or None)."""
-    r, nb = blocks.shape[:2]
-    name = b.name
-    if name in ("Q4_1", "Q5_1"):
-        d = _f16(blocks, 0)                                   # [R, nb]
-        m = _f16(blocks, 2)
-        pos = 4
-        qh = None
-        if name == "Q5_1":
-            qh = np.ascontiguousarray(blocks[..., pos:pos + 4]).view("<u4")[..., 0]  # [R, nb]
-            pos += 4
-        lo = _nibbles32(blocks[..., pos:pos + 16]).astype(np.int16) - 8
-        codes, scales = [lo.reshape(r, -1)], [d]
-        if qh is not None:  # Q5_1: w = d (lo + 16 h) + m
-            h = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
-            codes.append(h.astype(np.int16).reshape(r, -1))
-            scales.append(16 * d)
-        return codes, scales, 8 * d + m  # d (lo - 8) [+ 16 d h] + (8 d + m)
-    # Q5_K: 8 sub-blocks of 32 per super-block
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _kscales(blocks[..., 4:16])
-    big_d = (d[..., None] * sc).reshape(r, nb * 8)
-    big_m = (dmin[..., None] * mn).reshape(r, nb * 8)
-    h = _k_high(blocks[..., 16:48])
-    lo = _k_nibbles(blocks[..., 48:176]).astype(np.int16) - 8
-    return ([lo.reshape(r, -1), h.astype(np.int16).reshape(r, -1)], [big_d, 16 * big_d],
-            8 * big_d - big_m)
-
-
 def _affine(name, codes_bytes, scale, n, k) -> AffineValue:
     return AffineValue(name=name, storage_type=TensorProto.INT4, bits=4, signed=True,
                        shape=(n, k), elem_type=TensorProto.FLOAT, axis=1, block_size=32,
@@ -264,9 +165,10 @@ def linear_weight(value, counters=None):
 
     Returns
     -------
-    AffineValue, PlanesWeight or None
-        Q4_0: an :class:`AffineValue` (symmetric INT4, block 32, float16 scales); other
-        :data:`FAST_TYPES`: a :class:`PlanesWeight`; None when the declaration is not the
+    AffineValue, GGMLWeight or None
+        Q4_0: an :class:`AffineValue` (symmetric INT4, block 32, float16 scales); the
+        :data:`BLOCK_KERNEL_TYPES`: a :class:`GGMLWeight` (the payload's blocks, no copy); None
+        when the declaration is not the
         canonical ggml row type (it then decodes through its FunctionProto) or the type has no
         native consumer. Cached on the value (a tied embedding is repacked once).
     """
@@ -288,31 +190,6 @@ def linear_weight(value, counters=None):
         object.__setattr__(out, "_ggml_q4_0", True)  # release_repacks may drop its codes
         if counters is not None:
             counters.add("bytes_repacked", codes.nbytes + scales.nbytes)
-    elif b is not None:
-        n, k = value.logical[1]
-        nb = k // b.block_size
-        blocks = value.payload.reshape(n, nb, b.type_size)
-        codes, scales, offset = None, None, None
-        for r0 in range(0, n, _ROWS):
-            c, s, o = _repack_rows(b, blocks[r0:r0 + _ROWS])
-            if codes is None:
-                codes = [np.empty(n * k // 2, np.uint8) for _ in c]
-                # the planes hold products of the block's scales: float32
-                scales = [np.empty((n, k // 32), np.float32) for _ in s]
-                offset = np.empty((n, k // 32), np.float32) if o is not None else None
-            for p in range(len(c)):
-                codes[p][r0 * k // 2:(r0 + c[p].shape[0]) * k // 2] = _pack(c[p])
-                scales[p][r0:r0 + s[p].shape[0]] = s[p].reshape(s[p].shape[0], -1)
-            if o is not None:
-                offset[r0:r0 + o.shape[0]] = o.reshape(o.shape[0], -1)
-        planes = [_affine(value.name if i == 0 else f"{value.name}::plane{i}", codes[i],
-                          scales[i], n, k) for i in range(len(codes))]
-        out = planes[0] if len(planes) == 1 and offset is None else \
-            PlanesWeight(value.name, planes, offset)
-        if counters is not None:
-            counters.add("bytes_repacked", sum(c.nbytes for c in codes)
-                         + sum(s.nbytes for s in scales)
-                         + (offset.nbytes if offset is not None else 0))
     try:
         value._ggml_repack = out
     except AttributeError:  # pragma: no cover - StructValue has a __dict__

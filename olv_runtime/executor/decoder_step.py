@@ -5,11 +5,11 @@ Python (the compiled driver of :mod:`olv_runtime.kernels.decoder_layers`).
 steps of the pre-norm decoder form (per layer: ``RMSNormalization -> Linear(q|k|v merged) ->
 RopeAttention -> Linear(o, + residual) -> RMSNormalization -> Linear(gate|up merged) -> SiluMul
 -> Linear(down, + residual)``; then ``RMSNormalization -> Linear(lm_head)``), every linear on the
-8-row packed INT4 layout or on ggml group records (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K,
-:mod:`olv_runtime.kernels.ggml_packed`), every intermediate value read only inside the run and
-none a graph output. A merged linear may be several plan steps reading the same input (q|k|v or
-gate|up whose weights the plan could not merge: a GGUF file mixes block types per tensor, as
-llama.cpp's Q4_K_M writes q|k in Q5_0 and v in Q8_0):
+8-row packed INT4 layout or on ggml group records (GGUF Q8_0 / Q5_0 / Q4_1 / Q5_1 / Q4_K /
+Q5_K / Q6_K, :mod:`olv_runtime.kernels.ggml_packed`), every intermediate value read only inside
+the run and none a graph output. A merged linear may be several plan steps reading the same
+input (q|k|v or gate|up whose weights the plan could not merge: a GGUF file mixes block types
+per tensor, as llama.cpp's Q4_K_M writes q|k in Q5_0 and v in Q8_0):
 :class:`~olv_runtime.executor.stack_linears.StackLinear` keeps them as the parts of one linear
 of the step.
 

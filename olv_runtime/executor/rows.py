@@ -43,7 +43,7 @@ __all__ = ["ROW_DEPENDENT", "RowsProgram", "rows_program"]
 #: Step kinds whose output rows depend on how many rows the call has (BLAS blocking); the rows
 #: program runs them one row at a time. A fused linear is such a step when its kernel is
 #: "dense" (BLAS) or "row_major" (:func:`~olv_runtime.kernels.linear.linear_int4`).
-ROW_DEPENDENT = frozenset({"MatMul", "Gemm", "PlanesLinear"})
+ROW_DEPENDENT = frozenset({"MatMul", "Gemm"})
 
 
 def _row_dependent(step) -> bool:
@@ -129,7 +129,7 @@ def rows_program(session) -> tuple[RowsProgram | None, str]:
                 return None, (f"step {s.name!r} ({s.kind}) reads {n!r}, which is neither computed "
                               f"from input_ids nor a constant")
         if "logits" in s.outputs:
-            if (s.kind not in ("Linear", "PlanesLinear") or len(s.outputs) != 1
+            if (s.kind != "Linear" or len(s.outputs) != 1
                     or getattr(s.impl, "residual", False)):
                 return None, f"the logits step {s.name!r} is a {s.kind}, not a plain linear"
             ops.append(("logits-rows" if _row_dependent(s) else "logits", s))

@@ -32,7 +32,6 @@ from olv_runtime.decoding import resolve as resolve_encoded
 from olv_runtime.decoding.ggml_native import (
     GGMLGather,
     GGMLWeight,
-    PlanesWeight,
     linear_weight,
 )
 from olv_runtime.errors import (
@@ -53,8 +52,6 @@ from olv_runtime.executor.steps import (
     KVAppended,
     KVResults,
     LinearStep,
-    PlanesGather,
-    PlanesLinear,
     Step,
     last_position_args,
     prepare_linears,
@@ -468,12 +465,8 @@ class InferenceSession:
                 if isinstance(weight, np.ndarray) and (weight.ndim != 2 or weight.dtype != np.float32):
                     continue
                 name = node.name or f"MatMul({node.output[0]})"
-                if isinstance(weight, PlanesWeight):
-                    lin = PlanesLinear(name, weight, self.options, self.counters)
-                    fused[i] = Step(name, "PlanesLinear", lin, [node.input[0]], node.output, lin)
-                else:
-                    lin = LinearStep(name, [weight], self.options, self.counters)
-                    fused[i] = Step(name, "Linear", lin, [node.input[0]], node.output, lin)
+                lin = LinearStep(name, [weight], self.options, self.counters)
+                fused[i] = Step(name, "Linear", lin, [node.input[0]], node.output, lin)
                 removable.setdefault(t_idx, set()).add((i, 1))
                 for p in chain:  # the Decode dies only if the Transpose does
                     removable.setdefault(p, set())
@@ -482,11 +475,10 @@ class InferenceSession:
                 if axis and axis[0] != 0:
                     continue
                 weight, chain = const_source(node.input[0], "gather")
-                if not isinstance(weight, (AffineValue, PlanesWeight, GGMLWeight)):
+                if not isinstance(weight, (AffineValue, GGMLWeight)):
                     continue
                 name = node.name or f"Gather({node.output[0]})"
-                gat = (PlanesGather(name, weight) if isinstance(weight, PlanesWeight)
-                       else GGMLGather(name, weight) if isinstance(weight, GGMLWeight)
+                gat = (GGMLGather(name, weight) if isinstance(weight, GGMLWeight)
                        else EncodedGather(name, weight))
                 fused[i] = Step(name, "EncodedGather", gat, [node.input[1]], node.output, gat)
                 for p in chain:

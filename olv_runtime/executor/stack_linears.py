@@ -18,7 +18,8 @@ _F32 = np.dtype(np.float32)
 
 
 #: The packed modes the compiled step runs: olv's INT4 8-row groups and the ggml group
-#: records (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K), each with int8 or float32 activations.
+#: records (GGUF Q8_0 / Q5_0 / Q4_1 / Q5_1 / Q4_K / Q5_K / Q6_K), each with int8 or float32
+#: activations.
 _STEP_MODES = (LinearMode.INT8, LinearMode.EXACT, LinearMode.GGML_INT8, LinearMode.GGML_EXACT)
 
 

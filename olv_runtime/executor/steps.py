@@ -54,7 +54,7 @@ gp = lazy_module("olv_runtime.kernels.ggml_packed")  # GGUF block weights only (
 LAST_ONLY: contextvars.ContextVar = contextvars.ContextVar("olv_last_only", default=frozenset())
 
 #: Step kinds computing ``y[..., s, :]`` from ``x[..., s, :]`` alone (input 0, rank >= 2).
-ROWWISE_KINDS = frozenset({"Linear", "PlanesLinear"})
+ROWWISE_KINDS = frozenset({"Linear"})
 
 
 def last_position_args(step, args, last_only):
@@ -227,9 +227,9 @@ class LinearStep:
         self.kernel = entry.name.format(kind=getattr(self.packed, "type_name", ""))
 
     def _prepare_ggml(self) -> None:
-        """ggml blocks (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K, verified by structs/ggml_native.py):
-        repacked into the group records of kernels/ggml_packed.py, at the file's bits per
-        weight (compiled only for models that have such weights)."""
+        """ggml blocks (GGUF Q8_0 / Q5_0 / Q4_1 / Q5_1 / Q4_K / Q5_K / Q6_K, verified by
+        decoding/ggml_native.py): repacked into the group records of kernels/ggml_packed.py, at
+        the file's bits per weight (compiled only for models that have such weights)."""
         ws = self.weights
         parts = [gp.prepack_ggml(w.kind, w.blocks, w.shape[0], w.shape[1]) for w in ws]
         if len(parts) == 1:
@@ -365,65 +365,6 @@ def _concat_rows(payloads, shapes) -> np.ndarray:
     if allc.size % 2:
         allc = np.concatenate([allc, np.zeros(1, np.uint8)])
     return (allc[0::2] | (allc[1::2] << 4)).astype(np.uint8)
-
-
-class PlanesLinear:
-    """``y = x @ W.T`` for a ggml weight repacked as INT4 planes plus a per-block offset
-    (:class:`~olv_runtime.decoding.ggml_native.PlanesWeight`): one packed INT4 linear per plane,
-    summed, plus ``blocksum(x) @ offset.T`` (blocks of 32 along K)."""
-
-    def __init__(self, name: str, weight, options, counters):
-        self.name = name
-        self.weight = weight
-        self.n, self.k = weight.shape
-        self.lins = [LinearStep(f"{name}/plane{i}", [p], options, counters)
-                     for i, p in enumerate(weight.planes)]
-        for lin in self.lins:
-            lin.prepare()
-        self.offset_t = (np.ascontiguousarray(weight.offset.T)
-                         if weight.offset is not None else None)  # [K/32, N]
-
-    def __call__(self, x):
-        if x.dtype != np.float32 or x.shape[-1] != self.k:
-            raise InvalidArgument(
-                f"node {self.name!r} (MatMul): expected float32 input with {self.k} features, "
-                f"got {x.dtype} {list(x.shape)}"
-            )
-        lead = x.shape[:-1]
-        x2 = np.ascontiguousarray(x).reshape(-1, self.k)
-        (y,) = self.lins[0](x2)
-        for lin in self.lins[1:]:
-            np.add(y, lin(x2)[0], out=y)
-        if self.offset_t is not None:
-            xs = x2.reshape(x2.shape[0], self.k // 32, 32).sum(axis=2, dtype=np.float32)
-            y += xs @ self.offset_t
-        return (y.reshape(*lead, self.n),)
-
-
-class PlanesGather:
-    """``Gather(Decode(W), ids, axis=0)`` for a planes weight: decodes only the selected rows."""
-
-    def __init__(self, name: str, weight):
-        self.name = name
-        self.w = weight
-
-    def __call__(self, ids):
-        if ids.dtype not in (np.int64, np.int32):
-            raise InvalidArgument(
-                f"node {self.name!r} (Gather): indices must be int64 or int32, got {ids.dtype}"
-            )
-        n, k = self.w.shape
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = None
-        for p in self.w.planes:
-            rows = kernels.gather_rows_int4(p.codes, p.scale, None, n, k, 32, ids,
-                                            out=empty(ids.shape + (k,), np.float32))
-            out = rows if out is None else np.add(out, rows, out=out)
-        if self.w.offset is not None:
-            flat = ids.reshape(-1) % n
-            off = np.repeat(self.w.offset[flat], 32, axis=1).reshape(ids.shape + (k,))
-            out += off
-        return (out,)
 
 
 _F32 = np.dtype(np.float32)
@@ -583,10 +524,10 @@ class _ReleasedInt4(_Released):
 
 
 def release_repacks(values, steps) -> None:
-    """After planning: drop the row-major INT4 planes of :class:`PlanesLinear` steps and the
-    row-major INT4 codes of Q4_0 weights in linear steps (their prepacked copies are what runs;
-    the steps inside a DecoderStack included), and clear the per-value repack cache. A form a
-    gather still reads stays alive through the gather's own reference."""
+    """After planning: drop the row-major INT4 codes of Q4_0 weights in linear steps (their
+    prepacked copies are what runs; the steps inside a DecoderStack included), and clear the
+    per-value repack cache. A form a gather still reads stays alive through the gather's own
+    reference."""
     for v in values:
         if hasattr(v, "__dict__"):
             v.__dict__.pop("_ggml_repack", None)
@@ -600,7 +541,3 @@ def release_repacks(values, steps) -> None:
                 getattr(w, "_ggml_q4_0", False) for w in impl.weights):
             impl.weights = [_ReleasedInt4(w) for w in impl.weights]
             continue
-        if isinstance(impl, PlanesLinear) and all(lin.packed is not None for lin in impl.lins):
-            for lin in impl.lins:
-                lin.weights = [_Released(w) for w in lin.weights]
-            impl.weight = None

@@ -51,17 +51,18 @@ nothing.
 
 Weights (:class:`~.step_buffers.WeightTable`). Each linear (qkv, o, gate_up, down per layer, the
 lm_head) is one or more *parts* whose output rows follow each other: olv's INT4 8-row groups
-(kind 0) or the ggml group records of a GGUF Q8_0 / Q5_0 / Q4_K / Q6_K tensor (kind = its ggml
-type id), mixed per tensor as llama.cpp's Q4_K_M files mix them (q|k Q5_0 and v Q8_0 in one
-linear; Q4_0 tensors are INT4 parts). ``wt`` has a row per part (addresses, groups, records,
-kind, first group in the linear, rows), ``wl`` a row per linear (first part, parts, groups,
-bytes per group). A linear's groups are numbered across its parts, claimed as one range
-(:func:`_claim`), and each claimed chunk runs every part's share with the part's kernel
-(:func:`_lin_groups`: the kind read from the table at run time, a branch per part and chunk;
+(kind 0) or the ggml group records of a GGUF Q8_0 / Q5_0 / Q4_1 / Q5_1 / Q4_K / Q5_K / Q6_K
+tensor (kind = its ggml type id), mixed per tensor as llama.cpp's Q4_K_M files mix them (q|k
+Q5_0 and v Q8_0 in one linear; Q4_0 tensors are INT4 parts). ``wt`` has a row per part
+(addresses, groups, records, kind, first group in the linear, rows), ``wl`` a row per linear
+(first part, parts, groups, bytes per group). A linear's groups are numbered across its parts,
+claimed as one range (:func:`_claim`), and each claimed chunk runs every part's share with the
+part's kernel (:func:`_lin_groups`: the kind read from the table at run time, a branch per part
+and chunk;
 ggml parts through :mod:`.step_ggml`, the plan's own serial group functions at one row, so each
 row is bitwise the per-operator plan's). One quantization of each norm output serves both
 kinds (ggml's int8 mode quantizes with the same :func:`~.packed_i8.quantize_rows_i8`), plus the
-per-16 / per-32 sums Q6_K / Q4_K read (:func:`~.step_ggml.ggml_sums`).
+per-16 / per-32 sums Q6_K / the kinds with mins read (:func:`~.step_ggml.ggml_sums`).
 
 Arguments (:mod:`.step_buffers`, as llama2.c's ``RunState``): the weights, the dimensions, the
 activations and the attention scratch arrive as four named tuples (``StepWeights``,

@@ -38,8 +38,8 @@ class LinearMode(enum.Enum):
         The same INT4 8-row groups with float32 activations (:mod:`.packed_f32`; on AVX-512 VNNI
         the exact int8-digit path of :mod:`.packed_f32_vnni`).
     GGML_INT8
-        ggml blocks (Q8_0, Q5_0, Q4_K, Q6_K) in group records (:mod:`.ggml_packed`), int8
-        activations.
+        ggml blocks (Q8_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K) in group records
+        (:mod:`.ggml_packed`), int8 activations.
     GGML_EXACT
         The ggml group records with float32 activations.
     """

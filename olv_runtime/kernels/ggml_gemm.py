@@ -1,4 +1,5 @@
-"""Register-blocked prefill kernels for the ggml group records (Q8_0, Q5_0, Q4_K, Q6_K).
+"""Register-blocked prefill kernels for the ggml group records (Q8_0, Q5_0, Q4_1, Q5_1, Q4_K,
+Q5_K, Q6_K).
 
 The one-row kernels of :mod:`.ggml_packed` (``_row_i8``) decode every record of a group once per
 activation row, so prefill with M rows decodes each record M times. Here a record is decoded once
@@ -17,8 +18,9 @@ Integer sums, per activation row and 32-block (``X_t`` = the row's 4 int8 activa
 
 * ``avx2`` -- ``vpmaddubsw`` per chunk, then the int16 pair sums of up to :data:`I16_TERMS`
   chunks added (``vpaddw``) before one ``vpmaddwd``: a pair sum is ``<= 2 * max(u) * 127``
-  (Q4_K 3810, Q5_0 7874, Q6_K 16002, Q8_0 with the sign trick 32512), so 8 / 4 / 2 / 1 of them
-  stay within int16 (the one-row kernel widens every chunk; the integers are the same). Q8_0's
+  (activations in [-127, 127]; Q4_1 and Q4_K ``u <= 15``: 3810; Q5_0, Q5_1 and Q5_K ``u <= 31``:
+  7874; Q6_K 16002; Q8_0 with the sign trick 32512), so 8 / 4 / 2 / 1 of them (8 x 3810 = 30480,
+  4 x 7874 = 31496, 2 x 16002 = 32004 <= 32767) stay within int16 (the one-row kernel widens every chunk; the integers are the same). Q8_0's
   ``|q|`` (sign trick) is computed once per record, ``sign(x, q)`` per row.
 * ``avx512vnni`` -- ``vpdpbusd`` chains as in the one-row kernel, one per row (``vnni`` flag at
   run time; compiled only on a VNNI host).
@@ -53,12 +55,15 @@ from .ggml_ir import (
     LV32I8,
     OFFSET,
     PF_BYTES,
+    KQ,
+    MIN32,
     Emit,
     idx,
     k4_scales,
     load_f32,
     load_i32,
     nsub,
+    sub_layout,
     xbcast,
 )
 from .packed_i8 import HOST_VNNI, V8F32, check_array_arg, prefetch, splat
@@ -74,7 +79,7 @@ ROWS_F32 = 2
 #: rows stay in L2 while the task's groups stream past them.
 BLOCK_BYTES = 1 << 18
 #: AVX2: ``vpmaddubsw`` results (int16 pair sums) added in int16 before ``vpmaddwd``, per kind.
-I16_TERMS = {8: 1, 6: 4, 12: 8, 14: 2}
+I16_TERMS = {8: 1, 6: 4, 12: 8, 14: 2, 3: 8, 7: 4, 13: 4}
 
 
 def _chunk(e, kind, sub, t):
@@ -82,14 +87,14 @@ def _chunk(e, kind, sub, t):
     :func:`~.ggml_ir.chunks`; emitted where it is used, so that only one chunk is live)."""
     if kind == 8:
         return e.v32(16 + 32 * t)
-    nib = 48 if kind == 6 else (128 + 128 * sub if kind == 12 else 144 + 192 * sub)
+    nib, high, bits = sub_layout(kind, sub)
     v = e.v32(nib + 32 * (t % 4))
     u = e.and8(v if t < 4 else e.srl16(v, 4), 15)
-    if kind == 12:
+    if not bits:
         return u
-    bits = 1 if kind == 6 else 2
-    hv = e.v32(16) if kind == 6 else e.v32(nib + 128 + 32 * (t // 4))
-    h = e.and8(e.srl16(hv, bits * (t % (8 // bits))), (1 << bits) - 1)
+    per = 8 // bits
+    hv = e.v32(high + 32 * (t // per))
+    h = e.and8(e.srl16(hv, bits * (t % per)), (1 << bits) - 1)
     b = e.b
     return b.or_(u, b.bitcast(b.shl(b.bitcast(h, LV16I16), ir.Constant(LV16I16, [4] * 16)),
                               LV32I8))
@@ -184,7 +189,7 @@ def _emit_rows_i8(kind, nrows, context, builder, sig, args):
     a = [builder.extract_value(accs, r) for r in range(nrows)]
     e = Emit(context, builder, at[1], dat, ro)
     d = e.f16x8(0)
-    dmin = e.f16x8(16) if kind == 12 else None
+    dmin = e.f16x8(16) if kind in KQ or kind in MIN32 else None  # (Q4_1/Q5_1: m)
     xo_r = [builder.add(xoff, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
     bo_r = [builder.add(boff, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
     for sub in range(nsub(kind)):
@@ -216,7 +221,7 @@ def _emit_rows_i8(kind, nrows, context, builder, sig, args):
         x8 = [load_i32(context, builder, at[7], s8a, b) for b in bo_s]  # 8 * sum(xq)
         xsums = [builder.shl(v, ir.Constant(I32, 4)) for v in x8] if kind == 8 else None
         sums = _row_sums(builder, kind, chunk, xrow, nrows, vn, (tuple(range(8)),), xsums)
-        if kind == 12:
+        if kind in KQ:
             sc, mn = k4_scales(e, sub)
             big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
             big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
@@ -230,6 +235,13 @@ def _emit_rows_i8(kind, nrows, context, builder, sig, args):
                                                        builder.fmul(d, xd_s[r])))
                 continue
             sx = builder.sitofp(builder.ashr(x8[r], ir.Constant(I32, 3)), F32)
+            if kind in MIN32:  # Q4_1, Q5_1: dmin is m
+                f = builder.fadd(builder.fmul(builder.sitofp(s, LV8F32),
+                                              builder.fmul(d, xd_s[r])),
+                                 builder.fmul(dmin, builder.fmul(
+                                     xd_s[r], splat(builder, sx, LV8F32))))
+                a[r] = builder.fadd(a[r], f)
+                continue
             f = builder.fsub(builder.fmul(big_d, builder.sitofp(s, LV8F32)),
                              builder.fmul(big_m, splat(builder, sx, LV8F32)))
             a[r] = builder.fadd(a[r], builder.fmul(f, xd_s[r]))
@@ -261,7 +273,7 @@ def _emit_rows_f32(kind, nrows, context, builder, sig, args):
     a = [builder.extract_value(accs, r) for r in range(nrows)]
     e = Emit(context, builder, at[1], dat, ro)
     d = e.f16x8(0)
-    dmin = e.f16x8(16) if kind == 12 else None
+    dmin = e.f16x8(16) if kind in KQ or kind in MIN32 else None  # (Q4_1/Q5_1: m)
     fma = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(LV8F32, [LV8F32] * 3), "llvm.fma.v8f32")
     off = ir.Constant(LV8I32, [OFFSET[kind]] * 8)
@@ -295,7 +307,7 @@ def _emit_rows_f32(kind, nrows, context, builder, sig, args):
                 a[r] = builder.call(fma, [halves[r][0], builder.fmul(d, sc0), a[r]])
                 a[r] = builder.call(fma, [halves[r][1], builder.fmul(d, sc1), a[r]])
             continue
-        if kind == 12:
+        if kind in KQ:
             sc, mn = k4_scales(e, sub)
             big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
             big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
@@ -306,6 +318,10 @@ def _emit_rows_f32(kind, nrows, context, builder, sig, args):
                 continue
             sx = splat(builder, load_f32(context, builder, at[6], xsa, idx(builder, bo_r[r], sub)),
                        LV8F32)
+            if kind in MIN32:  # Q4_1, Q5_1: dmin is m
+                a[r] = builder.fadd(a[r], builder.fadd(builder.fmul(d, s),
+                                                       builder.fmul(dmin, sx)))
+                continue
             a[r] = builder.fadd(a[r], builder.fsub(builder.fmul(big_d, s),
                                                    builder.fmul(big_m, sx)))
     return context.make_tuple(builder, sig.return_type, a)
@@ -346,10 +362,16 @@ _rows_q8_0 = _make_rows_i8(8, ROWS)
 _rows_q5_0 = _make_rows_i8(6, ROWS)
 _rows_q4_k = _make_rows_i8(12, ROWS)
 _rows_q6_k = _make_rows_i8(14, ROWS)
+_rows_q4_1 = _make_rows_i8(3, ROWS)
+_rows_q5_1 = _make_rows_i8(7, ROWS)
+_rows_q5_k = _make_rows_i8(13, ROWS)
 _rows_f32_q8_0 = _make_rows_f32(8, ROWS_F32)
 _rows_f32_q5_0 = _make_rows_f32(6, ROWS_F32)
 _rows_f32_q4_k = _make_rows_f32(12, ROWS_F32)
 _rows_f32_q6_k = _make_rows_f32(14, ROWS_F32)
+_rows_f32_q4_1 = _make_rows_f32(3, ROWS_F32)
+_rows_f32_q5_1 = _make_rows_f32(7, ROWS_F32)
+_rows_f32_q5_k = _make_rows_f32(13, ROWS_F32)
 
 
 @njit(**JIT)
@@ -386,10 +408,29 @@ def rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni):
                 prefetch(data, ro + PF_BYTES + p)
             acc = _rows_q5_0(acc, data, ro, xq, xo + 32 * s, kx, xd, xs8, xs16, bo + s, kbx,
                              vnni)
+    elif kind == 3:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            for p in range(0, 192, 64):
+                prefetch(data, ro + PF_BYTES + p)
+            acc = _rows_q4_1(acc, data, ro, xq, xo + 32 * s, kx, xd, xs8, xs16, bo + s, kbx,
+                             vnni)
+    elif kind == 7:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            for p in range(0, 192, 64):
+                prefetch(data, ro + PF_BYTES + p)
+            acc = _rows_q5_1(acc, data, ro, xq, xo + 32 * s, kx, xd, xs8, xs16, bo + s, kbx,
+                             vnni)
     elif kind == 12:
         for s in range(nrec):
             ro = (base + s) * rb
             acc = _rows_q4_k(acc, data, ro, xq, xo + 256 * s, kx, xd, xs8, xs16, bo + 8 * s,
+                             kbx, vnni)
+    elif kind == 13:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            acc = _rows_q5_k(acc, data, ro, xq, xo + 256 * s, kx, xd, xs8, xs16, bo + 8 * s,
                              kbx, vnni)
     else:
         for s in range(nrec):
@@ -402,7 +443,8 @@ def rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni):
 @njit(**JIT)
 def rows_f32(kind, data, g, x, xsum, i0):
     """Exact mode: group ``g`` of activation rows ``i0 .. i0 + ROWS_F32 - 1`` (float32 ``x``
-    [M, K], ``xsum`` float32 [M, K / 32] per-32 sums of ``x``, read by Q4_K): a tuple of
+    [M, K], ``xsum`` float32 [M, K / 32] per-32 sums of ``x``, read by the kinds with mins:
+    Q4_1, Q5_1, Q4_K, Q5_K): a tuple of
     :data:`ROWS_F32` float32 x 8 accumulators, each bitwise equal to ``ggml_packed._row_f32`` of
     its row."""
     nrec = data.shape[1]
@@ -421,8 +463,14 @@ def rows_f32(kind, data, g, x, xsum, i0):
             acc = _rows_f32_q8_0(acc, data, ro, x, xo + 32 * s, kx, xsum, bo + s, kbx)
         elif kind == 6:
             acc = _rows_f32_q5_0(acc, data, ro, x, xo + 32 * s, kx, xsum, bo + s, kbx)
+        elif kind == 3:
+            acc = _rows_f32_q4_1(acc, data, ro, x, xo + 32 * s, kx, xsum, bo + s, kbx)
+        elif kind == 7:
+            acc = _rows_f32_q5_1(acc, data, ro, x, xo + 32 * s, kx, xsum, bo + s, kbx)
         elif kind == 12:
             acc = _rows_f32_q4_k(acc, data, ro, x, xo + 256 * s, kx, xsum, bo + 8 * s, kbx)
+        elif kind == 13:
+            acc = _rows_f32_q5_k(acc, data, ro, x, xo + 256 * s, kx, xsum, bo + 8 * s, kbx)
         else:
             acc = _rows_f32_q6_k(acc, data, ro, x, xo + 256 * s, kx, xsum, bo + 8 * s, kbx)
     return acc

@@ -17,7 +17,11 @@ from numba.core import cgutils
 from .packed_i8 import HOST_VNNI, elem_ptr, splat
 
 #: exact mode: ``u - OFFSET[kind]`` is the signed code of a chunk byte ``u``.
-OFFSET = {8: 128, 6: 16, 12: 0, 14: 32}
+OFFSET = {8: 128, 6: 16, 12: 0, 14: 32, 3: 0, 7: 0, 13: 0}
+#: kinds with a per-32-block float16 minimum ``m`` (Q4_1, Q5_1: ``w = d u + m``) at record byte 16.
+MIN32 = (3, 7)
+#: k-quant kinds with 6-bit sub-block scales and mins (Q4_K, Q5_K: ``w = (d sc) u - dmin m``).
+KQ = (12, 13)
 #: prefetch distance (bytes ahead in a group's record stream) of the int8 record loops.
 PF_BYTES = 2048
 
@@ -194,17 +198,34 @@ def k4_scales(e, b):
     return sc, mn
 
 
+def sub_layout(kind, sub):
+    """Record byte offsets of 32-block ``sub``'s nibbles (128 B) and high-bit vectors (None
+    without), and the high bits per code (0, 1 or 2); not Q8_0."""
+    if kind == 3:
+        return 32, None, 0
+    if kind == 6:
+        return 48, 16, 1
+    if kind == 7:
+        return 64, 32, 1
+    if kind == 12:
+        return 128 + 128 * sub, None, 0
+    if kind == 13:
+        o = 128 + 160 * sub  # Q5_K sub-block: 128 nibble bytes, then 32 high-bit bytes
+        return o, o + 128, 1
+    o = 144 + 192 * sub  # Q6_K sub-block: 128 nibble bytes, then 64 high-bit bytes
+    return o, o + 128, 2
+
+
 def chunks(e, kind, sub):
     """Chunk vectors U_0..U_7 of 32-block ``sub`` of the record."""
     if kind == 8:
         return [e.v32(16 + 32 * t) for t in range(8)]
-    if kind == 6:
-        return e.with_high(e.nibbles(48), [e.v32(16)], 1)
-    if kind == 12:
-        return e.nibbles(128 + 128 * sub)
-    o = 144 + 192 * sub  # Q6_K sub-block: 128 nibble bytes, then 64 high-bit bytes
-    return e.with_high(e.nibbles(o), [e.v32(o + 128), e.v32(o + 160)], 2)
+    nib, high, bits = sub_layout(kind, sub)
+    if not bits:
+        return e.nibbles(nib)
+    return e.with_high(e.nibbles(nib), [e.v32(high + 32 * v) for v in range(bits)], bits)
 
 
 def nsub(kind):
-    return 1 if kind in (6, 8) else 8
+    """32-blocks per record."""
+    return 1 if kind in (3, 6, 7, 8) else 8

@@ -1,4 +1,5 @@
-"""GEMV/GEMM kernels that read ggml blocks (Q8_0, Q5_0, Q4_K, Q6_K) at their own bits per weight.
+"""GEMV/GEMM kernels that read ggml blocks (Q8_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K) at their own
+bits per weight.
 
 A GGUF weight of one of these types is repacked once, at session creation, from the file's
 blocks (``[N, K / block_size, type_size]`` bytes) into *group records* (:class:`GGMLPacked`):
@@ -6,7 +7,7 @@ blocks (``[N, K / block_size, type_size]`` bytes) into *group records* (:class:`
 group is a sequence of records along K, one per ggml block of the 8 rows. A record holds exactly
 the bytes of the 8 rows' blocks, rearranged so that one 32-byte load gives 8 rows x 4
 consecutive codes (lane ``r`` = row ``r``) -- the same bits per weight as the file (Q8_0 8.5,
-Q5_0 5.5, Q4_K 4.5, Q6_K 6.5625), never a float copy.
+Q5_0 5.5, Q4_1 5, Q5_1 6, Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625), never a float copy.
 
 Codes are written unsigned, ``u`` (Q8_0: ``u = q + 128``, i.e. ``q ^ 0x80``); for every 32-element block
 ``b`` of a record the 8 *chunk vectors* ``U_t`` (``t = 0..7``) have byte ``4r + j`` = code of row
@@ -18,16 +19,21 @@ type    bytes  record (8 rows x one ggml block)
 Q8_0    272    ``d f16[8]`` | 8 chunks x 32 B: byte ``32t + 4r + j`` = ``q[r, 4t+j] ^ 0x80``
 Q5_0    176    ``d f16[8]`` | ``H`` 32 B: byte ``4r + j`` bit ``s`` = ``h[r, 4s + j]`` |
                nibbles 4 x 32 B: byte ``32c + 4r + j`` = ``lo[r, 4c+j] | lo[r, 16+4c+j] << 4``
+Q4_1    160    ``d f16[8]`` | ``m f16[8]`` | nibbles 128 B (as Q5_0's, codes ``q``)
+Q5_1    192    ``d f16[8]`` | ``m f16[8]`` | ``H`` 32 B | nibbles 128 B (both as Q5_0's)
 Q4_K    1152   ``d f16[8]`` | ``dmin f16[8]`` | packed 6-bit scales 12 x 8 B (byte ``8j + r`` =
                ``scales[r, j]``) | 8 sub-blocks x nibbles 128 B (as Q5_0's, codes ``q``)
+Q5_K    1408   as Q4_K's first 128 B | 8 sub-blocks x (nibbles 128 B | ``H`` 32 B, both as
+               Q5_0's; sub-block ``b``'s high bit of ``k`` is bit ``b`` of the file's ``qh[k]``)
 Q6_K    1680   ``d f16[8]`` | ``scales int8`` 16 x 8 B (byte ``8j + r``) | 8 sub-blocks x
                (nibbles 128 B (low 4 bits) | 64 B: vector ``v``, byte ``32v + 4r + j`` bits
                ``2p, 2p+1`` = high 2 bits of ``k = 4(4v + p) + j``): one sequential stream
 ======  =====  ==========================================================================
 
 Weights (gguf-py ``dequantize_blocks``): Q8_0 ``d q``; Q5_0 ``d (u - 16)``, ``u = lo | h << 4``;
-Q4_K ``(d sc_b) q - (dmin m_b)`` per 32-sub-block ``b`` (6-bit ``sc_b``, ``m_b``); Q6_K
-``(d sc_h) (u - 32)`` per 16 weights ``h``.
+Q4_1 ``(d q) + m``; Q5_1 ``(d u) + m``; Q4_K ``(d sc_b) q - (dmin m_b)`` per 32-sub-block ``b``
+(6-bit ``sc_b``, ``m_b``), Q5_K the same with ``u`` (5 bits); Q6_K ``(d sc_h) (u - 32)`` per 16
+weights ``h``. The codes of Q4_1 / Q5_1 / Q4_K / Q5_K are unsigned as stored (offset 0).
 
 int8 activations (:func:`linear_ggml_i8`) -- the quantization of :mod:`.packed_i8` (every
 32-block of ``x`` to int8, ``d_x = max|x| / 127``), then per (row group, 32-block) the exact int32
@@ -40,14 +46,21 @@ Q8_0: VNNI takes ``u = q + 128`` and starts from ``-128 sum(xq)``; AVX2 uses the
 Both paths give the same integers, so the results are bitwise equal. Float lanes per block:
 
 * Q8_0: ``acc += float(S) * (d * d_x)``; Q5_0: ``acc += float(S - 16 sum(xq)) * (d * d_x)``;
-* Q4_K: ``acc += ((d sc_b) float(S) - (dmin m_b) float(sum xq)) * d_x``;
+* Q4_1, Q5_1 (as llama.cpp's ``vec_dot`` with Q8_1 activations, the per-32 ``sum xq`` exact):
+  ``acc += float(S) * (d * d_x) + m * (d_x * float(sum xq))`` (the two products, then their sum,
+  then the add to ``acc``);
+* Q4_K, Q5_K: ``acc += ((d sc_b) float(S) - (dmin m_b) float(sum xq)) * d_x``;
 * Q6_K: ``acc += float(sc_0 (S_0 - 32 s_0) + sc_1 (S_1 - 32 s_1)) * (d * d_x)`` (halves of 16).
 
 Exact mode (:func:`linear_ggml_exact`, float32 activations): the codes are decoded exactly
 (integer ``u - offset`` converted to float32) and multiplied with the activations in 4 FMA
-chains per block, combined per block with the scales as above (Q4_K: ``(d sc_b) s - (dmin m_b)
-sum(x)``). Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
-``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |dmin m|) + 1e-6`` (tests/kernels/test_ggml_packed.py).
+chains per block (``s``: the 4 chains of each half added ``(c0 + c1) + (c2 + c3)``, then the
+halves), combined per block with the scales: Q8_0 / Q5_0 ``acc = fma(s, d, acc)``; Q4_1 / Q5_1
+``acc += (d s) + (m sum(x))``; Q4_K / Q5_K ``acc += (d sc_b) s - (dmin m_b) sum(x)``
+(``sum(x)`` the per-32 float32 sum of ``x`` in order from 0.0); Q6_K ``acc = fma(s_h, d sc_h,
+acc)`` per half. Tolerance against a float64 product with the dequantized weight (``gguf.quants``):
+``|y - y_ref| <= 1e-5 * sum_k |x_k| (|W_nk| + |min|) + 1e-6`` (``|min|`` = ``|dmin m_b|`` or
+``|m|`` of the weight's block; tests/kernels/test_ggml_packed.py).
 
 Prefill (M >= :data:`~.ggml_gemm.ROWS` in int8 mode, :data:`~.ggml_gemm.ROWS_F32` in exact
 mode): :mod:`.ggml_gemm` decodes each record once for that many activation rows held in
@@ -73,8 +86,10 @@ from .ggml_gemm import ROWS, ROWS_F32, block_rows, rows_f32, rows_i8
 from .ggml_ir import (
     F32,
     I32,
+    KQ,
     LV8F32,
     LV8I32,
+    MIN32,
     OFFSET,
     PF_BYTES,
     Emit,
@@ -106,9 +121,10 @@ __all__ = ["GGMLPacked", "GGMLWorkspace", "KINDS", "RECORD_BYTES", "prepack_ggml
            "dequantize_rows"]
 
 #: ggml type ids of the supported block types (the ``kind`` of a :class:`GGMLPacked`).
-KINDS = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+KINDS = {"Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 #: (weights per ggml block, bytes per ggml block) of each kind.
-BLOCKS = {6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+BLOCKS = {3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+          14: (256, 210)}
 #: bytes per record (8 rows x one ggml block).
 RECORD_BYTES = {k: GROUP_ROWS * b for k, (_, b) in BLOCKS.items()}
 SERIAL_MAX_WORK = 1 << 18
@@ -132,7 +148,7 @@ def _make_rec_i8(kind):
             at = sig.args
             e = Emit(context, builder, at[1], dat, ro)
             d = e.f16x8(0)
-            dmin = e.f16x8(16) if kind == 12 else None
+            dmin = e.f16x8(16) if kind in KQ or kind in MIN32 else None  # (Q4_1/Q5_1: m)
             for sub in range(nsub(kind)):
                 us = chunks(e, kind, sub)
                 xo_s = idx(builder, xoff, 32 * sub)
@@ -169,11 +185,18 @@ def _make_rec_i8(kind):
                     a = builder.fadd(a, builder.fmul(builder.sitofp(s, LV8F32),
                                                      builder.fmul(d, xd_s)))
                     continue
-                # Q4_K
+                sx = builder.sitofp(builder.ashr(x8, ir.Constant(I32, 3)), F32)
+                if kind in MIN32:  # Q4_1, Q5_1: dmin is m
+                    f = builder.fadd(builder.fmul(builder.sitofp(s, LV8F32),
+                                                  builder.fmul(d, xd_s)),
+                                     builder.fmul(dmin, builder.fmul(
+                                         xd_s, splat(builder, sx, LV8F32))))
+                    a = builder.fadd(a, f)
+                    continue
+                # Q4_K, Q5_K
                 sc, mn = k4_scales(e, sub)
                 big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
                 big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
-                sx = builder.sitofp(builder.ashr(x8, ir.Constant(I32, 3)), F32)
                 f = builder.fsub(builder.fmul(big_d, builder.sitofp(s, LV8F32)),
                                  builder.fmul(big_m, splat(builder, sx, LV8F32)))
                 a = builder.fadd(a, builder.fmul(f, xd_s))
@@ -186,6 +209,9 @@ _rec_i8_q8_0 = _make_rec_i8(8)
 _rec_i8_q5_0 = _make_rec_i8(6)
 _rec_i8_q4_k = _make_rec_i8(12)
 _rec_i8_q6_k = _make_rec_i8(14)
+_rec_i8_q4_1 = _make_rec_i8(3)
+_rec_i8_q5_1 = _make_rec_i8(7)
+_rec_i8_q5_k = _make_rec_i8(13)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,7 +230,7 @@ def _make_rec_f32(kind):
             at = sig.args
             e = Emit(context, builder, at[1], dat, ro)
             d = e.f16x8(0)
-            dmin = e.f16x8(16) if kind == 12 else None
+            dmin = e.f16x8(16) if kind in KQ or kind in MIN32 else None  # (Q4_1/Q5_1: m)
             fma = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(LV8F32, [LV8F32] * 3), "llvm.fma.v8f32")
             off = ir.Constant(LV8I32, [OFFSET[kind]] * 8)
@@ -239,10 +265,14 @@ def _make_rec_f32(kind):
                 if kind in (6, 8):
                     a = builder.call(fma, [s, d, a])
                     continue
+                sx = splat(builder, load_f32(context, builder, at[5], xsa, bo_s), LV8F32)
+                if kind in MIN32:  # Q4_1, Q5_1: dmin is m
+                    a = builder.fadd(a, builder.fadd(builder.fmul(d, s),
+                                                     builder.fmul(dmin, sx)))
+                    continue
                 sc, mn = k4_scales(e, sub)
                 big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
                 big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
-                sx = splat(builder, load_f32(context, builder, at[5], xsa, bo_s), LV8F32)
                 a = builder.fadd(a, builder.fsub(builder.fmul(big_d, s), builder.fmul(big_m, sx)))
             return a
         return sig, codegen
@@ -253,6 +283,9 @@ _rec_f32_q8_0 = _make_rec_f32(8)
 _rec_f32_q5_0 = _make_rec_f32(6)
 _rec_f32_q4_k = _make_rec_f32(12)
 _rec_f32_q6_k = _make_rec_f32(14)
+_rec_f32_q4_1 = _make_rec_f32(3)
+_rec_f32_q5_1 = _make_rec_f32(7)
+_rec_f32_q5_k = _make_rec_f32(13)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,7 +295,7 @@ _rec_f32_q6_k = _make_rec_f32(14)
 def _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni):
     nrec = data.shape[1]
     rb = data.shape[2]
-    nsub = 1 if kind == 6 or kind == 8 else 8
+    nsub = 1 if kind == 3 or kind == 6 or kind == 7 or kind == 8 else 8
     xo = i * xq.shape[1]
     bo = i * xd.shape[1]
     acc = fzero()
@@ -283,10 +316,29 @@ def _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni):
             prefetch(data, ro + PF_BYTES + 64)
             prefetch(data, ro + PF_BYTES + 128)
             acc = _rec_i8_q5_0(acc, data, ro, xq, xo + 32 * s, xd, xs8, xs16, bo + s, vnni)
+    elif kind == 3:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            prefetch(data, ro + PF_BYTES)
+            prefetch(data, ro + PF_BYTES + 64)
+            prefetch(data, ro + PF_BYTES + 128)
+            acc = _rec_i8_q4_1(acc, data, ro, xq, xo + 32 * s, xd, xs8, xs16, bo + s, vnni)
+    elif kind == 7:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            prefetch(data, ro + PF_BYTES)
+            prefetch(data, ro + PF_BYTES + 64)
+            prefetch(data, ro + PF_BYTES + 128)
+            acc = _rec_i8_q5_1(acc, data, ro, xq, xo + 32 * s, xd, xs8, xs16, bo + s, vnni)
     elif kind == 12:
         for s in range(nrec):
             ro = (base + s) * rb
             acc = _rec_i8_q4_k(acc, data, ro, xq, xo + 256 * s, xd, xs8, xs16,
+                               bo + nsub * s, vnni)
+    elif kind == 13:
+        for s in range(nrec):
+            ro = (base + s) * rb
+            acc = _rec_i8_q5_k(acc, data, ro, xq, xo + 256 * s, xd, xs8, xs16,
                                bo + nsub * s, vnni)
     else:
         for s in range(nrec):
@@ -300,7 +352,7 @@ def _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni):
 def _row_f32(kind, data, g, x, xsum, i):
     nrec = data.shape[1]
     rb = data.shape[2]
-    nsub = 1 if kind == 6 or kind == 8 else 8
+    nsub = 1 if kind == 3 or kind == 6 or kind == 7 or kind == 8 else 8
     xo = i * x.shape[1]
     bo = i * xsum.shape[1]
     acc = fzero()
@@ -313,16 +365,30 @@ def _row_f32(kind, data, g, x, xsum, i):
             acc = _rec_f32_q8_0(acc, data, ro, x, xo + 32 * s, xsum, bo + s)
         elif kind == 6:
             acc = _rec_f32_q5_0(acc, data, ro, x, xo + 32 * s, xsum, bo + s)
+        elif kind == 3:
+            acc = _rec_f32_q4_1(acc, data, ro, x, xo + 32 * s, xsum, bo + s)
+        elif kind == 7:
+            acc = _rec_f32_q5_1(acc, data, ro, x, xo + 32 * s, xsum, bo + s)
         elif kind == 12:
             acc = _rec_f32_q4_k(acc, data, ro, x, xo + 256 * s, xsum, bo + nsub * s)
+        elif kind == 13:
+            acc = _rec_f32_q5_k(acc, data, ro, x, xo + 256 * s, xsum, bo + nsub * s)
         else:
             acc = _rec_f32_q6_k(acc, data, ro, x, xo + 256 * s, xsum, bo + nsub * s)
     return acc
 
 
 @njit(**JIT)
+def needs_xsum(kind):
+    """Whether exact mode reads per-32 float sums of ``x`` (the kinds with mins: Q4_1, Q5_1,
+    Q4_K, Q5_K)."""
+    return kind == 3 or kind == 7 or kind == 12 or kind == 13
+
+
+@njit(**JIT)
 def _act_sums(kind, m, k, xq, xs16, x, xsum, quant):
-    """Q6_K (int8 mode): per-16 sums of xq; Q4_K (exact mode): per-32 float sums of x."""
+    """Q6_K (int8 mode): per-16 sums of xq; Q4_1, Q5_1, Q4_K, Q5_K (exact mode,
+    :func:`needs_xsum`): per-32 float sums of x (``t += x`` in order from 0.0)."""
     if quant and kind == 14:
         for i in range(m):
             for h in range(k // 16):
@@ -330,7 +396,7 @@ def _act_sums(kind, m, k, xq, xs16, x, xsum, quant):
                 for p in range(16):
                     t += np.int32(xq[i, 16 * h + p])
                 xs16[i, h] = t
-    if not quant and kind == 12:
+    if not quant and needs_xsum(kind):
         for i in range(m):
             for b in range(k // 32):
                 t = np.float32(0.0)
@@ -548,6 +614,47 @@ def _repack(kind, blocks, out):
                 for i in range(4):
                     for j in range(4):
                         rec[48 + i * 32 + r * 4 + j] = np.uint32(src[6 + 4 * i + j])
+        elif kind == 3 or kind == 7:  # Q4_1 / Q5_1: m, [Q5_1: high bits], nibble bytes
+            nib = 32 if kind == 3 else 64
+            qs = 4 if kind == 3 else 8
+            for r in range(8):
+                src = blocks[r0 + r, b]
+                rec[16 + 2 * r] = np.uint32(src[2])
+                rec[16 + 2 * r + 1] = np.uint32(src[3])
+                if kind == 7:
+                    qh = (np.uint32(src[4]) | (np.uint32(src[5]) << 8)
+                          | (np.uint32(src[6]) << 16) | (np.uint32(src[7]) << 24))
+                    for e in range(4):
+                        v = np.uint32(0)
+                        for p in range(8):
+                            v |= ((qh >> (p * 4 + e)) & 1) << p
+                        rec[32 + r * 4 + e] = v
+                for i in range(4):
+                    for j in range(4):
+                        rec[nib + i * 32 + r * 4 + j] = np.uint32(src[qs + 4 * i + j])
+        elif kind == 13:  # Q5_K: as Q4_K, each sub-block's nibbles followed by its high bits
+            for r in range(8):
+                src = blocks[r0 + r, b]
+                rec[16 + 2 * r] = np.uint32(src[2])
+                rec[16 + 2 * r + 1] = np.uint32(src[3])
+                for j in range(12):
+                    rec[32 + j * 8 + r] = np.uint32(src[4 + j])
+                for c in range(4):
+                    for sh in range(2):
+                        sb = c * 2 + sh
+                        base = 128 + sb * 160
+                        for i in range(4):
+                            for j in range(4):
+                                lo = (np.uint32(src[48 + 32 * c + 4 * i + j])
+                                      >> (4 * sh)) & 15
+                                hi = (np.uint32(src[48 + 32 * c + 16 + 4 * i + j])
+                                      >> (4 * sh)) & 15
+                                rec[base + i * 32 + r * 4 + j] = lo | (hi << 4)
+                        for e in range(4):
+                            v = np.uint32(0)
+                            for p in range(8):
+                                v |= ((np.uint32(src[16 + 4 * p + e]) >> sb) & 1) << p
+                            rec[base + 128 + r * 4 + e] = v
         elif kind == 12:  # Q4_K: d, dmin, 12 scale bytes per row, 8 sub-blocks of nibbles
             for r in range(8):
                 src = blocks[r0 + r, b]
@@ -708,7 +815,16 @@ def dequantize_rows(kind, blocks: np.ndarray) -> np.ndarray:
         lo = np.concatenate([qs & 15, qs >> 4], axis=-1)
         q = (lo | (h << 4)).astype(np.int8) - np.int8(16)
         return (d * q.astype(np.float32)).reshape(r, -1)
-    if kind == 12:
+    if kind in (3, 7):  # (d * q) + m
+        d, m = f16(0)[..., None], f16(2)[..., None]
+        qs = blocks[..., 4:20] if kind == 3 else blocks[..., 8:24]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        if kind == 7:
+            qh = np.ascontiguousarray(blocks[..., 4:8]).view("<u4")[..., 0]
+            q = q | (((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+                     << np.uint8(4))
+        return ((d * q.astype(np.float32)) + m).reshape(r, -1)
+    if kind in (12, 13):
         d, dmin = f16(0)[..., None], f16(2)[..., None]
         s = blocks[..., 4:16]
         d_, m_, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -716,10 +832,15 @@ def dequantize_rows(kind, blocks: np.ndarray) -> np.ndarray:
         mn = np.concatenate([m_ & 63, (md >> 4) | ((m_ >> 2) & 0x30)], axis=-1)
         big_d = (d * sc.astype(np.float32))[..., None]
         big_m = (dmin * mn.astype(np.float32))[..., None]
-        qs = blocks[..., 16:144].reshape(r, nb, 4, 1, 32) >> np.array(
+        q0 = 16 if kind == 12 else 48
+        qs = blocks[..., q0:q0 + 128].reshape(r, nb, 4, 1, 32) >> np.array(
             [0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-        q = (qs & 15).reshape(r, nb, 8, 32).astype(np.float32)
-        return (big_d * q - big_m).reshape(r, -1)
+        q = (qs & 15).reshape(r, nb, 8, 32)
+        if kind == 13:  # element l of sub-block s: bit s of qh[l]
+            qh = blocks[..., 16:48].reshape(r, nb, 1, 32) >> np.arange(
+                8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = q | ((qh & 1) << np.uint8(4))
+        return (big_d * q.astype(np.float32) - big_m).reshape(r, -1)
     d = f16(208)[..., None]
     sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
     dd = (d * sc).reshape(r, nb, 16, 1)

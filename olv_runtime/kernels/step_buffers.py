@@ -77,8 +77,8 @@ RunState = namedtuple("RunState", [
 
 GGMLState = namedtuple("GGMLState", [  # one task's rows of RunState.g_*
     "xs16",  # int32 [nt, 1, Kp/16]: per task, per-16 sums of the int8 activations (Q6_K)
-    "xsum",  # float32 [nt, 1, Kp/32]: per task, per-32 float sums of the activations (Q4_K,
-             # exact mode)
+    "xsum",  # float32 [nt, 1, Kp/32]: per task, per-32 float sums of the activations (Q4_1,
+             # Q5_1, Q4_K, Q5_K; exact mode)
     "facc",  # float32 [nt, 1, 8]: per task, a partial last group's rows (store_group)
     "xq",    # int8 [nt, 1, 32]: the int8 codes argument of ggml_packed._act_sums in exact
              # mode (never read there)

@@ -1,5 +1,6 @@
 """The ggml parts of the compiled decode step's linears (:mod:`.decoder_layers`): GGUF Q8_0,
-Q5_0, Q4_K and Q6_K weights in the group records of :mod:`.ggml_packed`.
+Q5_0, Q4_1, Q5_1, Q4_K, Q5_K and Q6_K weights in the group records of :mod:`.ggml_packed` (the
+kind of each part is read from the weight table at run time).
 
 A linear of the step is one or more parts (:class:`~.step_buffers.WeightTable`), each INT4 or
 ggml; the step runs a ggml part's 8-row groups with the plan's own serial functions at one
@@ -9,7 +10,8 @@ activation row (``m = 1``): :func:`~.ggml_packed._row_i8` (int8 activations) or
 is bitwise the per-operator plan's. The activations are the ones the INT4 parts read: int8 mode's
 quantization is :func:`~.packed_i8.quantize_rows_i8` in both (one per norm output, made by
 :func:`.decoder_layers._quantize`), plus the sums :func:`~.ggml_packed._act_sums` makes for
-the plan (Q6_K: per-16 sums of the int8 codes; exact mode, Q4_K: per-32 float sums of ``x``),
+the plan (Q6_K: per-16 sums of the int8 codes; exact mode, the kinds with mins -- Q4_1, Q5_1,
+Q4_K, Q5_K: per-32 float sums of ``x``),
 made here per task, for the linears that have such a part.
 
 Every function is an ``overload`` chosen by the type of the per-task ggml buffers (``gx``,
@@ -76,7 +78,8 @@ def _ov_ggml_groups(i8, gx, w, p, xin, out, vnni, g0, g1):
 def ggml_sums(i8, gx, w, lin, xin, k):
     """The activation sums the ggml parts of linear ``lin`` read, of this task's ``xin[0, :k]``
     (after :func:`.decoder_layers._quantize`): int8 mode, a Q6_K part: per-16 sums of the int8
-    codes into ``gx.xs16``; exact mode, a Q4_K part: per-32 float sums into ``gx.xsum``
+    codes into ``gx.xs16``; exact mode, a Q4_1 / Q5_1 / Q4_K / Q5_K part: per-32 float sums
+    into ``gx.xsum``
     (:func:`~.ggml_packed._act_sums`, the plan's). Nothing without such a part, or ``gx``
     None."""
 
@@ -91,9 +94,12 @@ def _ov_ggml_sums(i8, gx, w, lin, xin, k):
             if _has_kind(w, lin, 14):
                 act_sums(np.int64(14), np.int64(1), k, i8[0], gx.xs16, xin, gx.xsum, True)
     else:
+        needs_xsum = gp.needs_xsum
+
         def impl(i8, gx, w, lin, xin, k):
-            if _has_kind(w, lin, 12):
-                act_sums(np.int64(12), np.int64(1), k, gx.xq, gx.xs16, xin, gx.xsum, False)
+            kind = _xsum_kind(w, lin, needs_xsum)
+            if kind:
+                act_sums(kind, np.int64(1), k, gx.xq, gx.xs16, xin, gx.xsum, False)
     return impl
 
 
@@ -109,6 +115,22 @@ def _ov_has_kind(w, lin, kind):
             if w.wt[p, W_KIND] == kind:
                 return True
         return False
+    return impl
+
+
+def _xsum_kind(w, lin, needs_xsum):
+    """The ggml type id of the first part of linear ``lin`` whose exact mode reads per-32 float
+    sums of ``x`` (``needs_xsum``: Q4_1, Q5_1, Q4_K, Q5_K), else 0."""
+
+
+@overload(_xsum_kind, jit_options=_OV, inline="always")
+def _ov_xsum_kind(w, lin, needs_xsum):
+    def impl(w, lin, needs_xsum):
+        p0 = w.wl[lin, L_P0]
+        for p in range(p0, p0 + w.wl[lin, L_NP]):
+            if needs_xsum(w.wt[p, W_KIND]):
+                return np.int64(w.wt[p, W_KIND])
+        return np.int64(0)
     return impl
 
 

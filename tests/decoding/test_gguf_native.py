@@ -12,7 +12,7 @@ from olv_runtime.structs import ggml
 from olv_runtime.kernels import packed_i8
 from olv_runtime.kernels.ggml_packed import dequantize_rows
 from olv_runtime.decoding.ggml_native import (
-    BLOCK_KERNEL_TYPES, FAST_TYPES, GGMLWeight, PlanesWeight, linear_weight,
+    BLOCK_KERNEL_TYPES, FAST_TYPES, GGMLWeight, linear_weight,
 )
 
 from gguf_models import write_gguf
@@ -40,12 +40,10 @@ def test_fast_consumer_matches_decoder_path(tmp_path, ttype):
     assert "Decode" not in kinds  # every ggml weight is read by a native consumer
     if ttype == "Q4_0":  # the converter's INT4 form: Linear steps, or inside the compiled
         assert "Linear" in kinds or "DecoderStack" in kinds  # decoder stack (issue 10)
-    elif ttype in BLOCK_KERNEL_TYPES:  # their own block kernels, no INT4 planes
-        assert "PlanesLinear" not in kinds
+    else:  # every other type: its own block kernels (group records at the file's bits)
+        assert ttype in BLOCK_KERNEL_TYPES
         kernels = {s.impl.kernel for s in fast.all_steps() if s.kind == "Linear"}
         assert kernels == {f"ggml_{ttype}_exact"}
-    else:
-        assert "PlanesLinear" in kinds
     assert fast.counters["payload_bytes_copied"] == 0
     assert fast.counters["bytes_repacked"] > 0
     before = fast.counters["bytes_dequantized"]
@@ -59,7 +57,8 @@ def test_fast_consumer_matches_decoder_path(tmp_path, ttype):
 
 @pytest.mark.parametrize("ttype", FAST_TYPES)
 def test_repack_reproduces_the_decoded_weight(tmp_path, ttype):
-    """planes x scales + offset == decode_value (float32 rounding of the rewritten sums only)."""
+    """Block-kernel types: the payload's blocks in place, dequantized bitwise as decode_value;
+    Q4_0: the INT4 codes x scales == decode_value (float32 rounding only)."""
     model = _model(tmp_path, ttype)
     value = resolve(model).value("model.layers.0.mlp.down_proj.weight")
     rep = linear_weight(value)
@@ -69,16 +68,12 @@ def test_repack_reproduces_the_decoded_weight(tmp_path, ttype):
         w = dequantize_rows(ttype, rep.blocks)
         assert np.array_equal(w.view(np.uint32), value.decode().view(np.uint32))
         return
-    planes = rep.planes if isinstance(rep, PlanesWeight) else [rep]
-    w = np.zeros((n, k), np.float64)
-    for p in planes:
-        b = np.asarray(p.codes, np.uint8)
-        c = np.empty(n * k, np.int16)
-        c[0::2], c[1::2] = b & 15, b >> 4
-        c[c >= 8] -= 16
-        w += c.reshape(n, k) * np.repeat(p.scale.astype(np.float64), 32, axis=1)
-    if isinstance(rep, PlanesWeight) and rep.offset is not None:
-        w += np.repeat(rep.offset.astype(np.float64), 32, axis=1)
+    assert ttype == "Q4_0"
+    b = np.asarray(rep.codes, np.uint8)
+    c = np.empty(n * k, np.int16)
+    c[0::2], c[1::2] = b & 15, b >> 4
+    c[c >= 8] -= 16
+    w = c.reshape(n, k) * np.repeat(rep.scale.astype(np.float64), 32, axis=1)
     ref = value.decode()
     np.testing.assert_allclose(w, ref, rtol=0, atol=1e-6 * float(np.abs(ref).max()))
 

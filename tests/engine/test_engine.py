@@ -20,8 +20,7 @@ from olv_runtime.executor.rows import rows_program
 @pytest.fixture(scope="module")
 def models(tiny_qwen2_dir, tiny_qwen3_dir, tiny_llama_dir, tmp_path_factory) -> dict:
     """Converted tiny models: qwen2, qwen3, llama (INT4 block 32), qwen2 with float32 weights
-    (BLAS linears), a Q4_K GGUF (ggml block kernels) and a Q4_1 GGUF (INT4 planes + a BLAS
-    offset term)."""
+    (BLAS linears), a Q4_K GGUF and a Q4_1 GGUF (ggml block kernels, group records)."""
     out = {}
     root = tmp_path_factory.mktemp("engine_models")
     for name, src in (("qwen2", tiny_qwen2_dir), ("qwen3", tiny_qwen3_dir),

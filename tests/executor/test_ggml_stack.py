@@ -1,5 +1,5 @@
-"""The compiled decode step on GGUF block weights (Q8_0, Q5_0, Q4_K, Q6_K; mixed per tensor, with
-INT4 parts from Q4_0 tensors, as llama.cpp's Q4_K_M files are).
+"""The compiled decode step on GGUF block weights (Q8_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K; mixed
+per tensor, with INT4 parts from Q4_0 tensors, as llama.cpp's Q4_K_M and Q5_K_M files are).
 
 Oracles: the per-operator plan of the same session options (``compiled_decode=False``: one
 :mod:`olv_runtime.kernels.ggml_packed` kernel call per linear, itself checked against gguf-py in
@@ -50,7 +50,16 @@ MIX = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_
        "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K",
        "blk.1.attn_q.weight": "Q4_0", "blk.1.attn_v.weight": "Q6_K",
        "blk.1.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q4_K"}
-MODELS = ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "mix"]
+#: a Q5_K_M-like mix (Q5_K, Q6_K for attn_v / ffn_down / output) with Q5_1 and Q4_1 tensors in
+#: layer 1: q|k|v over Q5_K, Q5_1, Q4_1 (three ggml parts), gate / up Q5_K / Q4_1
+MIX5 = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K",
+        "blk.1.attn_k.weight": "Q5_1", "blk.1.attn_v.weight": "Q4_1",
+        "blk.1.ffn_up.weight": "Q4_1", "blk.1.ffn_down.weight": "Q5_K"}
+MODELS = ["Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "mix", "mix5"]
+#: the ggml type ids (and 0: INT4) of the mixes' parts
+MIX_KINDS = {"mix": {0, 6, 8, 12, 14}, "mix5": {3, 7, 13, 14}}
+#: the file type of each model (a mix: the type of the tensors it does not name)
+FILE_TYPE = {"mix": ("Q4_K", MIX), "mix5": ("Q5_K", MIX5)}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +69,9 @@ def ggml_models(tmp_path_factory):
     for name in MODELS:
         sub = d / name
         sub.mkdir()
-        kw = dict(types=MIX) if name == "mix" else {}
-        path = write_gguf(sub / "m.gguf", "qwen2", "Q4_K" if name == "mix" else name, seed=3,
-                          tied=False, tokenizer=False, **kw)
+        ttype, types = FILE_TYPE.get(name, (name, None))
+        path = write_gguf(sub / "m.gguf", "qwen2", ttype, seed=3, tied=False, tokenizer=False,
+                          types=types)
         olv_runtime.convert(path, sub / "m.onnx")
         out[name] = olv_runtime.load(sub / "m.onnx")
     return out
@@ -125,18 +134,20 @@ def test_matches_per_operator_plan(ggml_models, name, quant, tol, monkeypatch):
     assert stack.tasks == (2 if threading_layer() == "omp" else 1)
     w = stack.weights
     assert w.ggml0 is not None and not w.simple
-    if name == "mix":  # INT4 and ggml parts, several parts in one linear
-        assert len(w.codes) > 0 and w.wl[:, 1].max() == 3
+    if name in MIX_KINDS:  # several parts in one linear (mix: INT4 and ggml parts)
+        assert w.wl[:, 1].max() == 3
+        assert (len(w.codes) > 0) == (0 in MIX_KINDS[name])
         kinds = set(w.wt[:, 4].tolist())
-        assert kinds == {0, 6, 8, 12, 14}
+        assert kinds == MIX_KINDS[name]
     assert ids == ref_ids
     worst = max(float(np.abs(a - b).max()) for a, b in zip(got, ref))
     assert worst <= tol, worst
 
 
 @pytest.mark.parametrize("quant", [False, True])
-def test_one_thread_serial_step(ggml_models, quant):
-    model = ggml_models["mix"]
+@pytest.mark.parametrize("name", ["mix", "mix5"])
+def test_one_thread_serial_step(ggml_models, quant, name):
+    model = ggml_models[name]
     nt = get_num_threads()
     try:
         ref_ids, ref = _greedy(_session(model, False, quant, 1), 5)
@@ -176,15 +187,16 @@ def test_paged_kv(ggml_models, quant, kv, monkeypatch):
 
 # -- one linear of mixed parts, bitwise ------------------------------------------------------------
 def _parts(rng, k):
-    """An INT4 part (24 rows), Q5_0 (16), Q8_0 (8), Q4_K (32), Q6_K (13 rows: a partial last
-    group) with the plan's kernels for each."""
+    """An INT4 part (24 rows), Q5_0 (16), Q8_0 (8), Q4_1 (8), Q5_1 (16), Q4_K (32), Q5_K (24),
+    Q6_K (13 rows: a partial last group) with the plan's kernels for each."""
     parts = []
     n = 24
     payload = rng.integers(0, 256, n * k // 2, dtype=np.uint8)
     scale = (rng.uniform(0.5, 1.0, (n, k // 32)) * 0.01).astype(np.float16).astype(np.float32)
     parts.append(packed_i8.prepack_int4_i8(payload, scale, None, n, k, 32))
-    for kind, n in (("Q5_0", 16), ("Q8_0", 8), ("Q4_K", 32), ("Q6_K", 13)):
-        if kind in ("Q4_K", "Q6_K"):
+    for kind, n in (("Q5_0", 16), ("Q8_0", 8), ("Q4_1", 8), ("Q5_1", 16), ("Q4_K", 32),
+                    ("Q5_K", 24), ("Q6_K", 13)):
+        if kind in ("Q4_K", "Q5_K", "Q6_K"):
             blocks = random_kquant(kind, (n, k), rng)
         else:
             w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
@@ -208,9 +220,10 @@ def _plan_rows(parts, x, quant):
 @pytest.mark.parametrize("quant", [False, True])
 @pytest.mark.parametrize("nt", [1, 2])
 def test_mixed_linear_bitwise_equals_the_plans_kernels(quant, nt):
-    """One linear of INT4 + Q5_0 + Q8_0 + Q4_K + Q6_K parts through the step's group dispatch
-    (claimed chunks with 2 tasks, run one after the other here) = the plan's kernel per part,
-    bit for bit (exact mode on the float path: the non-VNNI INT4 kernels)."""
+    """One linear of INT4 + Q5_0 + Q8_0 + Q4_1 + Q5_1 + Q4_K + Q5_K + Q6_K parts through the
+    step's group dispatch (claimed chunks with 2 tasks, run one after the other here) = the
+    plan's kernel per part, bit for bit (exact mode on the float path: the non-VNNI INT4
+    kernels)."""
     if not quant and packed_i8.HOST_VNNI:
         packed_i8.set_isa("avx2")
     try:

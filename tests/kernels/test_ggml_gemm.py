@@ -9,12 +9,12 @@ VNNI path. Exact mode is also checked against a float64 product within the state
 import numpy as np
 import pytest
 import reference as naive_ref  # tests/reference.py
-from test_ggml_packed import random_blocks  # the same random valid blocks
+from test_ggml_packed import MINS, random_blocks  # the same random valid blocks
 
 from olv_runtime.kernels import ggml_gemm, packed_i8
 from olv_runtime.kernels import ggml_packed as gp
 
-KIND_NAMES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+KIND_NAMES = ("Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 13, 64)
 N_ODD = 21  # three groups, the last one partial
 
@@ -82,8 +82,8 @@ def test_exact_rows_bitwise_equal_one_row_kernel(name, m):
     w = gp.dequantize_rows(name, blocks)
     ref = x.astype(np.float64) @ w.T.astype(np.float64)
     mag = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
-    if name == "Q4_K":  # the bound also counts the mins (d sc q - dmin m)
-        mag = mag + np.abs(x).astype(np.float64).sum(1, keepdims=True) * 0.02 * 63
+    if name in MINS:  # the bound also counts the mins (d sc q - dmin m, d q + m)
+        mag = mag + np.abs(x).astype(np.float64).sum(1, keepdims=True) * MINS[name]
     assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6), np.abs(y - ref).max()
 
 

@@ -1,4 +1,5 @@
-"""ggml block kernels (kernels/ggml_packed.py): Q8_0, Q5_0, Q4_K, Q6_K group records.
+"""ggml block kernels (kernels/ggml_packed.py): Q8_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K group
+records.
 
 Oracle: gguf-py's ``gguf.quants.dequantize`` (the weights) and a float64 product. Exact mode is
 within the module's stated bound; int8 mode equals a plain numpy model of its integer math (the
@@ -16,7 +17,10 @@ from olv_runtime.kernels import ggml_packed as gp  # noqa: E402
 from olv_runtime.kernels import packed_i8  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
-TYPES = {"Q8_0": QT.Q8_0, "Q5_0": QT.Q5_0, "Q4_K": QT.Q4_K, "Q6_K": QT.Q6_K}
+TYPES = {"Q8_0": QT.Q8_0, "Q5_0": QT.Q5_0, "Q4_1": QT.Q4_1, "Q5_1": QT.Q5_1, "Q4_K": QT.Q4_K,
+         "Q5_K": QT.Q5_K, "Q6_K": QT.Q6_K}
+#: types with a minimum (``w = d q + m`` / ``(d sc) q - dmin m``): the bound also counts it
+MINS = {"Q4_1": 0.02, "Q5_1": 0.02, "Q4_K": 0.02 * 63, "Q5_K": 0.02 * 63}
 
 
 def random_blocks(name, n, k, seed):
@@ -32,8 +36,10 @@ def random_blocks(name, n, k, seed):
         put_f16(208, 0.001, 0.01)
     else:
         put_f16(0, 0.001, 0.02)
-        if name == "Q4_K":
+        if name in ("Q4_K", "Q5_K"):
             put_f16(2, 0.0, 0.02)
+        elif name in ("Q4_1", "Q5_1"):
+            put_f16(2, -0.02, 0.02)
     return b
 
 
@@ -84,8 +90,8 @@ def test_exact_and_int8(name, n, m):
     y = gp.linear_ggml_exact(x, packed)
     ref = x.astype(np.float64) @ w.T.astype(np.float64)
     mag = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
-    if name == "Q4_K":  # the bound also counts the mins (d sc q - dmin m)
-        mag = mag + np.abs(x).astype(np.float64).sum(1, keepdims=True) * 0.02 * 63
+    if name in MINS:  # the bound also counts the mins (d sc q - dmin m, d q + m)
+        mag = mag + np.abs(x).astype(np.float64).sum(1, keepdims=True) * MINS[name]
     assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6), np.abs(y - ref).max()
     # int8 mode: model of its integer math, and VNNI == AVX2 bitwise
     ws = gp.make_workspace_ggml(m, k)
