@@ -56,8 +56,13 @@ from .packed_i8 import V8F32, check_array_arg, elem_ptr, splat, store_group
 
 __all__ = ["MIN_ROWS", "ROWS", "SPECS", "panel_groups"]
 
-#: activation rows per tile (x 2 groups: 8 float32 accumulators).
-ROWS = 4
+#: activation rows per tile (llvm-mca -mcpu=znver3 on the tile loops, MAC per cycle, (slots,
+#: rows) = (2, 2) / (1, 4) / (2, 3) / (2, 4): Q5_0 35.2 / 28.4 / 33.6 / 32.0, Q4_K 32.9 / 28.9
+#: / 32.6 / 34.1, Q6_K 27.9 / 24.9 / 27.5 / 27.8, Q8_0 23.2 / 22.5 / 23.2 / 23.5; (2, 2) is the
+#: only one without spills in the loop (ggml_gemm's rows_i8: 19-24)).
+ROWS = 2
+#: panel slots (8-row groups) per tile: each row's broadcast activations serve both.
+TILE_GROUPS = 2
 #: :func:`~.ggml_packed._groups` runs the panel from this many activation rows (AVX2 path).
 MIN_ROWS = 16
 #: per kind: (32-blocks per record, chunk groups summed separately (Q6_K: 16-halves), signed).
@@ -150,12 +155,16 @@ def _epilogue(kind, builder, a, sums, sc, xd, x8, t16):
     return builder.fadd(a, builder.fmul(builder.sitofp(s, LV8F32), builder.fmul(sc[0], xd)))
 
 
-def _emit_tile(kind, nrows, context, builder, sig, args):
-    """One 32-block for ``nrows`` activation rows x 2 groups: ``acc[2r + j]`` (row ``r``, slot
-    ``j``) += the block's contribution (module docstring)."""
+def _emit_tile(kind, ngr, nrows, context, builder, sig, args):
+    """One 32-block for ``nrows`` activation rows x ``ngr`` panel slots (from ``po`` / ``so``,
+    ``pst`` / ``sst`` apart): ``acc[ngr r + j]`` (row ``r``, slot ``j``) += the block's
+    contribution (module docstring). Chunk-outer: per chunk the slots' panel vectors are loaded
+    once and each row's broadcast activations serve every slot; live: the ``ngr nrows`` int16
+    sums and float32 accumulators, ``ngr`` panel vectors (Q8_0: and their signs), one
+    broadcast."""
     accs, pan, po, pst, sgn, psc, so, sst, xqa, xo, kx, xda, s8a, s16a, bo, kbx = args
     at = sig.args
-    a = [builder.extract_value(accs, i) for i in range(2 * nrows)]
+    a = [builder.extract_value(accs, i) for i in range(ngr * nrows)]
     _, groups, signed = SPECS[kind]
     terms = I16_TERMS[kind]
 
@@ -165,46 +174,54 @@ def _emit_tile(kind, nrows, context, builder, sig, args):
     mwd = fn("llvm.x86.avx2.pmadd.wd", LV8I32, [LV16I16, LV16I16])
     psign = fn("llvm.x86.avx2.psign.b", LV32I8, [LV32I8, LV32I8])
     ones = ir.Constant(LV16I16, [1] * 16)
-    pj = [po, builder.add(po, pst)]
-    sj = [so, builder.add(so, sst)]
+    pj = [po]
+    sj = [so]
+    for _ in range(1, ngr):
+        pj.append(builder.add(pj[-1], pst))
+        sj.append(builder.add(sj[-1], sst))
 
     def pvec(arr_i, arr, j, t):
         o = builder.add(pj[j], ir.Constant(po.type, 32 * t))
         return builder.load(elem_ptr(context, builder, at[arr_i], arr, o, LV32I8), align=1)
-    for r in range(nrows):
-        xr = builder.add(xo, builder.mul(kx, ir.Constant(kx.type, r)))
-        br = builder.add(bo, builder.mul(kbx, ir.Constant(kbx.type, r)))
-        sums = [[None] * len(groups) for _ in range(2)]
-        for gi, grp in enumerate(groups):
-            s16 = [None, None]
-            for c, t in enumerate(grp):
-                xb = xbcast(context, builder, at[8], xqa, xr, t)
-                for j in range(2):
-                    x2 = builder.call(psign, [xb, pvec(4, sgn, j, t)]) if signed else xb
-                    p = builder.call(mub, [pvec(1, pan, j, t), x2])
-                    s16[j] = p if s16[j] is None else builder.add(s16[j], p)
+    xr = [builder.add(xo, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
+    br = [builder.add(bo, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
+    sums = [[None] * len(groups) for _ in range(ngr * nrows)]
+    for gi, grp in enumerate(groups):
+        s16 = [None] * (ngr * nrows)
+        for c, t in enumerate(grp):
+            us = [pvec(1, pan, j, t) for j in range(ngr)]
+            qs = [pvec(4, sgn, j, t) for j in range(ngr)] if signed else None
+            for r in range(nrows):
+                xb = xbcast(context, builder, at[8], xqa, xr[r], t)
+                for j in range(ngr):
+                    x2 = builder.call(psign, [xb, qs[j]]) if signed else xb
+                    p = builder.call(mub, [us[j], x2])
+                    i = ngr * r + j
+                    s16[i] = p if s16[i] is None else builder.add(s16[i], p)
                     if (c + 1) % terms == 0 or c + 1 == len(grp):
-                        w = builder.call(mwd, [s16[j], ones])
-                        sums[j][gi] = w if sums[j][gi] is None else builder.add(sums[j][gi], w)
-                        s16[j] = None
-        xd = splat(builder, load_f32(context, builder, at[11], xda, br), LV8F32)
-        x8 = load_i32(context, builder, at[12], s8a, br) if kind in (6, 12) else None
+                        w = builder.call(mwd, [s16[i], ones])
+                        sums[i][gi] = w if sums[i][gi] is None else builder.add(sums[i][gi], w)
+                        s16[i] = None
+    for r in range(nrows):
+        xd = splat(builder, load_f32(context, builder, at[11], xda, br[r]), LV8F32)
+        x8 = load_i32(context, builder, at[12], s8a, br[r]) if kind in (6, 12) else None
         t16 = None
         if kind == 14:
-            i16 = builder.mul(br, ir.Constant(br.type, 2))
+            i16 = builder.mul(br[r], ir.Constant(br[r].type, 2))
             t16 = [load_i32(context, builder, at[13], s16a, i16),
                    load_i32(context, builder, at[13], s16a,
-                            builder.add(i16, ir.Constant(br.type, 1)))]
-        for j in range(2):
+                            builder.add(i16, ir.Constant(i16.type, 1)))]
+        for j in range(ngr):
             sc = [builder.load(elem_ptr(context, builder, at[5], psc,
                                         builder.add(sj[j], ir.Constant(so.type, 8 * s)),
                                         LV8F32), align=1) for s in range(NSC)]
-            a[2 * r + j] = _epilogue(kind, builder, a[2 * r + j], sums[j], sc, xd, x8, t16)
+            i = ngr * r + j
+            a[i] = _epilogue(kind, builder, a[i], sums[i], sc, xd, x8, t16)
     return context.make_tuple(builder, sig.return_type, a)
 
 
-def _make_tile(kind, nrows):
-    tup = types.UniTuple(V8F32, 2 * nrows)
+def _make_tile(kind, ngr, nrows):
+    tup = types.UniTuple(V8F32, ngr * nrows)
 
     @intrinsic
     def tile(typingctx, accs, panel, po, pst, signs, scales, so, sst, xq, xo, kx, xd, xs8,
@@ -218,7 +235,7 @@ def _make_tile(kind, nrows):
         ip = types.intp
         sig = tup(tup, panel, ip, ip, signs, scales, ip, ip, xq, ip, ip, xd, xs8, xs16, ip, ip)
         return sig, (lambda context, builder, sig, args:
-                     _emit_tile(kind, nrows, context, builder, sig, args))
+                     _emit_tile(kind, ngr, nrows, context, builder, sig, args))
     return tile
 
 
@@ -233,11 +250,13 @@ def _make_zeros(n):
     return zeros
 
 
-_zeros = _make_zeros(2 * ROWS)
-_zeros1 = _make_zeros(2)
+_zeros = _make_zeros(TILE_GROUPS * ROWS)
+_zeros1 = _make_zeros(TILE_GROUPS)
 _dec_q8_0, _dec_q5_0, _dec_q4_k, _dec_q6_k = (_make_decode(k) for k in (8, 6, 12, 14))
-_tile_q8_0, _tile_q5_0, _tile_q4_k, _tile_q6_k = (_make_tile(k, ROWS) for k in (8, 6, 12, 14))
-_one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k = (_make_tile(k, 1) for k in (8, 6, 12, 14))
+_tile_q8_0, _tile_q5_0, _tile_q4_k, _tile_q6_k = (_make_tile(k, TILE_GROUPS, ROWS)
+                                                  for k in (8, 6, 12, 14))
+_one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k = (_make_tile(k, TILE_GROUPS, 1)
+                                              for k in (8, 6, 12, 14))
 
 
 @njit(**JIT)
@@ -269,21 +288,22 @@ def _tile(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i
     xo = i0 * kx
     bo = i0 * kbx
     acc = _zeros()
-    for b in range(nb):
-        p = po + 256 * b
-        q = so + 8 * NSC * b
-        if kind == 8:
-            acc = _tile_q8_0(acc, panel, p, pst, signs, scales, q, sst, xq, xo + 32 * b, kx,
-                             xd, xs8, xs16, bo + b, kbx)
-        elif kind == 6:
-            acc = _tile_q5_0(acc, panel, p, pst, signs, scales, q, sst, xq, xo + 32 * b, kx,
-                             xd, xs8, xs16, bo + b, kbx)
-        elif kind == 12:
-            acc = _tile_q4_k(acc, panel, p, pst, signs, scales, q, sst, xq, xo + 32 * b, kx,
-                             xd, xs8, xs16, bo + b, kbx)
-        else:
-            acc = _tile_q6_k(acc, panel, p, pst, signs, scales, q, sst, xq, xo + 32 * b, kx,
-                             xd, xs8, xs16, bo + b, kbx)
+    if kind == 8:
+        for b in range(nb):
+            acc = _tile_q8_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 6:
+        for b in range(nb):
+            acc = _tile_q5_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 12:
+        for b in range(nb):
+            acc = _tile_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    else:
+        for b in range(nb):
+            acc = _tile_q6_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
     return acc
 
 
@@ -295,21 +315,22 @@ def _one(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i)
     xo = i * kx
     bo = i * kbx
     acc = _zeros1()
-    for b in range(nb):
-        p = po + 256 * b
-        q = so + 8 * NSC * b
-        if kind == 8:
-            acc = _one_q8_0(acc, panel, p, pst, signs, scales, q, sst, xq, xo + 32 * b, kx,
-                            xd, xs8, xs16, bo + b, kbx)
-        elif kind == 6:
-            acc = _one_q5_0(acc, panel, p, pst, signs, scales, q, sst, xq, xo + 32 * b, kx,
-                            xd, xs8, xs16, bo + b, kbx)
-        elif kind == 12:
-            acc = _one_q4_k(acc, panel, p, pst, signs, scales, q, sst, xq, xo + 32 * b, kx,
-                            xd, xs8, xs16, bo + b, kbx)
-        else:
-            acc = _one_q6_k(acc, panel, p, pst, signs, scales, q, sst, xq, xo + 32 * b, kx,
-                            xd, xs8, xs16, bo + b, kbx)
+    if kind == 8:
+        for b in range(nb):
+            acc = _one_q8_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 6:
+        for b in range(nb):
+            acc = _one_q5_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 12:
+        for b in range(nb):
+            acc = _one_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    else:
+        for b in range(nb):
+            acc = _one_q6_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
     return acc
 
 
@@ -340,15 +361,20 @@ def panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc):
         g2 = g + 1 if g + 1 < g1 else g  # an odd last group: both slots, slot 1 not stored
         _decode(kind, data, g, panel, 0, signs, scales, 0)
         _decode(kind, data, g2, panel, pst, signs, scales, sst)
-        for i0 in range(0, mt, ROWS):
-            acc = _tile(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8, xs16, i0)
-            for r in range(ROWS):
-                store_group(acc[2 * r], facc, g, i0 + r, n, out)
-                if g2 != g:
-                    store_group(acc[2 * r + 1], facc, g2, i0 + r, n, out)
-        for i in range(mt, m):
-            acc1 = _one(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8, xs16, i)
-            store_group(acc1[0], facc, g, i, n, out)
-            if g2 != g:
-                store_group(acc1[1], facc, g2, i, n, out)
+        nslot = 2 if g2 != g else 1
+        for j0 in range(0, nslot, TILE_GROUPS):
+            for i0 in range(0, mt, ROWS):
+                acc = _tile(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst, xq,
+                            xd, xs8, xs16, i0)
+                for r in range(ROWS):
+                    for j in range(TILE_GROUPS):
+                        if j0 + j < nslot:
+                            store_group(acc[TILE_GROUPS * r + j], facc, g + j0 + j, i0 + r,
+                                        n, out)
+            for i in range(mt, m):
+                acc1 = _one(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst, xq,
+                            xd, xs8, xs16, i)
+                for j in range(TILE_GROUPS):
+                    if j0 + j < nslot:
+                        store_group(acc1[j], facc, g + j0 + j, i, n, out)
         g += 2
