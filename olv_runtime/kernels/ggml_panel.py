@@ -54,7 +54,7 @@ from .ggml_ir import F32, I32, LV8F32, LV8I32, LV16I16, LV32I8, Emit, k4_scales,
     load_i32, xbcast
 from .packed_i8 import V8F32, check_array_arg, elem_ptr, splat, store_group
 
-__all__ = ["MIN_ROWS", "ROWS", "SPECS", "panel_groups"]
+__all__ = ["MIN_ROWS", "ROWS", "SPECS", "TILE_GROUPS", "panel_groups", "use_panel"]
 
 #: activation rows per tile (llvm-mca -mcpu=znver3 on the tile loops, MAC per cycle, (slots,
 #: rows) = (2, 2) / (1, 4) / (2, 3) / (2, 4): Q5_0 35.2 / 28.4 / 33.6 / 32.0, Q4_K 32.9 / 28.9
@@ -63,8 +63,11 @@ __all__ = ["MIN_ROWS", "ROWS", "SPECS", "panel_groups"]
 ROWS = 2
 #: panel slots (8-row groups) per tile: each row's broadcast activations serve both.
 TILE_GROUPS = 2
-#: :func:`~.ggml_packed._groups` runs the panel from this many activation rows (AVX2 path).
-MIN_ROWS = 16
+#: :func:`~.ggml_packed._groups` runs the panel from this many activation rows (AVX2 path;
+#: Q8_0 never, see :func:`use_panel`). bench/bench_ggml_panel.py, 896x896, one thread: panel /
+#: ggml_gemm at M = 8 / 16 / 32: Q5_0 1.03 / 1.11 / 1.21, Q4_K 1.21 / 1.26 / 1.33, Q6_K 1.16 /
+#: 1.30 / 1.41, Q8_0 0.78 / 0.84 / 0.91.
+MIN_ROWS = 8
 #: per kind: (32-blocks per record, chunk groups summed separately (Q6_K: 16-halves), signed).
 SPECS = {
     8: (1, (tuple(range(8)),), True),
@@ -257,6 +260,14 @@ _tile_q8_0, _tile_q5_0, _tile_q4_k, _tile_q6_k = (_make_tile(k, TILE_GROUPS, ROW
                                                   for k in (8, 6, 12, 14))
 _one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k = (_make_tile(k, TILE_GROUPS, 1)
                                               for k in (8, 6, 12, 14))
+
+
+@njit(**JIT)
+def use_panel(kind, m):
+    """True when :func:`~.ggml_packed._groups` should run :func:`panel_groups` for ``m`` rows
+    (AVX2 path): from :data:`MIN_ROWS` rows, every kind but Q8_0 (whose sign trick costs a
+    ``vpsignb`` per multiply here as in :mod:`.ggml_gemm`, and the panel measured 0.8-1.0x it)."""
+    return kind != 8 and m >= MIN_ROWS
 
 
 @njit(**JIT)
