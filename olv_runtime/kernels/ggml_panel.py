@@ -1,11 +1,12 @@
 """Panel GEMM for prefill on the ggml group records (Q8_0, Q5_0, Q4_K, Q6_K), int8 mode, AVX2.
 
-:mod:`.ggml_gemm` decodes a record (nibbles, high bits, 6-bit scales) once per :data:`~.ggml_gemm.ROWS`
-= 4 activation rows, so at prefill the decode is repeated ``M / 4`` times per record and past 4
-rows the registers run out. Here a task decodes a *pair* of 8-row groups once per call into an
-int8 *panel* (the exact codes the multiply reads, plus the per-block scales as small arrays) and
-then runs all ``M`` activation rows against it: the decode is amortized over ``M`` rows and the
-inner loop is loads, ``vpbroadcastd``, ``vpmaddubsw``, ``vpaddw`` and a short float epilogue
+:mod:`.ggml_gemm` decodes a record (nibbles, high bits, 6-bit scales) once per
+:data:`~.ggml_gemm.ROWS` = 4 activation rows, so at prefill the decode is repeated ``M / 4``
+times per record and past 4 rows the registers run out. Here a task decodes a *pair* of 8-row
+groups once per row block (up to :func:`block_rows` activation rows, at least 64, L2-resident)
+into an int8 *panel* (the exact codes the multiply reads, plus the per-block scales as small
+arrays) and then runs the block's rows against it: the decode is amortized over the block and
+the inner loop is loads, ``vpbroadcastd``, ``vpmaddubsw``, ``vpaddw`` and a short float epilogue
 (the technique of large-batch quantized GEMMs that first convert a weight tile to a
 multiply-friendly form; no code copied from any of them).
 
@@ -19,13 +20,15 @@ Panel layout (per task, two slots ``j = 0, 1`` for groups ``g, g + 1``; ``nb = K
   Q4_K ``[d sc_b, dmin m_b, -]`` (the float32 products of the one-row kernel); Q6_K ``[d,
   sc_0, sc_1]`` (the two 16-halves' int8 scales as int32 bits).
 
-Per task: group pairs in order (an odd last group decoded into both slots, slot 1 not stored);
-per pair, activation rows in tiles of :data:`ROWS` (the rows left over one at a time), per tile
-the 32-blocks in order, per block per row: the row's 8 activation chunks broadcast once and used
-for both groups (as :mod:`.packed_i8_gemm`'s AVX2 tile), ``vpmaddubsw`` pair sums added in int16
-over :data:`~.ggml_gemm.I16_TERMS` chunks, ``vpmaddwd`` with ones, then per (row, group) the
-epilogue. Adding a kind: its decode in :func:`~.ggml_gemm._chunk`, a :data:`SPECS` entry, its
-panel scales in :func:`_emit_decode` and its epilogue in :func:`_epilogue`.
+Per task: row blocks, then group pairs in order (an odd last group decoded into both slots, slot
+1 not stored); per pair, the block's activation rows in tiles of :data:`ROWS` = 2 rows x
+:data:`TILE_GROUPS` = 2 slots (the rows left over one at a time), per tile the 32-blocks in
+order, per block chunk-outer: each chunk's two panel vectors loaded once, each row's 4
+activation bytes broadcast once and used for both groups (as :mod:`.packed_i8_gemm`'s AVX2
+tile), ``vpmaddubsw`` pair sums added in int16 over :data:`~.ggml_gemm.I16_TERMS` chunks,
+``vpmaddwd`` with ones, then per (row, group) the epilogue. Adding a kind: its decode in
+:func:`~.ggml_gemm._chunk`, a :data:`SPECS` entry, its panel scales in :func:`_emit_decode` and
+its epilogue in :func:`_epilogue`.
 
 Bitwise equality with ``ggml_packed._row_i8`` (and tests/reference.py ``linear_ggml_int8``): the
 int32 sums per (row, 32-block or 16-half) are exact on every path; the float32 operations per
@@ -36,25 +39,55 @@ int32 sums per (row, 32-block or 16-half) are exact on every path; the float32 o
   by the same float32 multiply at decode and stored);
 * Q6_K: ``a + float(sc_0 (S_0 - 32 s_0) + sc_1 (S_1 - 32 s_1)) * (d * d_x)``.
 
-Used by :func:`~.ggml_packed._groups` from :data:`MIN_ROWS` activation rows on the AVX2 path (on a
-VNNI host the ``vpdpbusd`` kernels of :mod:`.ggml_gemm` keep the job: not measured there).
-Measured numbers: see :data:`MIN_ROWS` and bench/bench_ggml_panel.py.
+Used by :func:`~.ggml_packed._groups` when :func:`use_panel` (from :data:`MIN_ROWS` activation
+rows, AVX2 path, every kind but Q8_0; on a VNNI host the ``vpdpbusd`` kernels of
+:mod:`.ggml_gemm` keep the job: not measured there).
+
+Measured (``python bench/bench_ggml_panel.py --rounds 5 --ms 128,512``: one thread, panel vs
+ggml_gemm alternating in one process, best of 5 rounds, GMAC/s; a shared 2-core Zen 3 with load
+~4, so single figures are noisy, the ratios less so). Panel / ggml_gemm at M = 128 / 512 on
+Qwen2.5-0.5B's shapes N x K (Q4_K / Q6_K with K = 896 rounded up to 1024):
+
+=====  ===========  ===========  ===========  ===========
+kind   896 x 896    128 x 896    4864 x 896   896 x 4864
+=====  ===========  ===========  ===========  ===========
+Q5_0   1.50 / 0.97  1.17 / 1.30  1.61 / 1.16  1.49 / 1.37
+Q4_K   1.73 / 1.76  1.14 / 1.39  1.15 / 1.28  1.20 / 1.67
+Q6_K   1.59 / 1.18  1.21 / 1.25  1.23 / 1.21  1.22 / 1.29
+Q8_0   1.07 / 1.15  1.00 / 0.99  0.63 / 0.92  1.11 / 1.01
+=====  ===========  ===========  ===========  ===========
+
+(panel GMAC/s 25-62, ggml_gemm 16-52.) llvm-mca (``-mcpu=znver3``) on the tile loops: see
+:data:`ROWS`; the remaining limit is the four FP pipes (``vpmaddubsw``, ``vpaddw``, the
+broadcasts and the float epilogue all compete for them), not the decode.
 """
 from __future__ import annotations
 
-from llvmlite import ir
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from .config import JIT
-from .ggml_gemm import I16_TERMS, _chunk
-from .ggml_ir import F32, I32, LV8F32, LV8I32, LV16I16, LV32I8, Emit, k4_scales, load_f32, \
-    load_i32, xbcast
+from .ggml_gemm import BLOCK_BYTES, I16_TERMS, _chunk
+from .ggml_ir import (
+    F32,
+    I32,
+    LV8F32,
+    LV8I32,
+    LV16I16,
+    LV32I8,
+    Emit,
+    k4_scales,
+    load_f32,
+    load_i32,
+    xbcast,
+)
 from .packed_i8 import V8F32, check_array_arg, elem_ptr, splat, store_group
 
-__all__ = ["MIN_ROWS", "ROWS", "SPECS", "TILE_GROUPS", "panel_groups", "use_panel"]
+__all__ = ["MIN_ROWS", "ROWS", "SPECS", "TILE_GROUPS", "block_rows", "panel_groups", "panel_rows",
+           "use_panel"]
 
 #: activation rows per tile (llvm-mca -mcpu=znver3 on the tile loops, MAC per cycle, (slots,
 #: rows) = (2, 2) / (1, 4) / (2, 3) / (2, 4): Q5_0 35.2 / 28.4 / 33.6 / 32.0, Q4_K 32.9 / 28.9
@@ -68,6 +101,8 @@ TILE_GROUPS = 2
 #: ggml_gemm at M = 8 / 16 / 32: Q5_0 1.03 / 1.11 / 1.21, Q4_K 1.21 / 1.26 / 1.33, Q6_K 1.16 /
 #: 1.30 / 1.41, Q8_0 0.78 / 0.84 / 0.91.
 MIN_ROWS = 8
+#: fewest activation rows per row block (:func:`block_rows`).
+MIN_BLOCK_ROWS = 64
 #: per kind: (32-blocks per record, chunk groups summed separately (Q6_K: 16-halves), signed).
 SPECS = {
     8: (1, (tuple(range(8)),), True),
@@ -354,11 +389,24 @@ def _aligned(nbytes):
 
 
 @njit(**JIT)
+def block_rows(kx):
+    """Activation rows per row block (:data:`~.ggml_gemm.BLOCK_BYTES` of int8 codes, L2), at
+    least :data:`MIN_BLOCK_ROWS` (the decode of a pair is amortized over a block)."""
+    return max(MIN_BLOCK_ROWS, BLOCK_BYTES // kx // ROWS * ROWS)
+
+
+@njit(**JIT)
 def panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc):
     """Groups ``g0 .. g1 - 1`` of ``out[:m]`` (activations already quantized, Q6_K's per-16
-    sums in ``xs16``): group pairs decoded once into a panel (module docstring), then all ``m``
-    activation rows in tiles of :data:`ROWS` and one at a time. Bitwise
-    ``ggml_packed._row_i8`` per output row."""
+    sums in ``xs16``): activation rows in blocks of :func:`block_rows`; per block, group pairs
+    decoded once into a panel (module docstring), then the block's rows in tiles of
+    :data:`ROWS` and one at a time. Bitwise ``ggml_packed._row_i8`` per output row."""
+    panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, block_rows(xq.shape[1]))
+
+
+@njit(**JIT)
+def panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, mb):
+    """:func:`panel_groups` with row blocks of ``mb`` rows."""
     nsub = 1 if kind == 6 or kind == 8 else 8
     nb = data.shape[1] * nsub
     pst = 256 * nb
@@ -366,26 +414,28 @@ def panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc):
     panel = _aligned(2 * pst)
     signs = _aligned(2 * pst if kind == 8 else 64)
     scales = _aligned(4 * 2 * sst).view(np.float32)
-    mt = m // ROWS * ROWS
-    g = g0
-    while g < g1:
-        g2 = g + 1 if g + 1 < g1 else g  # an odd last group: both slots, slot 1 not stored
-        _decode(kind, data, g, panel, 0, signs, scales, 0)
-        _decode(kind, data, g2, panel, pst, signs, scales, sst)
-        nslot = 2 if g2 != g else 1
-        for j0 in range(0, nslot, TILE_GROUPS):
-            for i0 in range(0, mt, ROWS):
-                acc = _tile(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst, xq,
-                            xd, xs8, xs16, i0)
-                for r in range(ROWS):
+    for ib in range(0, m, mb):
+        ie = min(m, ib + mb)
+        mt = ib + (ie - ib) // ROWS * ROWS
+        g = g0
+        while g < g1:
+            g2 = g + 1 if g + 1 < g1 else g  # an odd last group: both slots, slot 1 not stored
+            _decode(kind, data, g, panel, 0, signs, scales, 0)
+            _decode(kind, data, g2, panel, pst, signs, scales, sst)
+            nslot = 2 if g2 != g else 1
+            for j0 in range(0, nslot, TILE_GROUPS):
+                for i0 in range(ib, mt, ROWS):
+                    acc = _tile(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst,
+                                xq, xd, xs8, xs16, i0)
+                    for r in range(ROWS):
+                        for j in range(TILE_GROUPS):
+                            if j0 + j < nslot:
+                                store_group(acc[TILE_GROUPS * r + j], facc, g + j0 + j, i0 + r,
+                                            n, out)
+                for i in range(mt, ie):
+                    acc1 = _one(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst,
+                                xq, xd, xs8, xs16, i)
                     for j in range(TILE_GROUPS):
                         if j0 + j < nslot:
-                            store_group(acc[TILE_GROUPS * r + j], facc, g + j0 + j, i0 + r,
-                                        n, out)
-            for i in range(mt, m):
-                acc1 = _one(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst, xq,
-                            xd, xs8, xs16, i)
-                for j in range(TILE_GROUPS):
-                    if j0 + j < nslot:
-                        store_group(acc1[j], facc, g + j0 + j, i, n, out)
-        g += 2
+                            store_group(acc1[j], facc, g + j0 + j, i, n, out)
+            g += 2

@@ -98,3 +98,17 @@ def test_long_k_panel_beyond_l1():
     x = np.random.default_rng(3).standard_normal((m, k)).astype(np.float32)
     ref = naive_ref.linear_ggml_int8(gp.KINDS[name], blocks, x)
     assert np.array_equal(_bits(_panel_linear(x, packed, 2)), _bits(ref))
+
+
+@pytest.mark.parametrize("name", ("Q5_0", "Q6_K"))
+def test_row_blocks_bitwise(name):
+    """K = 8192: rows in blocks of ``block_rows`` (64 here), the last one with rows left over
+    (not a multiple of ROWS); the panel decoded once per (row block, group pair)."""
+    n, m, k = 21, 64 + 5, 8192
+    assert ggml_panel.block_rows.py_func(k) == 64
+    blocks = random_blocks(name, n, k, seed=11)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(11).standard_normal((m, k)).astype(np.float32)
+    ref = naive_ref.linear_ggml_int8(gp.KINDS[name], blocks, x)
+    assert np.array_equal(_bits(_panel_linear(x, packed, 1)), _bits(ref))
+    assert np.array_equal(_bits(gp.linear_ggml_i8(x, packed)), _bits(ref))
