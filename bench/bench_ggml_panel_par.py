@@ -56,35 +56,40 @@ def random_blocks(name, n, k, rng):
     return b
 
 
+def measure(name, n, k, m, rounds, rng):
+    """(ggml_gemm, panel) GMAC/s, best of ``rounds`` alternating rounds."""
+    pk = gp.prepack_ggml(name, random_blocks(name, n, k, rng), n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ws = gp.make_workspace_ggml(m, k, 2)
+    y0 = np.empty((m, n), np.float32)
+    y1 = np.empty((m, n), np.float32)
+
+    def old():
+        _old_par(pk.kind, pk.data, x, m, k, n, y0, 2, ws.xq, ws.xd, ws.xs8, ws.xs16, ws.xsum,
+                 ws.facc)
+
+    def new():
+        gp.linear_ggml_i8(x, pk, y1, ws)
+    old()
+    new()
+    assert np.array_equal(y0.view(np.uint32), y1.view(np.uint32))
+    best = [np.inf, np.inf]
+    for _ in range(rounds):
+        for v, f in enumerate((old, new)):
+            t0 = time.perf_counter()
+            f()
+            f()
+            best[v] = min(best[v], (time.perf_counter() - t0) / 2)
+    return [m * n * k / b / 1e9 for b in best]
+
+
 def main(m=128, rounds=9):
     numba.set_num_threads(2)
     rng = np.random.default_rng(0)
     for name, n, k in CASES:
-        pk = gp.prepack_ggml(name, random_blocks(name, n, k, rng), n, k)
-        x = rng.standard_normal((m, k)).astype(np.float32)
-        ws = gp.make_workspace_ggml(m, k, 2)
-        y0 = np.empty((m, n), np.float32)
-        y1 = np.empty((m, n), np.float32)
-
-        def old():
-            _old_par(pk.kind, pk.data, x, m, k, n, y0, 2, ws.xq, ws.xd, ws.xs8, ws.xs16,
-                     ws.xsum, ws.facc)
-
-        def new():
-            gp.linear_ggml_i8(x, pk, y1, ws)
-        old()
-        new()
-        assert np.array_equal(y0.view(np.uint32), y1.view(np.uint32))
-        best = [np.inf, np.inf]
-        for _ in range(rounds):
-            for v, f in enumerate((old, new)):
-                t0 = time.perf_counter()
-                f()
-                f()
-                best[v] = min(best[v], (time.perf_counter() - t0) / 2)
-        g = [m * n * k / b / 1e9 for b in best]
+        g = measure(name, n, k, m, rounds, rng)
         print(f"{name} {n}x{k} M={m} 2 threads GMAC/s ggml_gemm {g[0]:.1f} panel {g[1]:.1f} "
-              f"ratio {best[0] / best[1]:.2f}", flush=True)
+              f"ratio {g[1] / g[0]:.2f}", flush=True)
 
 
 if __name__ == "__main__":
