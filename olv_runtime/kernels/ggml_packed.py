@@ -83,6 +83,7 @@ from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
 from .ggml_gemm import ROWS, ROWS_F32, block_rows, rows_f32, rows_i8
+from .ggml_panel import panel_groups, use_panel
 from .ggml_ir import (
     F32,
     I32,
@@ -411,7 +412,11 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
     :func:`~.ggml_gemm.block_rows` (their codes stay in L2 while the groups stream), within a
     block in chunks of :data:`~.ggml_gemm.ROWS` (int8 mode, :func:`~.ggml_gemm.rows_i8`) or
     :data:`~.ggml_gemm.ROWS_F32` (exact mode, :func:`~.ggml_gemm.rows_f32`), each record decoded
-    once per chunk; the rows left over one at a time (bitwise the same results)."""
+    once per chunk; the rows left over one at a time (bitwise the same results). int8 mode on
+    the AVX2 path when :func:`~.ggml_panel.use_panel`: :func:`~.ggml_panel.panel_groups`."""
+    if quant and not vnni and use_panel(kind, m):
+        panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc)
+        return
     mb = block_rows(xq.shape[1] if quant else 4 * x.shape[1])
     for ib in range(0, m, mb):
         ie = min(m, ib + mb)

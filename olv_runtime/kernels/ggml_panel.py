@@ -1,0 +1,441 @@
+"""Panel GEMM for prefill on the ggml group records (Q8_0, Q5_0, Q4_K, Q6_K), int8 mode, AVX2.
+
+:mod:`.ggml_gemm` decodes a record (nibbles, high bits, 6-bit scales) once per
+:data:`~.ggml_gemm.ROWS` = 4 activation rows, so at prefill the decode is repeated ``M / 4``
+times per record and past 4 rows the registers run out. Here a task decodes a *pair* of 8-row
+groups once per row block (up to :func:`block_rows` activation rows, at least 64, L2-resident)
+into an int8 *panel* (the exact codes the multiply reads, plus the per-block scales as small
+arrays) and then runs the block's rows against it: the decode is amortized over the block and
+the inner loop is loads, ``vpbroadcastd``, ``vpmaddubsw``, ``vpaddw`` and a short float epilogue
+(the technique of large-batch quantized GEMMs that first convert a weight tile to a
+multiply-friendly form; no code copied from any of them).
+
+Panel layout (per task, two slots ``j = 0, 1`` for groups ``g, g + 1``; ``nb = K / 32``):
+
+* ``codes`` uint8 ``[2, nb, 8, 32]``: for 32-block ``b``, chunk ``t``, byte ``4r + i`` = the
+  unsigned code ``U_t`` of :func:`~.ggml_gemm._chunk` (Q5_0 ``lo | h << 4`` = q + 16, Q4_K q
+  0..15, Q6_K q + 32), Q8_0 ``|q|`` (the sign trick of :mod:`.ggml_packed`);
+* ``signs`` uint8 ``[2, nb, 8, 32]`` (Q8_0 only): ``q`` itself, for ``vpsignb(x, q)``;
+* ``scales`` float32 ``[2, nb, 3, 8]`` (one float32 x 8 lanes per slot): Q8_0 / Q5_0 ``[d, -, -]``;
+  Q4_K ``[d sc_b, dmin m_b, -]`` (the float32 products of the one-row kernel); Q6_K ``[d,
+  sc_0, sc_1]`` (the two 16-halves' int8 scales as int32 bits).
+
+Per task: row blocks, then group pairs in order (an odd last group decoded into both slots, slot
+1 not stored); per pair, the block's activation rows in tiles of :data:`ROWS` = 2 rows x
+:data:`TILE_GROUPS` = 2 slots (the rows left over one at a time), per tile the 32-blocks in
+order, per block chunk-outer: each chunk's two panel vectors loaded once, each row's 4
+activation bytes broadcast once and used for both groups (as :mod:`.packed_i8_gemm`'s AVX2
+tile), ``vpmaddubsw`` pair sums added in int16 over :data:`~.ggml_gemm.I16_TERMS` chunks,
+``vpmaddwd`` with ones, then per (row, group) the epilogue. Adding a kind: its decode in
+:func:`~.ggml_gemm._chunk`, a :data:`SPECS` entry, its panel scales in :func:`_emit_decode` and
+its epilogue in :func:`_epilogue`.
+
+Bitwise equality with ``ggml_packed._row_i8`` (and tests/reference.py ``linear_ggml_int8``): the
+int32 sums per (row, 32-block or 16-half) are exact on every path; the float32 operations per
+(row, block) are the one-row kernel's in its order (no FMA, fastmath off):
+
+* Q8_0: ``a + float(S) * (d * d_x)``; Q5_0: ``a + float(S - 16 sum xq) * (d * d_x)``;
+* Q4_K: ``a + ((d sc) float(S) - (dmin m) float(sum xq)) * d_x`` (``d sc``, ``dmin m`` computed
+  by the same float32 multiply at decode and stored);
+* Q6_K: ``a + float(sc_0 (S_0 - 32 s_0) + sc_1 (S_1 - 32 s_1)) * (d * d_x)``.
+
+Used by :func:`~.ggml_packed._groups` when :func:`use_panel` (from :data:`MIN_ROWS` activation
+rows, AVX2 path, every kind but Q8_0; on a VNNI host the ``vpdpbusd`` kernels of
+:mod:`.ggml_gemm` keep the job: not measured there).
+
+Measured (``python bench/bench_ggml_panel.py --rounds 5 --ms 128,512``: one thread, panel vs
+ggml_gemm alternating in one process, best of 5 rounds, GMAC/s; a shared 2-core Zen 3 with load
+~4, so single figures are noisy, the ratios less so). Panel / ggml_gemm at M = 128 / 512 on
+Qwen2.5-0.5B's shapes N x K (Q4_K / Q6_K with K = 896 rounded up to 1024):
+
+=====  ===========  ===========  ===========  ===========
+kind   896 x 896    128 x 896    4864 x 896   896 x 4864
+=====  ===========  ===========  ===========  ===========
+Q5_0   1.50 / 0.97  1.17 / 1.30  1.61 / 1.16  1.49 / 1.37
+Q4_K   1.73 / 1.76  1.14 / 1.39  1.15 / 1.28  1.20 / 1.67
+Q6_K   1.59 / 1.18  1.21 / 1.25  1.23 / 1.21  1.22 / 1.29
+Q8_0   1.07 / 1.15  1.00 / 0.99  0.63 / 0.92  1.11 / 1.01
+=====  ===========  ===========  ===========  ===========
+
+(panel GMAC/s 25-62, ggml_gemm 16-52.) llvm-mca (``-mcpu=znver3``) on the tile loops: see
+:data:`ROWS`; the remaining limit is the four FP pipes (``vpmaddubsw``, ``vpaddw``, the
+broadcasts and the float epilogue all compete for them), not the decode.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from .config import JIT
+from .ggml_gemm import BLOCK_BYTES, I16_TERMS, _chunk
+from .ggml_ir import (
+    F32,
+    I32,
+    LV8F32,
+    LV8I32,
+    LV16I16,
+    LV32I8,
+    Emit,
+    k4_scales,
+    load_f32,
+    load_i32,
+    xbcast,
+)
+from .packed_i8 import V8F32, check_array_arg, elem_ptr, splat, store_group
+
+__all__ = ["MIN_ROWS", "ROWS", "SPECS", "TILE_GROUPS", "block_rows", "panel_groups", "panel_rows",
+           "use_panel"]
+
+#: activation rows per tile (llvm-mca -mcpu=znver3 on the tile loops, MAC per cycle, (slots,
+#: rows) = (2, 2) / (1, 4) / (2, 3) / (2, 4): Q5_0 35.2 / 28.4 / 33.6 / 32.0, Q4_K 32.9 / 28.9
+#: / 32.6 / 34.1, Q6_K 27.9 / 24.9 / 27.5 / 27.8, Q8_0 23.2 / 22.5 / 23.2 / 23.5; (2, 2) is the
+#: only one without spills in the loop (ggml_gemm's rows_i8: 19-24)).
+ROWS = 2
+#: panel slots (8-row groups) per tile: each row's broadcast activations serve both.
+TILE_GROUPS = 2
+#: :func:`~.ggml_packed._groups` runs the panel from this many activation rows (AVX2 path;
+#: Q8_0 never, see :func:`use_panel`). bench/bench_ggml_panel.py, 896x896, one thread: panel /
+#: ggml_gemm at M = 8 / 16 / 32: Q5_0 1.03 / 1.11 / 1.21, Q4_K 1.21 / 1.26 / 1.33, Q6_K 1.16 /
+#: 1.30 / 1.41, Q8_0 0.78 / 0.84 / 0.91.
+MIN_ROWS = 8
+#: fewest activation rows per row block (:func:`block_rows`).
+MIN_BLOCK_ROWS = 64
+#: per kind: (32-blocks per record, chunk groups summed separately (Q6_K: 16-halves), signed).
+SPECS = {
+    8: (1, (tuple(range(8)),), True),
+    6: (1, (tuple(range(8)),), False),
+    12: (8, (tuple(range(8)),), False),
+    14: (8, ((0, 1, 2, 3), (4, 5, 6, 7)), False),
+}
+#: float32 x 8 slots of panel scales per 32-block.
+NSC = 3
+
+
+def _store(context, builder, aty, arr, off, val):
+    builder.store(val, elem_ptr(context, builder, aty, arr, off, val.type), align=1)
+
+
+def _emit_decode(kind, context, builder, sig, args):
+    """One record -> the panel: codes (and Q8_0 signs) of its ``nsub`` 32-blocks at byte ``po``,
+    scales at float ``so`` (layout of the module docstring)."""
+    dat, ro, pan, po, sgn, psc, so = args
+    at = sig.args
+    e = Emit(context, builder, at[0], dat, ro)
+    nsub = SPECS[kind][0]
+    absb = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(LV32I8, [LV32I8, ir.IntType(1)]), "llvm.abs.v32i8")
+    d = e.f16x8(0)
+    dmin = e.f16x8(16) if kind == 12 else None
+    for sub in range(nsub):
+        for t in range(8):
+            u = _chunk(e, kind, sub, t)
+            o = builder.add(po, ir.Constant(po.type, 256 * sub + 32 * t))
+            if kind == 8:
+                q = builder.xor(u, ir.Constant(LV32I8, [0x80] * 32))
+                _store(context, builder, at[4], sgn, o, q)
+                u = builder.call(absb, [q, ir.Constant(ir.IntType(1), 0)])
+            _store(context, builder, at[2], pan, o, u)
+        so_s = builder.add(so, ir.Constant(so.type, 8 * NSC * sub))
+
+        def put(slot, v, so_s=so_s):
+            _store(context, builder, at[5], psc,
+                   builder.add(so_s, ir.Constant(so.type, 8 * slot)), v)
+        if kind == 12:
+            sc, mn = k4_scales(e, sub)
+            put(0, builder.fmul(d, builder.sitofp(sc, LV8F32)))
+            put(1, builder.fmul(dmin, builder.sitofp(mn, LV8F32)))
+        elif kind == 14:
+            put(0, d)
+            put(1, builder.bitcast(e.bytes8(16 + 8 * (2 * sub), signed=True), LV8F32))
+            put(2, builder.bitcast(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), LV8F32))
+        else:
+            put(0, d)
+    return context.get_dummy_value()
+
+
+def _make_decode(kind):
+    @intrinsic
+    def dec(typingctx, data, roff, panel, po, signs, scales, so):
+        if not (check_array_arg(data, types.uint8) and check_array_arg(panel, types.uint8)
+                and check_array_arg(signs, types.uint8)
+                and check_array_arg(scales, types.float32)):
+            return None
+        sig = types.none(data, types.intp, panel, types.intp, signs, scales, types.intp)
+        return sig, (lambda context, builder, sig, args:
+                     _emit_decode(kind, context, builder, sig, args))
+    return dec
+
+
+def _epilogue(kind, builder, a, sums, sc, xd, x8, t16):
+    """``a`` + the float32 operations of ``ggml_packed._make_rec_i8`` for one (row, group,
+    32-block): ``sums`` the exact int32 lanes per chunk group, ``sc`` the panel scale slots,
+    ``xd`` the row's d_x (splat), ``x8`` = 8 sum(xq) (int32), ``t16`` the two 16-half sums."""
+    if kind == 14:
+        c32 = ir.Constant(I32, 32)
+        s0 = builder.sub(sums[0], splat(builder, builder.mul(t16[0], c32), LV8I32))
+        s1 = builder.sub(sums[1], splat(builder, builder.mul(t16[1], c32), LV8I32))
+        sc0 = builder.bitcast(sc[1], LV8I32)
+        sc1 = builder.bitcast(sc[2], LV8I32)
+        tot = builder.add(builder.mul(sc0, s0), builder.mul(sc1, s1))
+        return builder.fadd(a, builder.fmul(builder.sitofp(tot, LV8F32),
+                                            builder.fmul(sc[0], xd)))
+    (s,) = sums
+    if kind == 12:
+        sx = builder.sitofp(builder.ashr(x8, ir.Constant(I32, 3)), F32)
+        f = builder.fsub(builder.fmul(sc[0], builder.sitofp(s, LV8F32)),
+                         builder.fmul(sc[1], splat(builder, sx, LV8F32)))
+        return builder.fadd(a, builder.fmul(f, xd))
+    if kind == 6:
+        s = builder.sub(s, splat(builder, builder.shl(x8, ir.Constant(I32, 1)), LV8I32))
+    return builder.fadd(a, builder.fmul(builder.sitofp(s, LV8F32), builder.fmul(sc[0], xd)))
+
+
+def _emit_tile(kind, ngr, nrows, context, builder, sig, args):
+    """One 32-block for ``nrows`` activation rows x ``ngr`` panel slots (from ``po`` / ``so``,
+    ``pst`` / ``sst`` apart): ``acc[ngr r + j]`` (row ``r``, slot ``j``) += the block's
+    contribution (module docstring). Chunk-outer: per chunk the slots' panel vectors are loaded
+    once and each row's broadcast activations serve every slot; live: the ``ngr nrows`` int16
+    sums and float32 accumulators, ``ngr`` panel vectors (Q8_0: and their signs), one
+    broadcast."""
+    accs, pan, po, pst, sgn, psc, so, sst, xqa, xo, kx, xda, s8a, s16a, bo, kbx = args
+    at = sig.args
+    a = [builder.extract_value(accs, i) for i in range(ngr * nrows)]
+    _, groups, signed = SPECS[kind]
+    terms = I16_TERMS[kind]
+
+    def fn(name, ret, argt):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argt), name)
+    mub = fn("llvm.x86.avx2.pmadd.ub.sw", LV16I16, [LV32I8, LV32I8])
+    mwd = fn("llvm.x86.avx2.pmadd.wd", LV8I32, [LV16I16, LV16I16])
+    psign = fn("llvm.x86.avx2.psign.b", LV32I8, [LV32I8, LV32I8])
+    ones = ir.Constant(LV16I16, [1] * 16)
+    pj = [po]
+    sj = [so]
+    for _ in range(1, ngr):
+        pj.append(builder.add(pj[-1], pst))
+        sj.append(builder.add(sj[-1], sst))
+
+    def pvec(arr_i, arr, j, t):
+        o = builder.add(pj[j], ir.Constant(po.type, 32 * t))
+        return builder.load(elem_ptr(context, builder, at[arr_i], arr, o, LV32I8), align=1)
+    xr = [builder.add(xo, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
+    br = [builder.add(bo, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
+    sums = [[None] * len(groups) for _ in range(ngr * nrows)]
+    for gi, grp in enumerate(groups):
+        s16 = [None] * (ngr * nrows)
+        for c, t in enumerate(grp):
+            us = [pvec(1, pan, j, t) for j in range(ngr)]
+            qs = [pvec(4, sgn, j, t) for j in range(ngr)] if signed else None
+            for r in range(nrows):
+                xb = xbcast(context, builder, at[8], xqa, xr[r], t)
+                for j in range(ngr):
+                    x2 = builder.call(psign, [xb, qs[j]]) if signed else xb
+                    p = builder.call(mub, [us[j], x2])
+                    i = ngr * r + j
+                    s16[i] = p if s16[i] is None else builder.add(s16[i], p)
+                    if (c + 1) % terms == 0 or c + 1 == len(grp):
+                        w = builder.call(mwd, [s16[i], ones])
+                        sums[i][gi] = w if sums[i][gi] is None else builder.add(sums[i][gi], w)
+                        s16[i] = None
+    for r in range(nrows):
+        xd = splat(builder, load_f32(context, builder, at[11], xda, br[r]), LV8F32)
+        x8 = load_i32(context, builder, at[12], s8a, br[r]) if kind in (6, 12) else None
+        t16 = None
+        if kind == 14:
+            i16 = builder.mul(br[r], ir.Constant(br[r].type, 2))
+            t16 = [load_i32(context, builder, at[13], s16a, i16),
+                   load_i32(context, builder, at[13], s16a,
+                            builder.add(i16, ir.Constant(i16.type, 1)))]
+        for j in range(ngr):
+            sc = [builder.load(elem_ptr(context, builder, at[5], psc,
+                                        builder.add(sj[j], ir.Constant(so.type, 8 * s)),
+                                        LV8F32), align=1) for s in range(NSC)]
+            i = ngr * r + j
+            a[i] = _epilogue(kind, builder, a[i], sums[i], sc, xd, x8, t16)
+    return context.make_tuple(builder, sig.return_type, a)
+
+
+def _make_tile(kind, ngr, nrows):
+    tup = types.UniTuple(V8F32, ngr * nrows)
+
+    @intrinsic
+    def tile(typingctx, accs, panel, po, pst, signs, scales, so, sst, xq, xo, kx, xd, xs8,
+             xs16, bo, kbx):
+        if not (accs == tup and check_array_arg(panel, types.uint8)
+                and check_array_arg(signs, types.uint8)
+                and check_array_arg(scales, types.float32) and check_array_arg(xq, types.int8)
+                and check_array_arg(xd, types.float32) and check_array_arg(xs8, types.int32)
+                and check_array_arg(xs16, types.int32)):
+            return None
+        ip = types.intp
+        sig = tup(tup, panel, ip, ip, signs, scales, ip, ip, xq, ip, ip, xd, xs8, xs16, ip, ip)
+        return sig, (lambda context, builder, sig, args:
+                     _emit_tile(kind, ngr, nrows, context, builder, sig, args))
+    return tile
+
+
+def _make_zeros(n):
+    @intrinsic
+    def zeros(typingctx):
+        tup = types.UniTuple(V8F32, n)
+
+        def codegen(context, builder, sig, args):
+            return context.make_tuple(builder, tup, [ir.Constant(LV8F32, [0.0] * 8)] * n)
+        return tup(), codegen
+    return zeros
+
+
+_zeros = _make_zeros(TILE_GROUPS * ROWS)
+_zeros1 = _make_zeros(TILE_GROUPS)
+_dec_q8_0, _dec_q5_0, _dec_q4_k, _dec_q6_k = (_make_decode(k) for k in (8, 6, 12, 14))
+_tile_q8_0, _tile_q5_0, _tile_q4_k, _tile_q6_k = (_make_tile(k, TILE_GROUPS, ROWS)
+                                                  for k in (8, 6, 12, 14))
+_one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k = (_make_tile(k, TILE_GROUPS, 1)
+                                              for k in (8, 6, 12, 14))
+
+
+@njit(**JIT)
+def use_panel(kind, m):
+    """True when :func:`~.ggml_packed._groups` should run :func:`panel_groups` for ``m`` rows
+    (AVX2 path): from :data:`MIN_ROWS` rows, every kind but Q8_0 (whose sign trick costs a
+    ``vpsignb`` per multiply here as in :mod:`.ggml_gemm`, and the panel measured 0.8-1.0x it)."""
+    return kind != 8 and m >= MIN_ROWS
+
+
+@njit(**JIT)
+def _decode(kind, data, g, panel, po, signs, scales, so):
+    """Every record of group ``g`` into the panel slot at byte ``po`` / float ``so``."""
+    nrec = data.shape[1]
+    rb = data.shape[2]
+    nsub = 1 if kind == 6 or kind == 8 else 8
+    for s in range(nrec):
+        ro = (g * nrec + s) * rb
+        p = po + 256 * nsub * s
+        q = so + 8 * NSC * nsub * s
+        if kind == 8:
+            _dec_q8_0(data, ro, panel, p, signs, scales, q)
+        elif kind == 6:
+            _dec_q5_0(data, ro, panel, p, signs, scales, q)
+        elif kind == 12:
+            _dec_q4_k(data, ro, panel, p, signs, scales, q)
+        else:
+            _dec_q6_k(data, ro, panel, p, signs, scales, q)
+
+
+@njit(**JIT)
+def _tile(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i0):
+    """Activation rows ``i0 .. i0 + ROWS - 1`` x both slots: ``2 ROWS`` float32 x 8
+    accumulators (``[2r + j]``)."""
+    kx = xq.shape[1]
+    kbx = xd.shape[1]
+    xo = i0 * kx
+    bo = i0 * kbx
+    acc = _zeros()
+    if kind == 8:
+        for b in range(nb):
+            acc = _tile_q8_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 6:
+        for b in range(nb):
+            acc = _tile_q5_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 12:
+        for b in range(nb):
+            acc = _tile_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    else:
+        for b in range(nb):
+            acc = _tile_q6_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    return acc
+
+
+@njit(**JIT)
+def _one(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i):
+    """Activation row ``i`` x both slots (``[j]``)."""
+    kx = xq.shape[1]
+    kbx = xd.shape[1]
+    xo = i * kx
+    bo = i * kbx
+    acc = _zeros1()
+    if kind == 8:
+        for b in range(nb):
+            acc = _one_q8_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 6:
+        for b in range(nb):
+            acc = _one_q5_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 12:
+        for b in range(nb):
+            acc = _one_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    else:
+        for b in range(nb):
+            acc = _one_q6_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    return acc
+
+
+@njit(**JIT)
+def _aligned(nbytes):
+    """A 64-byte aligned uint8 buffer of ``nbytes`` (sliced from a larger one)."""
+    raw = np.empty(nbytes + 64, np.uint8)
+    off = (64 - raw.ctypes.data % 64) % 64
+    return raw[off:off + nbytes]
+
+
+@njit(**JIT)
+def block_rows(kx):
+    """Activation rows per row block (:data:`~.ggml_gemm.BLOCK_BYTES` of int8 codes, L2), at
+    least :data:`MIN_BLOCK_ROWS` (the decode of a pair is amortized over a block)."""
+    return max(MIN_BLOCK_ROWS, BLOCK_BYTES // kx // ROWS * ROWS)
+
+
+@njit(**JIT)
+def panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc):
+    """Groups ``g0 .. g1 - 1`` of ``out[:m]`` (activations already quantized, Q6_K's per-16
+    sums in ``xs16``): activation rows in blocks of :func:`block_rows`; per block, group pairs
+    decoded once into a panel (module docstring), then the block's rows in tiles of
+    :data:`ROWS` and one at a time. Bitwise ``ggml_packed._row_i8`` per output row."""
+    panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, block_rows(xq.shape[1]))
+
+
+@njit(**JIT)
+def panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, mb):
+    """:func:`panel_groups` with row blocks of ``mb`` rows."""
+    nsub = 1 if kind == 6 or kind == 8 else 8
+    nb = data.shape[1] * nsub
+    pst = 256 * nb
+    sst = 8 * NSC * nb
+    panel = _aligned(2 * pst)
+    signs = _aligned(2 * pst if kind == 8 else 64)
+    scales = _aligned(4 * 2 * sst).view(np.float32)
+    for ib in range(0, m, mb):
+        ie = min(m, ib + mb)
+        mt = ib + (ie - ib) // ROWS * ROWS
+        g = g0
+        while g < g1:
+            g2 = g + 1 if g + 1 < g1 else g  # an odd last group: both slots, slot 1 not stored
+            _decode(kind, data, g, panel, 0, signs, scales, 0)
+            _decode(kind, data, g2, panel, pst, signs, scales, sst)
+            nslot = 2 if g2 != g else 1
+            for j0 in range(0, nslot, TILE_GROUPS):
+                for i0 in range(ib, mt, ROWS):
+                    acc = _tile(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst,
+                                xq, xd, xs8, xs16, i0)
+                    for r in range(ROWS):
+                        for j in range(TILE_GROUPS):
+                            if j0 + j < nslot:
+                                store_group(acc[TILE_GROUPS * r + j], facc, g + j0 + j, i0 + r,
+                                            n, out)
+                for i in range(mt, ie):
+                    acc1 = _one(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst,
+                                xq, xd, xs8, xs16, i)
+                    for j in range(TILE_GROUPS):
+                        if j0 + j < nslot:
+                            store_group(acc1[j], facc, g + j0 + j, i, n, out)
+            g += 2
