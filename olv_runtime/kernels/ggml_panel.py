@@ -300,9 +300,11 @@ _one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k = (_make_tile(k, TILE_GROUPS, 1)
 @njit(**JIT)
 def use_panel(kind, m):
     """True when :func:`~.ggml_packed._groups` should run :func:`panel_groups` for ``m`` rows
-    (AVX2 path): from :data:`MIN_ROWS` rows, every kind but Q8_0 (whose sign trick costs a
-    ``vpsignb`` per multiply here as in :mod:`.ggml_gemm`, and the panel measured 0.8-1.0x it)."""
-    return kind != 8 and m >= MIN_ROWS
+    (AVX2 path): from :data:`MIN_ROWS` rows, for Q5_0, Q4_K and Q6_K. Not Q8_0 (its sign trick
+    costs a ``vpsignb`` per multiply here as in :mod:`.ggml_gemm`, and the panel measured
+    0.8-1.0x it); not yet Q4_1, Q5_1 and Q5_K (no :data:`SPECS` entry, decode scales or
+    epilogue here: they stay on :mod:`.ggml_gemm`)."""
+    return (kind == 6 or kind == 12 or kind == 14) and m >= MIN_ROWS
 
 
 @njit(**JIT)

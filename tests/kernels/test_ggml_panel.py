@@ -112,3 +112,12 @@ def test_row_blocks_bitwise(name):
     ref = naive_ref.linear_ggml_int8(gp.KINDS[name], blocks, x)
     assert np.array_equal(_bits(_panel_linear(x, packed, 1)), _bits(ref))
     assert np.array_equal(_bits(gp.linear_ggml_i8(x, packed)), _bits(ref))
+
+
+def test_use_panel_only_for_kinds_it_decodes():
+    """Every ggml_packed kind the panel is chosen for has a SPECS entry (Q4_1 / Q5_1 / Q5_K and
+    Q8_0 stay on ggml_gemm)."""
+    chosen = {k for k in gp.KINDS.values() if ggml_panel.use_panel(k, 64)}
+    assert chosen == {6, 12, 14}
+    assert chosen <= set(ggml_panel.SPECS)
+    assert not any(ggml_panel.use_panel(k, ggml_panel.MIN_ROWS - 1) for k in gp.KINDS.values())
