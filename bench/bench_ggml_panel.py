@@ -27,6 +27,7 @@ from olv_runtime.kernels import ggml_gemm as gg
 from olv_runtime.kernels import ggml_packed as gp
 from olv_runtime.kernels import ggml_panel as gpl
 from olv_runtime.kernels.packed_i8 import quantize_rows_i8, store_group
+from bench_ggml_gemm import random_blocks  # bench/: the same random valid blocks
 
 
 @njit(**config.JIT)
@@ -53,17 +54,6 @@ def _panel_ser(kind, data, x, m, k, n, out, xq, xd, xs8, xs16, xsum, facc):
     quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
     gp._act_sums(kind, m, k, xq, xs16, x, xsum, True)
     gpl.panel_groups(kind, data, np.int64(0), data.shape[0], xq, xd, xs8, xs16, m, n, out, facc)
-
-
-def random_blocks(name, n, k, rng):
-    bs, ts = gp.BLOCKS[gp.KINDS[name]]
-    b = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
-    off = 208 if name == "Q6_K" else 0
-    d = rng.uniform(0.001, 0.01, size=b.shape[:2]).astype(np.float16)
-    b[..., off:off + 2] = d.view(np.uint8).reshape(*b.shape[:2], 2)
-    if name == "Q4_K":
-        b[..., 2:4] = d.view(np.uint8).reshape(*b.shape[:2], 2)
-    return b
 
 
 def measure(name, n, k, m, rounds, rng):

@@ -17,6 +17,7 @@ from olv_runtime.kernels import config
 from olv_runtime.kernels import ggml_gemm as gg
 from olv_runtime.kernels import ggml_packed as gp
 from olv_runtime.kernels.packed_i8 import quantize_rows_i8, store_group
+from bench_ggml_gemm import random_blocks  # bench/: the same random valid blocks
 
 CASES = (("Q5_0", 896, 896), ("Q5_0", 4864, 896), ("Q5_0", 896, 4864), ("Q6_K", 896, 4864),
          ("Q4_K", 4864, 1024))
@@ -43,17 +44,6 @@ def _old_par(kind, data, x, m, k, n, out, ntasks, xq, xd, xs8, xs16, xsum, facc)
                 for i in range(i0, ie):
                     acc = gp._row_i8(kind, data, g, xq, xd, xs8, xs16, i, False)
                     store_group(acc, facc[task], g, i, n, out)
-
-
-def random_blocks(name, n, k, rng):
-    bs, ts = gp.BLOCKS[gp.KINDS[name]]
-    b = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
-    off = 208 if name == "Q6_K" else 0
-    d = rng.uniform(0.001, 0.01, size=b.shape[:2]).astype(np.float16)
-    b[..., off:off + 2] = d.view(np.uint8).reshape(*b.shape[:2], 2)
-    if name == "Q4_K":
-        b[..., 2:4] = d.view(np.uint8).reshape(*b.shape[:2], 2)
-    return b
 
 
 def measure(name, n, k, m, rounds, rng):
