@@ -128,7 +128,7 @@ def test_avx2_tile_shares_each_broadcast_between_two_groups():
 
     from olv_runtime.kernels import packed_i8_gemm
 
-    fresh = njit(packed_i8_gemm._pair_tile2.py_func)  # cached code cannot be inspected
+    fresh = njit(packed_i8_gemm._pair_tiles2.py_func)  # cached code cannot be inspected
     codes = np.zeros((2, 1, 128), np.uint8)
     scale = np.zeros((2, 1, 8), np.uint16)
     xq = np.zeros((4, 32), np.int8)
@@ -136,7 +136,7 @@ def test_avx2_tile_shares_each_broadcast_between_two_groups():
     xs8 = np.zeros((4, 1), np.int32)
     out = np.full((4, 16), 1.0, np.float32)
     facc = np.zeros((1, 8), np.float32)
-    fresh(codes, scale, 0, xq, xd, xs8, 0, 16, out, facc)
+    fresh(codes, scale, 0, xq, xd, xs8, 0, 4, 16, out, facc)
     np.testing.assert_array_equal(out, 0.0)
     asm = fresh.inspect_asm(fresh.signatures[0])
     maddubs = asm.count("vpmaddubsw")
