@@ -36,6 +36,7 @@ from olv_runtime import kernels
 from olv_runtime.decoding.ggml_native import release_pages
 from olv_runtime.errors import InvalidArgument
 from olv_runtime.kernels import packed_i8
+from olv_runtime.kernels.activations import silu_mul_np
 from olv_runtime.kernels.dispatch import LinearMode, WeightFormat, dispatch
 from olv_runtime.kernels.packed_i8 import prepack_int4_i8
 from olv_runtime.kv import contiguous as kv
@@ -368,7 +369,6 @@ def _concat_rows(payloads, shapes) -> np.ndarray:
 
 
 _F32 = np.dtype(np.float32)
-_SILU_CHUNK = 32768  # elements per pass of the SiLU step (128 KiB of float32)
 
 
 class SiluMul:
@@ -383,21 +383,10 @@ class SiluMul:
                 f"node {self.name!r} (SiluMul): expected float32 g and u of one shape, got "
                 f"{g.dtype}{list(g.shape)} and {u.dtype}{list(u.shape)}"
             )
-        # numpy's SIMD exp is several times faster than a scalar libm exp in a numba loop; the
-        # operations are exactly those of the unfused Sigmoid (1 / (1 + exp(-g))) and two Muls.
+        # the operations of the unfused Sigmoid (1 / (1 + exp(-g))) and two Muls, numpy's exp
         out = empty(g.shape, np.float32)
         n = g.shape[-1] if g.ndim else 1
-        g2, u2, o2 = g.reshape(-1, n), u.reshape(-1, n), out.reshape(-1, n)
-        rows = max(1, _SILU_CHUNK // max(n, 1))  # row chunks that stay in L2 across the passes
-        with np.errstate(over="ignore"):
-            for r0 in range(0, g2.shape[0], rows):
-                gc, uc, oc = g2[r0:r0 + rows], u2[r0:r0 + rows], o2[r0:r0 + rows]
-                np.negative(gc, out=oc)
-                np.exp(oc, out=oc)
-                np.add(oc, np.float32(1.0), out=oc)
-                np.divide(np.float32(1.0), oc, out=oc)
-                np.multiply(gc, oc, out=oc)
-                np.multiply(oc, uc, out=oc)
+        silu_mul_np(g.reshape(-1, n), u.reshape(-1, n), out.reshape(-1, n))
         return (out,)
 
 
