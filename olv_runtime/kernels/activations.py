@@ -12,7 +12,14 @@ import math
 import numpy as np
 from numba import njit, prange, vectorize
 
-from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_out, get_num_threads
+from .config import (
+    JIT,
+    PARALLEL_MIN_WORK,
+    PJIT,
+    check_array,
+    check_out,
+    get_num_threads,
+)
 
 __all__ = ["silu_mul", "silu_mul_np"]
 
