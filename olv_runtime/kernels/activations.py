@@ -6,22 +6,14 @@ unfused numpy evaluation to ~1 ulp: ``exp`` implementations differ in the last b
 """
 from __future__ import annotations
 
-import concurrent.futures
 import math
 
 import numpy as np
 from numba import njit, prange, vectorize
 
-from .config import (
-    JIT,
-    PARALLEL_MIN_WORK,
-    PJIT,
-    check_array,
-    check_out,
-    get_num_threads,
-)
+from .config import JIT, PARALLEL_MIN_WORK, PJIT, check_array, check_out
 
-__all__ = ["silu_mul", "silu_mul_np"]
+__all__ = ["silu_mul"]
 
 
 @njit(**JIT)
@@ -70,61 +62,6 @@ def silu_mul(g: np.ndarray, u: np.ndarray, out=None) -> np.ndarray:
     elif gf.size:
         _silu_mul_ser(gf, uf, of)
     return out
-
-
-#: float32 elements per pass of :func:`silu_mul_np` (128 KiB: g, u and out chunks stay in L2).
-NP_CHUNK = 32768
-_POOL: list = []  # [ThreadPoolExecutor, its worker count]: made at the first parallel call
-
-
-def _silu_np_rows(g2, u2, o2, r0, r1):
-    rows = max(1, NP_CHUNK // max(g2.shape[1], 1))
-    with np.errstate(over="ignore"):
-        for a in range(r0, r1, rows):
-            b = min(a + rows, r1)
-            gc, uc, oc = g2[a:b], u2[a:b], o2[a:b]
-            np.negative(gc, out=oc)
-            np.exp(oc, out=oc)
-            np.add(oc, np.float32(1.0), out=oc)
-            np.divide(np.float32(1.0), oc, out=oc)
-            np.multiply(gc, oc, out=oc)
-            np.multiply(oc, uc, out=oc)
-
-
-def silu_mul_np(g2: np.ndarray, u2: np.ndarray, o2: np.ndarray) -> None:
-    """``o2 = (g2 * (1 / (1 + exp(-g2)))) * u2`` with numpy's float32 ``exp`` (several times
-    faster than a scalar libm ``exp`` in a numba loop, and the unfused ONNX graph's result
-    bitwise): per row chunk of :data:`NP_CHUNK` elements the six numpy passes (``negative``,
-    ``exp``, ``add``, ``divide``, ``multiply``, ``multiply``; a compiled loop for the last four
-    measured slower: on the strided halves of a merged gate|up output numba's loop stays scalar,
-    1.1 ns per element against numpy's 0.7). From ``PARALLEL_MIN_WORK`` elements the rows are
-    split over :func:`~.config.get_num_threads` threads (numpy's loops release the GIL; before,
-    the step ran on one thread while the GEMMs around it used all). The per-element operations
-    do not depend on the split: bitwise the same.
-
-    Parameters
-    ----------
-    g2, u2 : ndarray of float32, (rows, n), last axis contiguous (may be views of one wider
-        array, e.g. the halves of a merged gate|up output)
-    o2 : ndarray of float32, (rows, n), written (may be ``g2`` or ``u2``)
-    """
-    m = g2.shape[0]
-    nt = min(get_num_threads(), m) if g2.size >= PARALLEL_MIN_WORK else 1
-    if nt <= 1:
-        _silu_np_rows(g2, u2, o2, 0, m)
-        return
-    if not _POOL or _POOL[1] < nt - 1:
-        if _POOL:
-            _POOL[0].shutdown(wait=False)
-            _POOL.clear()
-        _POOL.extend([concurrent.futures.ThreadPoolExecutor(
-            nt - 1, thread_name_prefix="olv-silu"), nt - 1])
-    cuts = [m * t // nt for t in range(nt + 1)]
-    futs = [_POOL[0].submit(_silu_np_rows, g2, u2, o2, cuts[t], cuts[t + 1])
-            for t in range(1, nt)]
-    _silu_np_rows(g2, u2, o2, cuts[0], cuts[1])
-    for f in futs:
-        f.result()
 
 
 _ERF = []
