@@ -1,11 +1,12 @@
 """Benchmark: the panel GEMM (kernels/ggml_panel.py) against the register-blocked ggml_gemm path
-for int8 prefill, single thread, alternating in one process.
+for int8 prefill, single thread (``time.thread_time``), alternating in one process.
 
-    python bench/bench_ggml_panel.py [--rounds 7] [--kinds Q8_0,Q5_0,Q4_K,Q6_K] [--ms 128,512]
+    python bench/bench_ggml_panel.py [--rounds 7] [--kinds Q8_0,Q5_0,Q4_1,Q5_1,Q4_K,Q5_K,Q6_K]
+                                     [--ms 128,512]
                                      [--shapes 896x896,128x896,4864x896,896x4864]
 
 Shapes are Qwen2.5-0.5B's (N x K): q/o 896x896, k/v 128x896, gate/up 4864x896, down 896x4864
-(Q4_K / Q6_K need K % 256 == 0: 896 is not, so those kinds run K=1024 / 4864 rounded shapes,
+(the k-quants need K % 256 == 0: 896 is not, so those kinds run K=1024 / 4864 rounded shapes,
 printed). Random valid blocks. ``gemm``: the serial driver as ggml_packed had it before the
 panel (activation quantization, ``ggml_gemm.rows_i8`` per 4 rows, ``_row_i8`` for the rest, in
 L2 row blocks); ``panel``: the same quantization, then ``ggml_panel.panel_groups``. Both write
@@ -58,6 +59,8 @@ def _panel_ser(kind, data, x, m, k, n, out, xq, xd, xs8, xs16, xsum, facc):
 
 def measure(name, n, k, m, rounds, rng):
     blocks = random_blocks(name, n, k, rng)
+    if name in ("Q4_1", "Q5_1", "Q5_K"):  # a finite min (bench_ggml_gemm sets d, and Q4_K's)
+        blocks[..., 2:4] = blocks[..., 0:2]
     packed = gp.prepack_ggml(name, blocks, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     ws = gp.make_workspace_ggml(m, k, 1)
@@ -74,17 +77,17 @@ def measure(name, n, k, m, rounds, rng):
     best = {"gemm": np.inf, "panel": np.inf}
     for _ in range(rounds):
         for key in ("gemm", "panel"):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             for _ in range(calls):
                 run(key)
-            best[key] = min(best[key], (time.perf_counter() - t0) / calls)
+            best[key] = min(best[key], (time.thread_time() - t0) / calls)
     return {key: m * n * k / t / 1e9 for key, t in best.items()}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--kinds", default="Q8_0,Q5_0,Q4_K,Q6_K")
+    ap.add_argument("--kinds", default="Q8_0,Q5_0,Q4_1,Q5_1,Q4_K,Q5_K,Q6_K")
     ap.add_argument("--ms", default="128,512")
     ap.add_argument("--shapes", default="896x896,128x896,4864x896,896x4864")
     args = ap.parse_args()

@@ -1,4 +1,5 @@
-"""Panel GEMM for prefill on the ggml group records (Q8_0, Q5_0, Q4_K, Q6_K), int8 mode, AVX2.
+"""Panel GEMM for prefill on the ggml group records (Q8_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K),
+int8 mode, AVX2.
 
 :mod:`.ggml_gemm` decodes a record (nibbles, high bits, 6-bit scales) once per
 :data:`~.ggml_gemm.ROWS` = 4 activation rows, so at prefill the decode is repeated ``M / 4``
@@ -13,12 +14,13 @@ multiply-friendly form; no code copied from any of them).
 Panel layout (per task, two slots ``j = 0, 1`` for groups ``g, g + 1``; ``nb = K / 32``):
 
 * ``codes`` uint8 ``[2, nb, 8, 32]``: for 32-block ``b``, chunk ``t``, byte ``4r + i`` = the
-  unsigned code ``U_t`` of :func:`~.ggml_gemm._chunk` (Q5_0 ``lo | h << 4`` = q + 16, Q4_K q
-  0..15, Q6_K q + 32), Q8_0 ``|q|`` (the sign trick of :mod:`.ggml_packed`);
+  unsigned code ``U_t`` of :func:`~.ggml_gemm._chunk` (Q5_0 ``lo | h << 4`` = q + 16, Q4_1 /
+  Q4_K q 0..15, Q5_1 / Q5_K q 0..31, Q6_K q + 32), Q8_0 ``|q|`` (the sign trick of
+  :mod:`.ggml_packed`);
 * ``signs`` uint8 ``[2, nb, 8, 32]`` (Q8_0 only): ``q`` itself, for ``vpsignb(x, q)``;
 * ``scales`` float32 ``[2, nb, 3, 8]`` (one float32 x 8 lanes per slot): Q8_0 / Q5_0 ``[d, -, -]``;
-  Q4_K ``[d sc_b, dmin m_b, -]`` (the float32 products of the one-row kernel); Q6_K ``[d,
-  sc_0, sc_1]`` (the two 16-halves' int8 scales as int32 bits).
+  Q4_1 / Q5_1 ``[d, m, -]``; Q4_K / Q5_K ``[d sc_b, dmin m_b, -]`` (the float32 products of
+  the one-row kernel); Q6_K ``[d, sc_0, sc_1]`` (the two 16-halves' int8 scales as int32 bits).
 
 Per task: row blocks, then group pairs in order (an odd last group decoded into both slots, slot
 1 not stored); per pair, the block's activation rows in tiles of :data:`ROWS` = 2 rows x
@@ -35,13 +37,14 @@ int32 sums per (row, 32-block or 16-half) are exact on every path; the float32 o
 (row, block) are the one-row kernel's in its order (no FMA, fastmath off):
 
 * Q8_0: ``a + float(S) * (d * d_x)``; Q5_0: ``a + float(S - 16 sum xq) * (d * d_x)``;
-* Q4_K: ``a + ((d sc) float(S) - (dmin m) float(sum xq)) * d_x`` (``d sc``, ``dmin m`` computed
-  by the same float32 multiply at decode and stored);
+* Q4_1 / Q5_1: ``a + (float(S) * (d * d_x) + m * (d_x * float(sum xq)))``;
+* Q4_K / Q5_K: ``a + ((d sc) float(S) - (dmin m) float(sum xq)) * d_x`` (``d sc``, ``dmin m``
+  computed by the same float32 multiply at decode and stored);
 * Q6_K: ``a + float(sc_0 (S_0 - 32 s_0) + sc_1 (S_1 - 32 s_1)) * (d * d_x)``.
 
 Used by :func:`~.ggml_packed._groups` when :func:`use_panel` (from :data:`MIN_ROWS` activation
-rows, AVX2 path, every kind but Q8_0; on a VNNI host the ``vpdpbusd`` kernels of
-:mod:`.ggml_gemm` keep the job: not measured there).
+rows, Q4_1 from :data:`MIN_ROWS_Q4_1`, AVX2 path, every kind but Q8_0; on a VNNI host the
+``vpdpbusd`` kernels of :mod:`.ggml_gemm` keep the job: not measured there).
 
 Measured (``python bench/bench_ggml_panel.py --rounds 5 --ms 128,512``: one thread, panel vs
 ggml_gemm alternating in one process, best of 5 rounds, GMAC/s; a shared 2-core Zen 3 with load
@@ -57,7 +60,11 @@ Q6_K   1.59 / 1.18  1.21 / 1.25  1.23 / 1.21  1.22 / 1.29
 Q8_0   1.07 / 1.15  1.00 / 0.99  0.63 / 0.92  1.11 / 1.01
 =====  ===========  ===========  ===========  ===========
 
-(panel GMAC/s 25-62, ggml_gemm 16-52.) llvm-mca (``-mcpu=znver3``) on the tile loops: see
+Q4_1, Q5_1, Q5_K (added later, ``--rounds 3 --kinds Q4_1,Q5_1,Q5_K``, ``time.thread_time``,
+load ~4): Q4_1 1.04 / 1.34, 1.14 / 1.12, 0.93 / 1.17, 1.01 / 1.14; Q5_1 1.24 / 1.30, 1.35 /
+1.26, 1.09 / 0.96, 1.27 / 1.30; Q5_K 1.46 / 1.20, 2.00 / 1.27, 1.34 / 1.24, 1.38 / 1.53.
+
+(panel GMAC/s 25-66, ggml_gemm 16-59.) llvm-mca (``-mcpu=znver3``) on the tile loops: see
 :data:`ROWS`; the remaining limit is the four FP pipes (``vpmaddubsw``, ``vpaddw``, the
 broadcasts and the float epilogue all compete for them), not the decode.
 """
@@ -86,8 +93,8 @@ from .ggml_ir import (
 )
 from .packed_i8 import V8F32, check_array_arg, elem_ptr, splat, store_group
 
-__all__ = ["MIN_ROWS", "ROWS", "SPECS", "TILE_GROUPS", "block_rows", "panel_groups", "panel_rows",
-           "use_panel"]
+__all__ = ["MIN_ROWS", "MIN_ROWS_Q4_1", "ROWS", "SPECS", "TILE_GROUPS", "block_rows",
+           "panel_groups", "panel_rows", "use_panel"]
 
 #: activation rows per tile (llvm-mca -mcpu=znver3 on the tile loops, MAC per cycle, (slots,
 #: rows) = (2, 2) / (1, 4) / (2, 3) / (2, 4): Q5_0 35.2 / 28.4 / 33.6 / 32.0, Q4_K 32.9 / 28.9
@@ -101,13 +108,19 @@ TILE_GROUPS = 2
 #: ggml_gemm at M = 8 / 16 / 32: Q5_0 1.03 / 1.11 / 1.21, Q4_K 1.21 / 1.26 / 1.33, Q6_K 1.16 /
 #: 1.30 / 1.41, Q8_0 0.78 / 0.84 / 0.91.
 MIN_ROWS = 8
+#: Q4_1's (the panel / ggml_gemm at M = 8 / 16 / 32: 0.97 / 1.02 / 1.10; Q5_1 1.02 / 1.16 /
+#: 1.26, Q5_K 1.23 / 1.34 / 1.35).
+MIN_ROWS_Q4_1 = 16
 #: fewest activation rows per row block (:func:`block_rows`).
 MIN_BLOCK_ROWS = 64
 #: per kind: (32-blocks per record, chunk groups summed separately (Q6_K: 16-halves), signed).
 SPECS = {
     8: (1, (tuple(range(8)),), True),
     6: (1, (tuple(range(8)),), False),
+    3: (1, (tuple(range(8)),), False),
+    7: (1, (tuple(range(8)),), False),
     12: (8, (tuple(range(8)),), False),
+    13: (8, (tuple(range(8)),), False),
     14: (8, ((0, 1, 2, 3), (4, 5, 6, 7)), False),
 }
 #: float32 x 8 slots of panel scales per 32-block.
@@ -128,7 +141,7 @@ def _emit_decode(kind, context, builder, sig, args):
     absb = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(LV32I8, [LV32I8, ir.IntType(1)]), "llvm.abs.v32i8")
     d = e.f16x8(0)
-    dmin = e.f16x8(16) if kind == 12 else None
+    dmin = e.f16x8(16) if kind in (3, 7, 12, 13) else None  # (Q4_1 / Q5_1: m)
     for sub in range(nsub):
         for t in range(8):
             u = _chunk(e, kind, sub, t)
@@ -143,7 +156,7 @@ def _emit_decode(kind, context, builder, sig, args):
         def put(slot, v, so_s=so_s):
             _store(context, builder, at[5], psc,
                    builder.add(so_s, ir.Constant(so.type, 8 * slot)), v)
-        if kind == 12:
+        if kind in (12, 13):
             sc, mn = k4_scales(e, sub)
             put(0, builder.fmul(d, builder.sitofp(sc, LV8F32)))
             put(1, builder.fmul(dmin, builder.sitofp(mn, LV8F32)))
@@ -151,6 +164,9 @@ def _emit_decode(kind, context, builder, sig, args):
             put(0, d)
             put(1, builder.bitcast(e.bytes8(16 + 8 * (2 * sub), signed=True), LV8F32))
             put(2, builder.bitcast(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), LV8F32))
+        elif kind in (3, 7):
+            put(0, d)
+            put(1, dmin)
         else:
             put(0, d)
     return context.get_dummy_value()
@@ -183,7 +199,12 @@ def _epilogue(kind, builder, a, sums, sc, xd, x8, t16):
         return builder.fadd(a, builder.fmul(builder.sitofp(tot, LV8F32),
                                             builder.fmul(sc[0], xd)))
     (s,) = sums
-    if kind == 12:
+    if kind in (3, 7):
+        sx = builder.sitofp(builder.ashr(x8, ir.Constant(I32, 3)), F32)
+        f = builder.fadd(builder.fmul(builder.sitofp(s, LV8F32), builder.fmul(sc[0], xd)),
+                         builder.fmul(sc[1], builder.fmul(xd, splat(builder, sx, LV8F32))))
+        return builder.fadd(a, f)
+    if kind in (12, 13):
         sx = builder.sitofp(builder.ashr(x8, ir.Constant(I32, 3)), F32)
         f = builder.fsub(builder.fmul(sc[0], builder.sitofp(s, LV8F32)),
                          builder.fmul(sc[1], splat(builder, sx, LV8F32)))
@@ -242,7 +263,7 @@ def _emit_tile(kind, ngr, nrows, context, builder, sig, args):
                         s16[i] = None
     for r in range(nrows):
         xd = splat(builder, load_f32(context, builder, at[11], xda, br[r]), LV8F32)
-        x8 = load_i32(context, builder, at[12], s8a, br[r]) if kind in (6, 12) else None
+        x8 = load_i32(context, builder, at[12], s8a, br[r]) if kind != 8 and kind != 14 else None
         t16 = None
         if kind == 14:
             i16 = builder.mul(br[r], ir.Constant(br[r].type, 2))
@@ -290,21 +311,27 @@ def _make_zeros(n):
 
 _zeros = _make_zeros(TILE_GROUPS * ROWS)
 _zeros1 = _make_zeros(TILE_GROUPS)
-_dec_q8_0, _dec_q5_0, _dec_q4_k, _dec_q6_k = (_make_decode(k) for k in (8, 6, 12, 14))
-_tile_q8_0, _tile_q5_0, _tile_q4_k, _tile_q6_k = (_make_tile(k, TILE_GROUPS, ROWS)
-                                                  for k in (8, 6, 12, 14))
-_one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k = (_make_tile(k, TILE_GROUPS, 1)
-                                              for k in (8, 6, 12, 14))
+_KINDS = (8, 6, 12, 14, 3, 7, 13)
+(_dec_q8_0, _dec_q5_0, _dec_q4_k, _dec_q6_k, _dec_q4_1, _dec_q5_1,
+ _dec_q5_k) = (_make_decode(k) for k in _KINDS)
+(_tile_q8_0, _tile_q5_0, _tile_q4_k, _tile_q6_k, _tile_q4_1, _tile_q5_1,
+ _tile_q5_k) = (_make_tile(k, TILE_GROUPS, ROWS) for k in _KINDS)
+(_one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k, _one_q4_1, _one_q5_1,
+ _one_q5_k) = (_make_tile(k, TILE_GROUPS, 1) for k in _KINDS)
 
 
 @njit(**JIT)
 def use_panel(kind, m):
     """True when :func:`~.ggml_packed._groups` should run :func:`panel_groups` for ``m`` rows
-    (AVX2 path): from :data:`MIN_ROWS` rows, for Q5_0, Q4_K and Q6_K. Not Q8_0 (its sign trick
-    costs a ``vpsignb`` per multiply here as in :mod:`.ggml_gemm`, and the panel measured
-    0.8-1.0x it); not yet Q4_1, Q5_1 and Q5_K (no :data:`SPECS` entry, decode scales or
-    epilogue here: they stay on :mod:`.ggml_gemm`)."""
-    return (kind == 6 or kind == 12 or kind == 14) and m >= MIN_ROWS
+    (AVX2 path): from :data:`MIN_ROWS` rows for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K, from
+    :data:`MIN_ROWS_Q4_1` for Q4_1. Not Q8_0: its decode is a load, so the panel saves
+    :mod:`.ggml_gemm` nothing, and its multiply costs the same there (the sign trick's
+    ``vpsignb`` per multiply; storing ``u = q + 128`` in two nibble planes, ``S = S_lo + 16
+    S_hi - 128 sum(xq)``, exact, takes two ``vpmaddubsw`` per chunk instead: measured 0.89-0.97x
+    ggml_gemm, the sign-trick panel 0.96-1.13x, bench/bench_ggml_panel.py --kinds Q8_0)."""
+    if kind == 3:
+        return m >= MIN_ROWS_Q4_1
+    return (kind == 6 or kind == 7 or kind == 12 or kind == 13 or kind == 14) and m >= MIN_ROWS
 
 
 @njit(**JIT)
@@ -312,7 +339,7 @@ def _decode(kind, data, g, panel, po, signs, scales, so):
     """Every record of group ``g`` into the panel slot at byte ``po`` / float ``so``."""
     nrec = data.shape[1]
     rb = data.shape[2]
-    nsub = 1 if kind == 6 or kind == 8 else 8
+    nsub = 1 if kind == 6 or kind == 8 or kind == 3 or kind == 7 else 8
     for s in range(nrec):
         ro = (g * nrec + s) * rb
         p = po + 256 * nsub * s
@@ -323,6 +350,12 @@ def _decode(kind, data, g, panel, po, signs, scales, so):
             _dec_q5_0(data, ro, panel, p, signs, scales, q)
         elif kind == 12:
             _dec_q4_k(data, ro, panel, p, signs, scales, q)
+        elif kind == 3:
+            _dec_q4_1(data, ro, panel, p, signs, scales, q)
+        elif kind == 7:
+            _dec_q5_1(data, ro, panel, p, signs, scales, q)
+        elif kind == 13:
+            _dec_q5_k(data, ro, panel, p, signs, scales, q)
         else:
             _dec_q6_k(data, ro, panel, p, signs, scales, q)
 
@@ -347,6 +380,18 @@ def _tile(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i
     elif kind == 12:
         for b in range(nb):
             acc = _tile_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 3:
+        for b in range(nb):
+            acc = _tile_q4_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 7:
+        for b in range(nb):
+            acc = _tile_q5_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 13:
+        for b in range(nb):
+            acc = _tile_q5_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
                              sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
     else:
         for b in range(nb):
@@ -374,6 +419,18 @@ def _one(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i)
     elif kind == 12:
         for b in range(nb):
             acc = _one_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 3:
+        for b in range(nb):
+            acc = _one_q4_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 7:
+        for b in range(nb):
+            acc = _one_q5_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 13:
+        for b in range(nb):
+            acc = _one_q5_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
                              sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
     else:
         for b in range(nb):
@@ -409,7 +466,7 @@ def panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc):
 @njit(**JIT)
 def panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, mb):
     """:func:`panel_groups` with row blocks of ``mb`` rows."""
-    nsub = 1 if kind == 6 or kind == 8 else 8
+    nsub = 1 if kind == 6 or kind == 8 or kind == 3 or kind == 7 else 8
     nb = data.shape[1] * nsub
     pst = 256 * nb
     sst = 8 * NSC * nb

@@ -15,7 +15,7 @@ from olv_runtime.kernels import ggml_packed as gp
 from olv_runtime.kernels import ggml_panel, packed_i8
 from olv_runtime.kernels.packed_i8 import quantize_rows_i8
 
-KIND_NAMES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+KIND_NAMES = ("Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 ROW_COUNTS = (1, 4, 5, 8, 13, 64, 130)
 N_ROWS = (21, 40)  # 3 groups (the last one partial), 5 groups (odd, full)
 
@@ -79,7 +79,7 @@ def test_panel_bitwise_equal_one_row_kernel_and_reference(name, m, n):
 def test_dispatch_from_min_rows(name, ntasks):
     """``linear_ggml_i8`` at ``MIN_ROWS`` rows and more (serial driver with 1 task, parallel
     above SERIAL_MAX_WORK with 2): bitwise the reference."""
-    for m in (ggml_panel.MIN_ROWS, ggml_panel.MIN_ROWS + 3):  # Q8_0: ggml_gemm (same bits)
+    for m in (ggml_panel.MIN_ROWS, ggml_panel.MIN_ROWS + 3, ggml_panel.MIN_ROWS_Q4_1):
         n = 45
         kind, blocks, packed, x = _case(name, n, m, seed=7 * gp.KINDS[name] + m, k=1024)
         k = x.shape[1]
@@ -100,7 +100,7 @@ def test_long_k_panel_beyond_l1():
     assert np.array_equal(_bits(_panel_linear(x, packed, 2)), _bits(ref))
 
 
-@pytest.mark.parametrize("name", ("Q5_0", "Q6_K"))
+@pytest.mark.parametrize("name", ("Q5_0", "Q5_1", "Q5_K", "Q6_K"))
 def test_row_blocks_bitwise(name):
     """K = 8192: rows in blocks of ``block_rows`` (64 here), the last one with rows left over
     (not a multiple of ROWS); the panel decoded once per (row block, group pair)."""
@@ -115,9 +115,13 @@ def test_row_blocks_bitwise(name):
 
 
 def test_use_panel_only_for_kinds_it_decodes():
-    """Every ggml_packed kind the panel is chosen for has a SPECS entry (Q4_1 / Q5_1 / Q5_K and
-    Q8_0 stay on ggml_gemm)."""
+    """Every ggml_packed kind the panel is chosen for has a SPECS entry (Q8_0 stays on
+    ggml_gemm; Q4_1 from MIN_ROWS_Q4_1 rows)."""
     chosen = {k for k in gp.KINDS.values() if ggml_panel.use_panel(k, 64)}
-    assert chosen == {6, 12, 14}
+    assert chosen == {3, 6, 7, 12, 13, 14}
     assert chosen <= set(ggml_panel.SPECS)
     assert not any(ggml_panel.use_panel(k, ggml_panel.MIN_ROWS - 1) for k in gp.KINDS.values())
+    at_min = {k for k in gp.KINDS.values() if ggml_panel.use_panel(k, ggml_panel.MIN_ROWS)}
+    assert at_min == {6, 7, 12, 13, 14}
+    assert ggml_panel.use_panel(3, ggml_panel.MIN_ROWS_Q4_1)
+    assert not ggml_panel.use_panel(3, ggml_panel.MIN_ROWS_Q4_1 - 1)
