@@ -18,6 +18,15 @@ boundary values (the embedding output, cos/sin, each layer's past key/value) and
 are the logits and each layer's present key/value -- so the executor, the state and its
 counters see the same values at the call boundary as before.
 
+Qwen3 (olv's converted graphs and GGUF imports, contiguous and paged KV) normalises each query
+and key head between the q|k|v linear and the attention: per projection ``Reshape(., [0, 0,
+heads, D]) -> RMSNormalization(weight [D]) -> Reshape(., [0, 0, heads * D])``
+(:func:`_head_norm`, the converter's ``qwen_graph._qk_norm``). The two weights go into the
+layer's data (``q_norm`` / ``k_norm``, one epsilon with the layer's other norms; every layer or
+none) and the step applies them with the plan's own row function
+(:func:`olv_runtime.kernels.norm._rms_norm_row`) before RoPE. The onnxruntime-genai builder's
+Qwen3 (norms on the unpacked q/k) is not matched and runs per operator.
+
 The onnxruntime-genai builder's form (:func:`_genai_run`) is the same computation under other
 operators: ``SimplifiedLayerNormalization``, one packed-QKV ``MatMulNBits`` (a single linear),
 ``com.microsoft::GroupQueryAttention`` (rotary from ``cos_cache``/``sin_cache`` at position

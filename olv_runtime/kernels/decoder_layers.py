@@ -18,7 +18,10 @@ Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 
    others'; :func:`~.packed_i8._groups` int8; exact: :func:`~.packed_f32_vnni._groups_m1` on
    activation digits where the CPU has VNNI, else :func:`~.packed_f32._groups_m1`); barrier;
 3. RoPE of q (every task into its private copy) and k (non-interleaved or interleaved halves,
-   ``rotary_dim``); the last task, whose share of the keys ends with the new one, writes k and
+   ``rotary_dim``) -- Qwen3 first RMS-normalises each query head (into the private copy) and
+   each key head (in place) with the layer's q / k norm weights (:func:`_queries`,
+   :func:`_key_norm`: the per-operator plan's :func:`~.norm._rms_norm_row`, so the heads are
+   bitwise the plan's); the last task, whose share of the keys ends with the new one, writes k and
    v into slot ``t`` of the layer's capacity buffers (no other task reads that slot: no
    barrier);
 4. attention over ``t + 1`` keys (:func:`~.attention._attend_rows`: one pass per kv head for all
