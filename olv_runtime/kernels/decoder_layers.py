@@ -466,10 +466,10 @@ def _rope_head(buf, off, cos, sin, interleaved, rdim):
 
 def _queries(w, li, qkv, qp, q3):
     """Step 3's start, every task: the query heads ``qkv[0, :H*D]`` into the task's private
-    ``qp`` [1, H*D] (``q3`` [H, D] the same memory) -- copied, or (Qwen3, ``w.qk_norms`` not None) RMS-normalised per head with
-    the layer's q norm weights (:func:`~.norm._rms_norm_row`, the per-operator plan's function).
-    Chosen by the type of ``w.qk_norms`` when the step compiles (an ``overload``): a model
-    without head norms compiles the copy only."""
+    ``qp`` [1, H*D] (``q3`` [H, D] the same memory) -- copied, or (Qwen3, ``w.qk_norms`` not
+    None) RMS-normalised per head with the layer's q norm weights (:func:`~.norm._rms_norm_row`,
+    the per-operator plan's function). Chosen by the type of ``w.qk_norms`` when the step
+    compiles (an ``overload``): a model without head norms compiles the copy only."""
 
 
 def _key_norm(w, li, qkv, off, d):

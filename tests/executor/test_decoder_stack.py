@@ -303,6 +303,9 @@ def test_qwen3_runs_the_compiled_step(qwen3_models, kv, quant, tol, monkeypatch)
             return real(*a)
         stack.run_kernel = counting
         ids, got = _greedy(sess)
+        if kv == "contiguous":  # the signature a compile worker builds is the one that ran
+            disp, sig = stack._decode_entry()
+            assert sig in disp.overloads
     finally:
         set_num_threads(nt)
     assert len(calls) == len(ids) - 1  # every one-token call ran the compiled step
