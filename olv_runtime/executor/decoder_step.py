@@ -18,6 +18,15 @@ boundary values (the embedding output, cos/sin, each layer's past key/value) and
 are the logits and each layer's present key/value -- so the executor, the state and its
 counters see the same values at the call boundary as before.
 
+Qwen3 (olv's converted graphs and GGUF imports, contiguous and paged KV) normalises each query
+and key head between the q|k|v linear and the attention: per projection ``Reshape(., [0, 0,
+heads, D]) -> RMSNormalization(weight [D]) -> Reshape(., [0, 0, heads * D])``
+(:func:`_head_norm`, the converter's ``qwen_graph._qk_norm``). The two weights go into the
+layer's data (``q_norm`` / ``k_norm``, one epsilon with the layer's other norms; every layer or
+none) and the step applies them with the plan's own row function
+(:func:`olv_runtime.kernels.norm._rms_norm_row`) before RoPE. The onnxruntime-genai builder's
+Qwen3 (norms on the unpacked q/k) is not matched and runs per operator.
+
 The onnxruntime-genai builder's form (:func:`_genai_run`) is the same computation under other
 operators: ``SimplifiedLayerNormalization``, one packed-QKV ``MatMulNBits`` (a single linear),
 ``com.microsoft::GroupQueryAttention`` (rotary from ``cos_cache``/``sin_cache`` at position
@@ -155,6 +164,77 @@ def _match_mlp(steps, j, x1, constants, n0, qkv, o):
     return n1, gu, down, j + 2
 
 
+def _reshape_to(step, src, constants):
+    """The target shape (list of ints) of a ``Reshape(src, constant shape)`` step without
+    allowzero, or None."""
+    if (step.kind != "Reshape" or len(step.inputs) != 2 or step.inputs[0] != src
+            or len(step.outputs) != 1 or step.impl.attrs.get("allowzero", 0)):
+        return None
+    shape = constants.get(step.inputs[1])
+    if not isinstance(shape, np.ndarray) or shape.dtype.kind not in "iu" or shape.ndim != 1:
+        return None
+    return [int(v) for v in shape]
+
+
+def _head_norm(steps, j, src, constants):
+    """``steps[j:j + 3]`` the olv converter's per-head RMSNorm of a projection ``src`` [B, S,
+    heads * D] (Qwen3's q_norm / k_norm, :func:`olv_runtime.models.qwen_graph._qk_norm`)::
+
+        Reshape(src, [0, 0, heads, D]) -> RMSNormalization(weight [D]) -> Reshape(., [0, 0, heads * D])
+
+    Returns (weight float32 [D], eps float32, heads, output name) or None."""
+    if j + 3 > len(steps):
+        return None
+    s0, s1, s2 = steps[j:j + 3]
+    split = _reshape_to(s0, src, constants)
+    n = _norm(s1, constants)
+    if split is None or n is None or len(split) != 4 or split[:2] != [0, 0]:
+        return None
+    heads, d = split[2], split[3]
+    if s1.inputs[0] != s0.outputs[0] or n[0].shape != (d,) or heads <= 0 or d <= 0:
+        return None
+    if _reshape_to(s2, s1.outputs[0], constants) != [0, 0, heads * d]:
+        return None
+    return n[0], n[1], heads, s2.outputs[0]
+
+
+def _qk_norms(steps, j, q, k, constants):
+    """The per-head q and k norms (:func:`_head_norm`, q's then k's or k's then q's) from
+    ``steps[j]``: (q norm, k norm, normed q name, normed k name, next index), or None when
+    there are none there (Qwen2 / Llama) or they are not that form."""
+    a = _head_norm(steps, j, q, constants)
+    if a is not None:
+        b = _head_norm(steps, j + 3, k, constants)
+        qn, kn = a, b
+    else:
+        b = _head_norm(steps, j, k, constants)
+        a = _head_norm(steps, j + 3, q, constants) if b is not None else None
+        qn, kn = a, b
+    if qn is None or kn is None:
+        return None
+    return qn, kn, qn[3], kn[3], j + 6
+
+
+def qk_norm_fields(qk, nh, nkv, d, eps):
+    """The layer-dict entries of the q/k norms ``qk`` (:func:`_qk_norms`' result or None) for a
+    layer of ``nh`` query heads, ``nkv`` kv heads of size ``d`` whose other norms have epsilon
+    ``eps``: ``{"q_norm": weight [D] or None, "k_norm": ...}``, or None when they do not fit
+    the compiled step (other head counts or sizes, another epsilon)."""
+    if qk is None:
+        return {"q_norm": None, "k_norm": None}
+    qn, kn = qk[0], qk[1]
+    if (qn[2], kn[2]) != (nh, nkv) or qn[0].shape != (d,) or kn[0].shape != (d,):
+        return None
+    if qn[1] != eps or kn[1] != eps:
+        return None
+    return {"q_norm": qn[0], "k_norm": kn[0]}
+
+
+def qk_norms_consistent(layers) -> bool:
+    """Every layer has q/k norms, or none has."""
+    return len({L["q_norm"] is None for L in layers}) == 1
+
+
 def _match_layer(steps, i, x, constants):
     """The layer starting at ``steps[i]`` reading residual ``x``; returns (layer dict, next x,
     next index) or None."""
@@ -169,6 +249,9 @@ def _match_layer(steps, i, x, constants):
     if run is None:
         return None
     qkv, (q, k, v), j = run
+    qk = _qk_norms(steps, j, q, k, constants)
+    if qk is not None:  # Qwen3: RMSNorm of each q and k head before RoPE
+        q, k, j = qk[2], qk[3], qk[4]
     if j + 2 > len(steps):
         return None
     s2, s3 = steps[j], steps[j + 1]
@@ -190,6 +273,9 @@ def _match_layer(steps, i, x, constants):
     r = ra.rope_q.attrs["rotary_embedding_dim"] or d
     if r > d or r % 2:
         return None
+    qkn = qk_norm_fields(qk, nh, nkv, d, n0[1])
+    if qkn is None:
+        return None
     attn = s2.outputs[0]
     o = linear(s3, 1, residual=True)
     if o is None or s3.inputs != (attn, x) or o.k != nh * d:
@@ -199,7 +285,7 @@ def _match_layer(steps, i, x, constants):
     if mlp is None:
         return None
     n1, gu, down, j = mlp
-    layer = dict(norm_in=n0[0], norm_post=n1[0], eps=n0[1], qkv=qkv, o=o,
+    layer = dict(norm_in=n0[0], norm_post=n1[0], eps=n0[1], qkv=qkv, o=o, **qkn,
                  gu=gu, down=down, heads=nh, kv_heads=nkv, head_dim=d, rotary_dim=r,
                  interleaved=bool(ra.interleaved), scale_attr=ra.scale_attr,
                  kv_opts=ra.attention.kv_opts,
@@ -248,7 +334,8 @@ def fuse_decoder_stack(steps: list, constants: dict, graph_outputs: set, counter
         if res is None:
             continue
         layers, nf, lm, run, hoisted, rest, boundary_in, rope_table = res
-        if not consistent(layers, lm) or nf[1] != layers[0]["eps"]:
+        if (not consistent(layers, lm) or nf[1] != layers[0]["eps"]
+                or not qk_norms_consistent(layers)):
             continue
         if (lm.bias is not None or lm.k != layers[0]["o"].n or len(lm.weights) != 1):
             continue
@@ -396,7 +483,7 @@ def _genai_run(steps, i, constants):
         if o.bias is not None or gu.bias is not None or down.bias is not None:
             break
         layers.append(dict(norm_in=norm_w, norm_post=post[0], eps=eps, qkv=qkv, o=o, gu=gu,
-                           down=down, **att))
+                           down=down, q_norm=None, k_norm=None, **att))
         norm_w, eps, h = nxt[0], nxt[1], nxt[3]
         x = nxt[4]
         c += 8
@@ -459,6 +546,8 @@ class DecoderStack:
         #: engine's compiled rows step (kernels.rows_layers) takes
         self.int4_only = all(len(ps) == 1 and type(ps[0]) is PackedInt4I8
                              for ps in self._packed_all)
+        #: q/k head norms (Qwen3): the rows step (kernels.rows_layers) has none
+        self.qk_norm = layers[0].get("q_norm") is not None
         self.biases = np.zeros((self.n_layers, L0["qkv"].n), np.float32)
         self.has_bias = np.zeros(self.n_layers, np.bool_)
         self.norms = np.empty((2 * self.n_layers + 1, self.e), np.float32)
@@ -473,6 +562,15 @@ class DecoderStack:
         # read-only like the graph's norm weights, so that the step's RMSNorm rows have the type
         # of the per-operator plan's (one compiled specialisation of _rms_norm_row, not two)
         self.norms.flags.writeable = False
+        #: float32 [L, 2, D] read-only: per layer the q and the k head norm weights (Qwen3), or
+        #: None (the step then compiles no head norm)
+        self.qk_norms = None
+        if L0.get("q_norm") is not None:
+            self.qk_norms = np.empty((self.n_layers, 2, d), np.float32)
+            for li, L in enumerate(layers):
+                self.qk_norms[li, 0] = L["q_norm"]
+                self.qk_norms[li, 1] = L["k_norm"]
+            self.qk_norms.flags.writeable = False
         self.k_max = max(self.e, self.heads * d, self.inter)
         self.max_work = max(lin.n * (32 * -(-lin.k // 32))
                             for lin in [L[n] for L in layers for n in ("qkv", "o", "gu", "down")]
@@ -515,7 +613,7 @@ class DecoderStack:
         d = self.__dict__
         d.setdefault("_ds", ds)
         if "weights" not in d:
-            d["weights"] = ds.WeightTable(d["_packed_all"])
+            d["weights"] = ds.WeightTable(d["_packed_all"], qk_norms=self.qk_norms)
         d.setdefault("run_kernel", ds.decode_stack)
 
     @property

@@ -2,8 +2,9 @@
 
 :func:`fuse_paged_decoder_stack` recognises, like :func:`olv_runtime.executor.decoder_step.
 fuse_decoder_stack`, a run of pre-norm decoder layers + final norm + lm_head, in the paged
-form of the layer (``RMSNormalization -> Linear(q|k|v merged) -> RotaryEmbedding(q) ->
-RotaryEmbedding(k) -> olv.PagedAttention(q, k, v, cache) -> Linear(o, + residual) ->
+form of the layer (``RMSNormalization -> Linear(q|k|v merged) [-> per-head q and k RMSNorms
+(Qwen3)] -> RotaryEmbedding(q) -> RotaryEmbedding(k) -> olv.PagedAttention(q, k, v, cache) ->
+Linear(o, + residual) ->
 RMSNormalization -> Linear(gate|up merged) -> SiluMul -> Linear(down, + residual)``), every linear
 on the 8-row packed INT4 layout or ggml group records (merged linears possibly over several steps,
 as there), every intermediate read only inside the run. The run becomes
@@ -25,7 +26,15 @@ import numpy as np
 from numba.typed import List
 
 from olv_runtime.errors import InvalidArgument
-from olv_runtime.executor.decoder_step import DecoderStack, _match_mlp, _norm, run_leaks
+from olv_runtime.executor.decoder_step import (
+    DecoderStack,
+    _match_mlp,
+    _norm,
+    _qk_norms,
+    qk_norm_fields,
+    qk_norms_consistent,
+    run_leaks,
+)
 from olv_runtime.executor.stack_linears import (
     consistent,
     contiguous,
@@ -55,6 +64,9 @@ def _match_layer(steps, i, x, constants):
     if run is None:
         return None
     qkv, (q, k, v), j = run
+    qk = _qk_norms(steps, j, q, k, constants)
+    if qk is not None:  # Qwen3: RMSNorm of each q and k head before RoPE
+        q, k, j = qk[2], qk[3], qk[4]
     if j + 4 > len(steps):
         return None
     s2, s3, s4, s5 = steps[j:j + 4]
@@ -84,6 +96,9 @@ def _match_layer(steps, i, x, constants):
         return None
     if "int4" in pa.policy.key + pa.policy.value and d % 2:
         return None
+    qkn = qk_norm_fields(qk, nh, nkv, d, n0[1])
+    if qkn is None:
+        return None
     attn, present = s4.outputs
     o = linear(s5, 1, residual=True)
     if o is None or s5.inputs != (attn, x) or o.k != nh * d:
@@ -94,7 +109,7 @@ def _match_layer(steps, i, x, constants):
         return None
     n1, gu, down, j = mlp
     layer = dict(steps=steps[i:j], norm_in=n0[0], norm_post=n1[0],
-                 eps=n0[1], qkv=qkv, o=o, gu=gu, down=down, op=pa, heads=nh,
+                 eps=n0[1], qkv=qkv, o=o, gu=gu, down=down, op=pa, heads=nh, **qkn,
                  kv_heads=nkv, head_dim=d, rotary_dim=r, interleaved=bool(rq.attrs["interleaved"]),
                  scale_attr=pa.attrs["scale"], kv_opts={}, cache=s4.inputs[3], cos=s2.inputs[1],
                  sin=s2.inputs[2], present=present)
@@ -127,7 +142,7 @@ def fuse_paged_decoder_stack(steps: list, constants: dict, graph_outputs: set,
                 or lm.k != layers[0]["o"].n or nf[1] != layers[0]["eps"]
                 or len(lm.weights) != 1):
             continue
-        if not consistent(layers, lm):
+        if not consistent(layers, lm) or not qk_norms_consistent(layers):
             continue
         L0 = layers[0]
         if any(L["op"].policy != L0["op"].policy

@@ -156,14 +156,15 @@ def rows_program(session) -> tuple[RowsProgram | None, str]:
 def _compiled_rows(session, ops, positions, prog):
     """The :class:`CompiledRows` of a plan whose layers are one olv-form ``DecoderStack`` step
     (the compiled one-token step's weights) after the steps making its embedding input, or
-    None."""
+    None. Not for a stack with q/k head norms (Qwen3): the rows step
+    (:mod:`olv_runtime.kernels.rows_layers`) has none, so such a plan's rows run per operator."""
     stacks = [s for s in session._steps if s.kind == "DecoderStack"]
     if len(stacks) != 1 or session._steps[-1] is not stacks[0]:
         return None
     st = stacks[0]
     stack = st.impl
     if (getattr(stack, "rope_table", True) or type(stack).__name__ != "DecoderStack"
-            or not stack.int4_only
+            or not stack.int4_only or getattr(stack, "qk_norm", False)
             or st.outputs[0] != "logits" or tuple(st.inputs[1:3]) != tuple(positions.outputs)
             or stack.rotary_dim // 2 != positions.r2
             or (stack.n_layers, stack.heads, stack.kv_heads, stack.head_dim)

@@ -18,7 +18,10 @@ Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 
    others'; :func:`~.packed_i8._groups` int8; exact: :func:`~.packed_f32_vnni._groups_m1` on
    activation digits where the CPU has VNNI, else :func:`~.packed_f32._groups_m1`); barrier;
 3. RoPE of q (every task into its private copy) and k (non-interleaved or interleaved halves,
-   ``rotary_dim``); the last task, whose share of the keys ends with the new one, writes k and
+   ``rotary_dim``) -- Qwen3 first RMS-normalises each query head (into the private copy) and
+   each key head (in place) with the layer's q / k norm weights (:func:`_queries`,
+   :func:`_key_norm`: the per-operator plan's :func:`~.norm._rms_norm_row`, so the heads are
+   bitwise the plan's); the last task, whose share of the keys ends with the new one, writes k and
    v into slot ``t`` of the layer's capacity buffers (no other task reads that slot: no
    barrier);
 4. attention over ``t + 1`` keys (:func:`~.attention._attend_rows`: one pass per kv head for all
@@ -461,6 +464,47 @@ def _rope_head(buf, off, cos, sin, interleaved, rdim):
             buf[0, off + half + i] = sin[i] * x1 + cos[i] * x2
 
 
+def _queries(w, li, qkv, qp, q3):
+    """Step 3's start, every task: the query heads ``qkv[0, :H*D]`` into the task's private
+    ``qp`` [1, H*D] (``q3`` [H, D] the same memory) -- copied, or (Qwen3, ``w.qk_norms`` not
+    None) RMS-normalised per head with the layer's q norm weights (:func:`~.norm._rms_norm_row`,
+    the per-operator plan's function). Chosen by the type of ``w.qk_norms`` when the step
+    compiles (an ``overload``): a model without head norms compiles the copy only."""
+
+
+def _key_norm(w, li, qkv, off, d):
+    """Step 3, the last task: the key head ``qkv[0, off:off + D]`` RMS-normalised in place with
+    the layer's k norm weights (before its RoPE); nothing without head norms (``overload`` as
+    :func:`_queries`)."""
+
+
+@overload(_queries, jit_options=_OV)
+def _ov_queries(w, li, qkv, qp, q3):
+    if isinstance(w.types[StepWeights._fields.index("qk_norms")], types.NoneType):
+        def impl(w, li, qkv, qp, q3):
+            for i in range(qp.shape[1]):
+                qp[0, i] = qkv[0, i]
+        return impl
+
+    def impl(w, li, qkv, qp, q3):
+        n_heads, d = q3.shape
+        wq = w.qk_norms[li, 0]
+        for hh in range(n_heads):
+            _rms_norm_row(qkv[0, hh * d:(hh + 1) * d], wq, w.eps, q3[hh])
+    return impl
+
+
+@overload(_key_norm, jit_options=_OV)
+def _ov_key_norm(w, li, qkv, off, d):
+    if isinstance(w.types[StepWeights._fields.index("qk_norms")], types.NoneType):
+        return lambda w, li, qkv, off, d: None
+
+    def impl(w, li, qkv, off, d):
+        row = qkv[0, off:off + d]
+        _rms_norm_row(row, w.qk_norms[li, 1], w.eps, row)
+    return impl
+
+
 @njit(**JIT)
 def _weight(wt, w, codes0, scale0):
     """Packed weight ``w`` (codes, scale) from the address table (see :func:`decode_stack`)."""
@@ -777,12 +821,13 @@ def _stack_thread(tid, nt, x0, cos, sin, logits, bar, i8ws, w, dims, rs, att, kv
         #    share of the keys ends with the new one (the last) rotates the key heads and
         #    writes k and v to the cache -- no other task reads that position, so no barrier
         #    before the attention
-        for i in range(hd):
-            qp[0, i] = qkv[0, i]
+        #    (Qwen3: each query and key head RMS-normalised first, _queries / _key_norm)
+        _queries(w, li, qkv, qp, q3)
         for hh in range(n_heads):
             _rope_head(qp, hh * d, cos, sin, interleaved, rdim)
         if tid == nt - 1:
             for g in range(n_kv):
+                _key_norm(w, li, qkv, hd + g * d, d)
                 _rope_head(qkv, hd + g * d, cos, sin, interleaved, rdim)
                 _kv_write(kv, tid, li, g, qkv, dims)
         # 4: this task's share of the keys for every kv head; barrier; every task merges the
@@ -813,7 +858,7 @@ def _bundles(quant, weights, biases, has_bias, norms, eps, n_heads, n_kv, d, rdi
     qpa, qpa3 = ws.qprivate(n_heads, d)
     return (ws.exact_buffers(quant),
             StepWeights(weights.wt, weights.codes0, weights.scale0, biases, has_bias, norms, eps,
-                        weights.wl, weights.ggml0),
+                        weights.wl, weights.ggml0, weights.qk_norms),
             StepDims(n_heads, n_kv, d, rdim, interleaved, att_scale, inter,
                      packed_i8.use_vnni()),
             RunState(ws.xa, ws.xb, ws.qkv, qpa, qpa3, ws.gu, ws.act, ws.hx, ws.facc32,

@@ -43,7 +43,9 @@ StepWeights = namedtuple("StepWeights", [
                  # columns L_*): first part row of wt, parts, NG (all parts), bytes per group
     "ggml0",     # uint8 [NG, NREC, RB] (GGMLPacked.data's type) or None: a stack without ggml
                  # weights (None) does not compile the ggml kernels
-], defaults=(None, None))
+    "qk_norms",  # float32 [L, 2, D] read-only: per layer the q and the k head RMSNorm weights
+                 # (Qwen3, epsilon ``eps``), or None: no head norm (none compiled)
+], defaults=(None, None, None))
 
 #: Columns of :attr:`WeightTable.wt` (one row per part of a linear).
 W_A, W_B, W_NG, W_KB, W_KIND, W_G0, W_N = range(7)
@@ -281,11 +283,20 @@ class WeightTable:
         None when no part is ggml (the step then does not compile the ggml kernels).
     simple : bool
         Every linear is one INT4 part (what the rows step takes).
+    qk_norms : float32 [L, 2, D] read-only, or None
+        The ``qk_norms`` parameter: per layer the weights of the RMSNorm of each query head and
+        of each key head (Qwen3), applied after the q|k|v linear and before RoPE; None: none.
     codes, scales : lists of the INT4 parts' arrays (inspection; with ``records`` the ggml
         parts' arrays, they keep the memory alive).
     """
 
-    def __init__(self, linears):
+    def __init__(self, linears, qk_norms=None):
+        if qk_norms is not None and (qk_norms.dtype != np.float32 or qk_norms.ndim != 3
+                                     or qk_norms.shape[1] != 2 or qk_norms.flags.writeable
+                                     or not qk_norms.flags.c_contiguous):
+            raise InvalidArgument(f"qk_norms: expected a read-only C-contiguous float32 "
+                                  f"[L, 2, D] array, got {qk_norms.dtype} {qk_norms.shape}")
+        self.qk_norms = qk_norms
         lins = [list(p) if isinstance(p, (list, tuple)) else [p] for p in linears]
         parts = [p for lin in lins for p in lin]
         int4 = [p for p in parts if _kind(p) == 0]

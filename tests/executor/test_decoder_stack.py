@@ -4,8 +4,9 @@ Oracle: the same session with ``compiled_decode=False`` (the per-operator plan, 
 against transformers in test_qwen_parity). The compiled step must give the same greedy tokens,
 logits within float32 rounding (exact mode 1e-4; int8 activations 5e-2, where a last-bit
 difference can flip one activation's int8 rounding), the same state semantics (presents, KV
-counters, branching) and allocate nothing per token after warm-up, with 1 and 2 threads. Plans
-the pass does not recognise stay per-operator.
+counters, branching) and allocate nothing per token after warm-up, with 1 and 2 threads. Qwen3
+(per-head q/k RMSNorms) runs the compiled step too, contiguous and paged KV. Plans the pass does
+not recognise stay per-operator.
 """
 from __future__ import annotations
 
@@ -243,14 +244,98 @@ def test_batch_and_prefill_use_the_per_operator_path(qwen2_int4):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.fixture(scope="module")
+def qwen3_models(tmp_path_factory):
+    """A tiny Qwen3 (q/k head norms, head_dim 32 != hidden 64 / 4 heads, intermediate 96: every
+    linear's K a multiple of 32) with random q_norm / k_norm weights (transformers initialises
+    them to ones), converted with contiguous and with paged KV caches."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tiny_checkpoints import _build
+
+    ck = _build(tmp_path_factory, "tiny_qwen3_i96", "Qwen3ForCausalLM", intermediate_size=96,
+                head_dim=32, tie_word_embeddings=True)
+    st = ck / "model.safetensors"
+    tensors = load_file(str(st))
+    g = torch.Generator().manual_seed(5)
+    for name, t in tensors.items():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            tensors[name] = 1.0 + 0.3 * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    d = tmp_path_factory.mktemp("stack_qwen3")
+    out = {}
+    for kv in ("contiguous", "paged"):
+        path = d / f"{kv}.onnx"
+        olv_runtime.convert(ck, path, weights="int4-block32", kv=kv)
+        out[kv] = olv_runtime.load(path)
+    return out
+
+
+@pytest.mark.parametrize("quant,tol", [(False, 1e-4), (True, 5e-2)])
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_qwen3_runs_the_compiled_step(qwen3_models, kv, quant, tol, monkeypatch):
+    """Qwen3's per-head q/k RMSNorms (Reshape -> RMSNormalization -> Reshape between the q|k|v
+    linear and the attention) are fused: the plan is one DecoderStack carrying the norm weights,
+    every one-token call runs its compiled kernel (2 tasks where the layer is omp), and the
+    greedy ids and logits are the per-operator plan's (the tolerances of
+    test_matches_per_operator_plan)."""
+    monkeypatch.setattr(decoder_stack, "STACK_SERIAL_MAX_WORK", 0)
+    model = qwen3_models[kv]
+    nt = get_num_threads()
+    try:
+        ref_ids, ref = _greedy(_session(model, False, quant, 2))
+        sess = _session(model, True, quant, 2)
+        kinds = [k for k, _ in sess.plan()]
+        assert kinds.count("DecoderStack") == 1
+        assert not {"RMSNormalization", "Reshape", "Linear"} & set(kinds), kinds
+        stack = _stack(sess)
+        qk = stack.weights.qk_norms
+        assert qk is not None and qk.shape == (2, 2, 32)
+        q0 = sess._constants["model.layers.0.self_attn.q_norm.weight"]
+        k1 = sess._constants["model.layers.1.self_attn.k_norm.weight"]
+        np.testing.assert_array_equal(qk[0, 0], q0)
+        np.testing.assert_array_equal(qk[1, 1], k1)
+        calls = []
+        real = stack.run_kernel
+
+        def counting(*a):
+            calls.append(1)
+            return real(*a)
+        stack.run_kernel = counting
+        ids, got = _greedy(sess)
+        if kv == "contiguous":  # the signature a compile worker builds is the one that ran
+            disp, sig = stack._decode_entry()
+            assert sig in disp.overloads
+    finally:
+        set_num_threads(nt)
+    assert len(calls) == len(ids) - 1  # every one-token call ran the compiled step
+    assert ids == ref_ids
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(got, ref))
+    assert worst <= tol, worst
+
+
+def test_qwen3_rows_run_per_operator(qwen3_models):
+    """The batching engine's compiled rows step (kernels.rows_layers) has no q/k head norms: a
+    fused Qwen3 plan gives the rows program no compiled step (its rows run the plan's steps)."""
+    from olv_runtime.executor.rows import rows_program
+
+    sess = _session(qwen3_models["contiguous"], True)
+    assert "DecoderStack" in [k for k, _ in sess.plan()]
+    prog, why = rows_program(sess)
+    assert prog is not None, why
+    assert prog.compiled is None
+
+
 def test_unrecognised_plans_stay_per_operator(tmp_path, tiny_qwen3_dir):
-    """Qwen3 (q/k norms between the projection and the attention, intermediate 80) is not the
-    fused form: the plan keeps its operators and runs as before."""
+    """The tiny Qwen3 of intermediate 80 (the down projection's K not a multiple of 32, which the
+    compiled step's linears need) is not the fused form: the plan keeps its operators and runs
+    as before."""
     path = tmp_path / "q3.onnx"
     olv_runtime.convert(tiny_qwen3_dir, path, weights="int4-block32")
     model = olv_runtime.load(path)
     sess = _session(model, True)
-    assert "DecoderStack" not in [k for k, _ in sess.plan()]
+    kinds = [k for k, _ in sess.plan()]
+    assert "DecoderStack" not in kinds and "RopeAttention" in kinds
     ids, _ = _greedy(sess, 4)
     ref_ids, _ = _greedy(_session(model, False), 4)
     assert ids == ref_ids

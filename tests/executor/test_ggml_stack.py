@@ -7,6 +7,7 @@ tests/kernels/test_ggml_packed.py) -- bitwise for one linear of mixed parts (the
 functions), and for whole models the tolerance of tests/executor/test_decoder_stack.py (exact
 mode 1e-4, int8 activations 5e-2) with the same greedy tokens; the step must really run (the plan
 holds the DecoderStack, its compiled kernel runs every one-token call) and dequantize nothing.
+A qwen3 file (per-head q/k norms) compiles and matches too, with contiguous and paged KV.
 """
 from __future__ import annotations
 
@@ -183,6 +184,53 @@ def test_paged_kv(ggml_models, quant, kv, monkeypatch):
     assert len(calls) == 19
     assert ids == ref_ids
     assert max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) <= (5e-2 if quant else 1e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen3_mix(tmp_path_factory):
+    """A tiny qwen3 GGUF (random q/k head-norm weights) of the Q4_K_M-like mix, converted with
+    contiguous and paged (paged-int8) KV caches."""
+    d = tmp_path_factory.mktemp("ggml_qwen3")
+    path = write_gguf(d / "m.gguf", "qwen3", "Q4_K", seed=4, tied=False, tokenizer=False,
+                      types=MIX)
+    olv_runtime.convert(path, d / "m.onnx")
+    m = pb.ModelProto()
+    m.ParseFromString((d / "m.onnx").read_bytes())
+    to_paged(m, "paged-int8")
+    (d / "paged.onnx").write_bytes(m.SerializeToString())
+    return {"contiguous": olv_runtime.load(d / "m.onnx"),
+            "paged": olv_runtime.load(d / "paged.onnx")}
+
+
+@pytest.mark.parametrize("quant,tol", [(False, 1e-4), (True, 5e-2)])
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_qwen3_gguf_runs_the_compiled_step(qwen3_mix, kv, quant, tol, monkeypatch):
+    """A qwen3 GGUF (per-head q/k RMSNorms before RoPE) compiles into one DecoderStack holding
+    the file's q/k norm weights, every one-token call runs it, and it gives the per-operator
+    plan's greedy ids and logits (the tolerances above)."""
+    monkeypatch.setattr(decoder_step, "STACK_SERIAL_MAX_WORK", 0)
+    model = qwen3_mix[kv]
+    nt = get_num_threads()
+    try:
+        ref_ids, ref = _greedy(_session(model, False, quant, 2), 12)
+        sess = _session(model, True, quant, 2)
+        kinds = [k for k, _ in sess.plan()]
+        assert kinds.count("DecoderStack") == 1
+        assert not {"Linear", "RMSNormalization", "Reshape"} & set(kinds), kinds
+        stack = _stack(sess)
+        qk = stack.weights.qk_norms
+        assert qk is not None and qk.shape == (2, 2, 64)
+        np.testing.assert_array_equal(
+            qk[1, 0], sess._constants["model.layers.1.self_attn.q_norm.weight"])
+        np.testing.assert_array_equal(
+            qk[0, 1], sess._constants["model.layers.0.self_attn.k_norm.weight"])
+        calls = _counting(stack)
+        ids, got = _greedy(sess, 12)
+    finally:
+        set_num_threads(nt)
+    assert len(calls) == len(ids) - 1
+    assert ids == ref_ids
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) <= tol
 
 
 # -- one linear of mixed parts, bitwise ------------------------------------------------------------

@@ -206,9 +206,8 @@ def test_gguf_model_matches_transformers(tmp_path, ttype, ckpt):
     # session creation maps the .gguf and copies no payload byte
     sess = olv_runtime.InferenceSession(model)
     assert sess.counters["payload_bytes_copied"] == 0
-    if arch != "qwen3" and (ttype == "Q4_0" or ttype in BLOCK_KERNEL_TYPES):
-        # every linear in the compiled step (Qwen3's q/k norms are not its fused form:
-        # tests/executor/test_decoder_stack.py::test_unrecognised_plans_stay_per_operator)
+    if ttype == "Q4_0" or ttype in BLOCK_KERNEL_TYPES:
+        # every linear in the compiled step (Qwen3 too: its per-head q/k norms are fused)
         kinds = [k for k, _ in sess.plan()]
         assert kinds.count("DecoderStack") == 1 and "Linear" not in kinds, kinds
 
