@@ -37,6 +37,22 @@ float epilogue per 32-block) dominates and the registers run out.
 Exact mode (float32 activations, :func:`rows_f32`): each code is converted to float32 once and
 used by :data:`ROWS_F32` rows, each with the 4 FMA chains per half 32-block and the per-block
 combination of ``ggml_packed._make_rec_f32`` in the same order (bitwise its results).
+
+Exact mode, float panel (:func:`panel_f32`, kinds of :func:`use_fpanel`): the conversion to
+float32 is the cost of :func:`rows_f32` (shift, and, subtract, convert per code vector for 2
+rows). Here a group's records are decoded once per L2 row block (:func:`block_rows` rows) into a
+float32 panel of :data:`PANEL_BYTES` per group (L1), and every tile of rows reads it: two groups
+x :data:`ROWS_P2` rows per tile (each panel vector loaded once for the tile's rows, each
+broadcast activation used by both groups), the 4 chains of a (row, group) per half 32-block
+emitted as pairs ``j = 0, 1`` then ``j = 2, 3`` (12 chains live), each pair's zero start passed
+through an empty inline asm that reads the previous pair's sums (:func:`_after`: without it the
+compiler started every chain of the record at once and spilled about one vector per FMA;
+measured 44 -> 59 GFLOP/s for 2 x 2, L1-resident). The operations per (row, group, block) and
+their order are those of ``ggml_packed._make_rec_f32``, so every row is bitwise the one-row
+kernel's (tests/kernels/test_ggml_gemm.py). Accumulators stay in registers over the records of
+a panel and in a small buffer between panels. Measured, one thread, L1-resident panel and
+activations (Q8_0, 16 records): 2 groups x 3 rows 62 GFLOP/s, 2 x 2 59, 1 x 4 55, of a ~95
+GFLOP/s thread peak: the broadcasts, the panel loads and the spilled half sums stay the limit.
 """
 from __future__ import annotations
 
@@ -66,15 +82,35 @@ from .ggml_ir import (
     sub_layout,
     xbcast,
 )
-from .packed_i8 import HOST_VNNI, V8F32, check_array_arg, prefetch, splat
+from .packed_i8 import (
+    HOST_VNNI,
+    V8F32,
+    check_array_arg,
+    elem_ptr,
+    fstore,
+    prefetch,
+    splat,
+    store_group,
+)
 
-__all__ = ["BLOCK_BYTES", "I16_TERMS", "ROWS", "ROWS_F32", "block_rows", "rows_f32", "rows_i8"]
+__all__ = ["BLOCK_BYTES", "I16_TERMS", "PANEL_BYTES", "ROWS", "ROWS_F32", "ROWS_P", "ROWS_P2",
+           "block_rows", "panel_f32", "panel_floats", "rows_f32", "rows_i8", "use_fpanel"]
 
 #: activation rows per decoded record.
 ROWS = 4
 #: activation rows per decoded record in exact mode (float32 activations): 4 FMA chains per row
 #: and 32-block half, so 2 rows (8 chains) with the decoded codes and accumulators in 16 ymm.
 ROWS_F32 = 2
+#: exact mode, float panel of one group (:func:`panel_f32`, the odd group of a task): activation
+#: rows per tile (the panel vector of each code is loaded once per tile; 2 of the 4 chains of
+#: each row live at a time).
+ROWS_P = 4
+#: exact mode, float panel of 2 groups: activation rows per tile (each broadcast activation used
+#: by both groups; 4 chains per (row, group) of which 2 live at a time: 12 ymm).
+ROWS_P2 = 3
+#: exact mode: bytes of decoded float32 codes per group's panel (two groups' panels in L1 beside
+#: the tile's activations: 8 Q8_0 / Q5_0 records, 1 k-quant record).
+PANEL_BYTES = 1 << 13
 #: bytes of activation codes per row block of a task (half of Zen 3's 512 KiB L2): a block's
 #: rows stay in L2 while the task's groups stream past them.
 BLOCK_BYTES = 1 << 18
@@ -264,6 +300,55 @@ def _make_rows_i8(kind, nrows):
     return rec
 
 
+def _combine_f32(kind, e, builder, fma, d, dmin, sub, halves, a, sx):
+    """Per row ``r``: the block combination of ``ggml_packed._make_rec_f32`` for 32-block ``sub``
+    of the record: ``halves[r]`` = the row's two half sums, ``sx(r)`` its per-32 float32 sum of
+    ``x`` (kinds with mins); returns the updated accumulators ``a``."""
+    if kind == 14:
+        sc0 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub), signed=True), LV8F32)
+        sc1 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), LV8F32)
+        for r in range(len(a)):
+            a[r] = builder.call(fma, [halves[r][0], builder.fmul(d, sc0), a[r]])
+            a[r] = builder.call(fma, [halves[r][1], builder.fmul(d, sc1), a[r]])
+        return a
+    if kind in KQ:
+        sc, mn = k4_scales(e, sub)
+        big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
+        big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
+    for r in range(len(a)):
+        s = builder.fadd(halves[r][0], halves[r][1])
+        if kind in (6, 8):
+            a[r] = builder.call(fma, [s, d, a[r]])
+            continue
+        if kind in MIN32:  # Q4_1, Q5_1: dmin is m
+            a[r] = builder.fadd(a[r], builder.fadd(builder.fmul(d, s),
+                                                   builder.fmul(dmin, sx(r))))
+            continue
+        a[r] = builder.fadd(a[r], builder.fsub(builder.fmul(big_d, s),
+                                               builder.fmul(big_m, sx(r))))
+    return a
+
+
+def _fma_fn(builder):
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(LV8F32, [LV8F32] * 3), "llvm.fma.v8f32")
+
+
+def _codes_f32(builder, kind, u):
+    """The 4 float32 code vectors ``u - offset`` (j = byte within the lane, k = 4t + j) of one
+    chunk vector ``u``, decoded exactly (``(u >> 8j) & 255 - offset``, ``vcvtdq2ps``)."""
+    v = builder.bitcast(u, LV8I32)
+    m255 = ir.Constant(LV8I32, [255] * 8)
+    out = []
+    for j in range(4):
+        w = builder.and_(builder.lshr(v, ir.Constant(LV8I32, [8 * j] * 8)),
+                         m255) if j else builder.and_(v, m255)
+        if OFFSET[kind]:
+            w = builder.sub(w, ir.Constant(LV8I32, [OFFSET[kind]] * 8))
+        out.append(builder.sitofp(w, LV8F32))
+    return out
+
+
 def _emit_rows_f32(kind, nrows, context, builder, sig, args):
     """IR of one record in exact mode for ``nrows`` activation rows (``xo + r kx``, ``bo + r
     kbx``): each code decoded to float32 once (``(u >> 8j) & 255 - offset``), per row the FMA
@@ -274,10 +359,7 @@ def _emit_rows_f32(kind, nrows, context, builder, sig, args):
     e = Emit(context, builder, at[1], dat, ro)
     d = e.f16x8(0)
     dmin = e.f16x8(16) if kind in KQ or kind in MIN32 else None  # (Q4_1/Q5_1: m)
-    fma = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(LV8F32, [LV8F32] * 3), "llvm.fma.v8f32")
-    off = ir.Constant(LV8I32, [OFFSET[kind]] * 8)
-    m255 = ir.Constant(LV8I32, [255] * 8)
+    fma = _fma_fn(builder)
     zero = ir.Constant(LV8F32, [0.0] * 8)
     xo_r = [builder.add(xoff, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
     bo_r = [builder.add(boff, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
@@ -287,43 +369,18 @@ def _emit_rows_f32(kind, nrows, context, builder, sig, args):
         for grp in ((0, 1, 2, 3), (4, 5, 6, 7)):
             ch = [[zero] * 4 for _ in range(nrows)]  # per row 4 chains (j = byte in the lane)
             for t in grp:
-                v = builder.bitcast(_chunk(e, kind, sub, t), LV8I32)
-                for j in range(4):
-                    w = builder.and_(builder.lshr(v, ir.Constant(LV8I32, [8 * j] * 8)),
-                                     m255) if j else builder.and_(v, m255)
-                    if OFFSET[kind]:
-                        w = builder.sub(w, off)
-                    wf = builder.sitofp(w, LV8F32)
+                for j, wf in enumerate(_codes_f32(builder, kind, _chunk(e, kind, sub, t))):
                     for r in range(nrows):
                         xv = load_f32(context, builder, at[3], xa, idx(builder, xo_s[r], 4 * t + j))
                         ch[r][j] = builder.call(fma, [wf, splat(builder, xv, LV8F32), ch[r][j]])
             for r in range(nrows):
                 halves[r].append(builder.fadd(builder.fadd(ch[r][0], ch[r][1]),
                                               builder.fadd(ch[r][2], ch[r][3])))
-        if kind == 14:
-            sc0 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub), signed=True), LV8F32)
-            sc1 = builder.sitofp(e.bytes8(16 + 8 * (2 * sub + 1), signed=True), LV8F32)
-            for r in range(nrows):
-                a[r] = builder.call(fma, [halves[r][0], builder.fmul(d, sc0), a[r]])
-                a[r] = builder.call(fma, [halves[r][1], builder.fmul(d, sc1), a[r]])
-            continue
-        if kind in KQ:
-            sc, mn = k4_scales(e, sub)
-            big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
-            big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
-        for r in range(nrows):
-            s = builder.fadd(halves[r][0], halves[r][1])
-            if kind in (6, 8):
-                a[r] = builder.call(fma, [s, d, a[r]])
-                continue
-            sx = splat(builder, load_f32(context, builder, at[6], xsa, idx(builder, bo_r[r], sub)),
-                       LV8F32)
-            if kind in MIN32:  # Q4_1, Q5_1: dmin is m
-                a[r] = builder.fadd(a[r], builder.fadd(builder.fmul(d, s),
-                                                       builder.fmul(dmin, sx)))
-                continue
-            a[r] = builder.fadd(a[r], builder.fsub(builder.fmul(big_d, s),
-                                                   builder.fmul(big_m, sx)))
+
+        def sx(r, sub=sub):
+            return splat(builder, load_f32(context, builder, at[6], xsa,
+                                           idx(builder, bo_r[r], sub)), LV8F32)
+        a = _combine_f32(kind, e, builder, fma, d, dmin, sub, halves, a, sx)
     return context.make_tuple(builder, sig.return_type, a)
 
 
@@ -339,6 +396,141 @@ def _make_rows_f32(kind, nrows):
         return sig, (lambda context, builder, sig, args:
                      _emit_rows_f32(kind, nrows, context, builder, sig, args))
     return rec
+
+
+def _emit_decode(kind, context, builder, sig, args):
+    """IR: every code of one record decoded to float32 (:func:`_codes_f32`) and stored to
+    ``panel[po + 8 q : po + 8 q + 8]``, ``q = 32 sub + 4 t + j`` (= k within the record)."""
+    dat, ro, pan, po = args
+    at = sig.args
+    e = Emit(context, builder, at[0], dat, ro)
+    for sub in range(nsub(kind)):
+        for t in range(8):
+            for j, wf in enumerate(_codes_f32(builder, kind, _chunk(e, kind, sub, t))):
+                q = 32 * sub + 4 * t + j
+                builder.store(wf, elem_ptr(context, builder, at[2], pan, idx(builder, po, 8 * q),
+                                           LV8F32), align=4)
+
+
+def _make_decode(kind):
+    @intrinsic
+    def dec(typingctx, data, roff, panel, po):
+        if not (check_array_arg(data, types.uint8) and check_array_arg(panel, types.float32)):
+            return None
+        sig = types.none(data, types.intp, panel, types.intp)
+
+        def codegen(context, builder, sig, args):
+            _emit_decode(kind, context, builder, sig, args)
+            return context.get_dummy_value()
+        return sig, codegen
+    return dec
+
+
+def _emit_tile_f32(kind, nrows, ngrp, context, builder, sig, args):
+    """IR of one record of each of ``ngrp`` groups (1 or 2; panels at ``po_g``, records at
+    ``ro_g``) in exact mode for ``nrows`` activation rows, the codes read from the float panel
+    (:func:`_emit_decode`), the scales from the records: per (row, group) the operations of
+    :func:`_emit_rows_f32` (bitwise ``ggml_packed._make_rec_f32``); accumulator ``g nrows + r``.
+    Emission order: per half 32-block the chains ``j = 0, 1`` of all (row, group), then
+    ``j = 2, 3``: each panel vector is loaded once for the ``nrows`` rows, each broadcast
+    activation used by the ``ngrp`` groups."""
+    accs, pan, po0, po1, dat, ro0, ro1, xa, xoff, kx, xsa, boff, kbx = args
+    at = sig.args
+    pos = (po0, po1)[:ngrp]
+    a = [[builder.extract_value(accs, gi * nrows + r) for r in range(nrows)]
+         for gi in range(ngrp)]
+    es = [Emit(context, builder, at[4], dat, ro) for ro in (ro0, ro1)[:ngrp]]
+    ds = [e.f16x8(0) for e in es]
+    dmins = [e.f16x8(16) if kind in KQ or kind in MIN32 else None for e in es]
+    fma = _fma_fn(builder)
+    zero = ir.Constant(LV8F32, [0.0] * 8)
+    xo_r = [builder.add(xoff, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
+    bo_r = [builder.add(boff, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
+    prev = []
+    for sub in range(nsub(kind)):
+        xo_s = [idx(builder, xo, 32 * sub) for xo in xo_r]
+        halves = [[[] for _ in range(nrows)] for _ in range(ngrp)]
+        for grp in ((0, 1, 2, 3), (4, 5, 6, 7)):
+            pair = []
+            for jp in ((0, 1), (2, 3)):
+                z = _after(builder, zero, prev) if BARRIER else zero
+                ch = [[[z] * 2 for _ in range(nrows)] for _ in range(ngrp)]
+                for t in grp:
+                    for c, j in enumerate(jp):
+                        q = 32 * sub + 4 * t + j
+                        ws = [builder.load(elem_ptr(context, builder, at[1], pan,
+                                                    idx(builder, po, 8 * q), LV8F32), align=4)
+                              for po in pos]
+                        for r in range(nrows):
+                            xv = splat(builder, load_f32(context, builder, at[7], xa,
+                                                         idx(builder, xo_s[r], 4 * t + j)),
+                                       LV8F32)
+                            for gi in range(ngrp):
+                                ch[gi][r][c] = builder.call(fma, [ws[gi], xv, ch[gi][r][c]])
+                pair.append([[builder.fadd(ch[gi][r][0], ch[gi][r][1]) for r in range(nrows)]
+                             for gi in range(ngrp)])
+                prev = [v for row in pair[-1] for v in row]
+            for gi in range(ngrp):
+                for r in range(nrows):
+                    halves[gi][r].append(builder.fadd(pair[0][gi][r], pair[1][gi][r]))
+
+        def sx(r, sub=sub):
+            return splat(builder, load_f32(context, builder, at[10], xsa,
+                                           idx(builder, bo_r[r], sub)), LV8F32)
+        for gi in range(ngrp):
+            a[gi] = _combine_f32(kind, es[gi], builder, fma, ds[gi], dmins[gi], sub, halves[gi],
+                                 a[gi], sx)
+    return context.make_tuple(builder, sig.return_type, [v for row in a for v in row])
+
+
+#: order the chain pairs of a tile with :func:`_after` (False: let the compiler schedule them).
+BARRIER = True
+
+
+def _after(builder, zero, deps):
+    """``zero`` (a float32 x 8 register) returned through an empty inline asm that also reads
+    ``deps``: the chains started from it cannot be scheduled before ``deps`` are computed (the
+    compiler otherwise starts every chain of a tile at once and spills them); the value is
+    unchanged, so the arithmetic is too."""
+    if not deps:
+        return zero
+    ft = ir.FunctionType(LV8F32, [LV8F32] * (1 + len(deps)))
+    cons = "=x,0" + ",x" * len(deps)
+    return builder.asm(ft, "", cons, [zero] + list(deps), True)
+
+
+def _make_tile_f32(kind, nrows, ngrp):
+    tup = types.UniTuple(V8F32, nrows * ngrp)
+
+    @intrinsic
+    def tile(typingctx, accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo, kbx):
+        if not (accs == tup and check_array_arg(panel, types.float32)
+                and check_array_arg(data, types.uint8)
+                and check_array_arg(x, types.float32) and check_array_arg(xsum, types.float32)):
+            return None
+        sig = tup(tup, panel, types.intp, types.intp, data, types.intp, types.intp, x,
+                  types.intp, types.intp, xsum, types.intp, types.intp)
+        return sig, (lambda context, builder, sig, args:
+                     _emit_tile_f32(kind, nrows, ngrp, context, builder, sig, args))
+    return tile
+
+
+def _make_load_accs(nrows):
+    tup = types.UniTuple(V8F32, nrows)
+
+    @intrinsic
+    def load_accs(typingctx, arr, off):
+        """``nrows`` float32 x 8 vectors from ``arr[off + 8 r : off + 8 r + 8]``."""
+        if not check_array_arg(arr, types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vs = [builder.load(elem_ptr(context, builder, sig.args[0], args[0],
+                                        idx(builder, args[1], 8 * r), LV8F32), align=4)
+                  for r in range(nrows)]
+            return context.make_tuple(builder, tup, vs)
+        return tup(arr, types.intp), codegen
+    return load_accs
 
 
 def _make_zeros(nrows):
@@ -372,6 +564,29 @@ _rows_f32_q6_k = _make_rows_f32(14, ROWS_F32)
 _rows_f32_q4_1 = _make_rows_f32(3, ROWS_F32)
 _rows_f32_q5_1 = _make_rows_f32(7, ROWS_F32)
 _rows_f32_q5_k = _make_rows_f32(13, ROWS_F32)
+_load_accs_p = _make_load_accs(ROWS_P)
+_load_accs_p2 = _make_load_accs(2 * ROWS_P2)
+_dec_q8_0 = _make_decode(8)
+_dec_q5_0 = _make_decode(6)
+_dec_q4_k = _make_decode(12)
+_dec_q6_k = _make_decode(14)
+_dec_q4_1 = _make_decode(3)
+_dec_q5_1 = _make_decode(7)
+_dec_q5_k = _make_decode(13)
+_tile_q8_0 = _make_tile_f32(8, ROWS_P, 1)
+_tile2_q8_0 = _make_tile_f32(8, ROWS_P2, 2)
+_tile_q5_0 = _make_tile_f32(6, ROWS_P, 1)
+_tile2_q5_0 = _make_tile_f32(6, ROWS_P2, 2)
+_tile_q4_k = _make_tile_f32(12, ROWS_P, 1)
+_tile2_q4_k = _make_tile_f32(12, ROWS_P2, 2)
+_tile_q6_k = _make_tile_f32(14, ROWS_P, 1)
+_tile2_q6_k = _make_tile_f32(14, ROWS_P2, 2)
+_tile_q4_1 = _make_tile_f32(3, ROWS_P, 1)
+_tile2_q4_1 = _make_tile_f32(3, ROWS_P2, 2)
+_tile_q5_1 = _make_tile_f32(7, ROWS_P, 1)
+_tile2_q5_1 = _make_tile_f32(7, ROWS_P2, 2)
+_tile_q5_k = _make_tile_f32(13, ROWS_P, 1)
+_tile2_q5_k = _make_tile_f32(13, ROWS_P2, 2)
 
 
 @njit(**JIT)
@@ -474,3 +689,147 @@ def rows_f32(kind, data, g, x, xsum, i0):
         else:
             acc = _rows_f32_q6_k(acc, data, ro, x, xo + 256 * s, kx, xsum, bo + 8 * s, kbx)
     return acc
+
+
+@njit(**JIT)
+def _decode(kind, data, ro, panel, po):
+    if kind == 8:
+        _dec_q8_0(data, ro, panel, po)
+    elif kind == 6:
+        _dec_q5_0(data, ro, panel, po)
+    elif kind == 3:
+        _dec_q4_1(data, ro, panel, po)
+    elif kind == 7:
+        _dec_q5_1(data, ro, panel, po)
+    elif kind == 12:
+        _dec_q4_k(data, ro, panel, po)
+    elif kind == 13:
+        _dec_q5_k(data, ro, panel, po)
+    else:
+        _dec_q6_k(data, ro, panel, po)
+
+
+@njit(**JIT)
+def _tile(kind, accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo, kbx):
+    if kind == 8:
+        return _tile_q8_0(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                     kbx)
+    elif kind == 6:
+        return _tile_q5_0(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                     kbx)
+    elif kind == 3:
+        return _tile_q4_1(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                     kbx)
+    elif kind == 7:
+        return _tile_q5_1(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                     kbx)
+    elif kind == 12:
+        return _tile_q4_k(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                     kbx)
+    elif kind == 13:
+        return _tile_q5_k(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                     kbx)
+    return _tile_q6_k(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
+
+
+@njit(**JIT)
+def _tile2(kind, accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo, kbx):
+    if kind == 8:
+        return _tile2_q8_0(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                      kbx)
+    elif kind == 6:
+        return _tile2_q5_0(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                      kbx)
+    elif kind == 3:
+        return _tile2_q4_1(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                      kbx)
+    elif kind == 7:
+        return _tile2_q5_1(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                      kbx)
+    elif kind == 12:
+        return _tile2_q4_k(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                      kbx)
+    elif kind == 13:
+        return _tile2_q5_k(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo,
+                      kbx)
+    return _tile2_q6_k(accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
+
+
+@njit(**JIT)
+def use_fpanel(kind):
+    """Exact mode: whether :func:`panel_f32` (float panel) runs the kind's prefill rather than
+    :func:`rows_f32` (both bitwise the one-row kernel). Measured, one thread, % of the thread's
+    FMA peak, rows_f32 -> panel_f32 (``python bench/bench_ggml_exact.py --rounds 3``, Qwen2.5-0.5B
+    gate/up and down at M = 128 / 512, a shared machine): Q5_0 27-29 -> 29-38, Q6_K 21-24 ->
+    26-32, Q8_0 34-38 -> 36-43 (down equal); Q4_K 28-34 -> 29-31 (down slower), so Q4_K and the
+    unmeasured Q4_1 / Q5_1 / Q5_K keep :func:`rows_f32`."""
+    return kind == 14 or kind == 6 or kind == 8
+
+
+@njit(**JIT)
+def panel_floats(kind):
+    """float32 elements of the panel buffer of :func:`panel_f32` for ``kind`` (the decoded codes
+    of whole records, at most :data:`PANEL_BYTES`, at least one record)."""
+    rf = 256 if kind == 3 or kind == 6 or kind == 7 or kind == 8 else 2048
+    return max(1, PANEL_BYTES // 4 // rf) * rf
+
+
+@njit(**JIT)
+def panel_f32(kind, data, g, ng, x, xsum, ib, ie, n, out, facc, panel, accb):
+    """Exact mode, groups ``g .. g + ng - 1`` (``ng`` = 1 or 2), activation rows ``ib .. ib +
+    T ROWS_P - 1`` (``T = (ie - ib) // ROWS_P``; returns the first row not done): each group's
+    records decoded to float32 (:func:`panel_floats` elements of ``panel`` per group, ``panel``
+    float32 [>= 2 panel_floats]) a panel at a time, each panel used by every tile of rows
+    (:data:`ROWS_P` rows of one group, or :data:`ROWS_P2` rows of two groups; accumulators in
+    registers, kept in ``accb`` float32 [>= 16 T ROWS_P] between panels); every output row
+    bitwise ``ggml_packed._row_f32``'s."""
+    nrec = data.shape[1]
+    rb = data.shape[2]
+    ns = 1 if kind == 3 or kind == 6 or kind == 7 or kind == 8 else 8
+    rf = 256 * ns
+    pf = panel_floats(kind)
+    cr = pf // rf
+    kx = x.shape[1]
+    kbx = xsum.shape[1]
+    rt = ROWS_P2 if ng == 2 else ROWS_P
+    nr = (ie - ib) // rt * rt
+    for v in range(nr * 8 * ng):
+        accb[v] = 0.0
+    base0 = g * nrec
+    base1 = (g + ng - 1) * nrec
+    for s0 in range(0, nrec, cr):
+        s1 = min(nrec, s0 + cr)
+        for gi in range(ng):
+            for s in range(s0, s1):
+                ro = ((g + gi) * nrec + s) * rb
+                for p in range(0, rb, 64):
+                    prefetch(data, ro + cr * rb + p)
+                _decode(kind, data, ro, panel, gi * pf + (s - s0) * rf)
+        last = s1 == nrec
+        if ng == 2:
+            for i0 in range(ib, ib + nr, ROWS_P2):
+                ao = (i0 - ib) * 16
+                accs2 = _load_accs_p2(accb, ao)
+                for s in range(s0, s1):
+                    accs2 = _tile2(kind, accs2, panel, (s - s0) * rf, pf + (s - s0) * rf, data,
+                                   (base0 + s) * rb, (base1 + s) * rb, x, i0 * kx + 32 * ns * s,
+                                   kx, xsum, i0 * kbx + ns * s, kbx)
+                for gi in range(2):
+                    for r in range(ROWS_P2):
+                        if last:
+                            store_group(accs2[gi * ROWS_P2 + r], facc, g + gi, i0 + r, n, out)
+                        else:
+                            fstore(accb, ao + (gi * ROWS_P2 + r) * 8, accs2[gi * ROWS_P2 + r])
+        else:
+            for i0 in range(ib, ib + nr, ROWS_P):
+                ao = (i0 - ib) * 8
+                accs = _load_accs_p(accb, ao)
+                for s in range(s0, s1):
+                    accs = _tile(kind, accs, panel, (s - s0) * rf, 0, data, (base0 + s) * rb, 0,
+                                 x, i0 * kx + 32 * ns * s, kx, xsum, i0 * kbx + ns * s, kbx)
+                for r in range(ROWS_P):
+                    if last:
+                        store_group(accs[r], facc, g, i0 + r, n, out)
+                    else:
+                        fstore(accb, ao + r * 8, accs[r])
+    return ib + nr

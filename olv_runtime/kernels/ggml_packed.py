@@ -65,7 +65,9 @@ acc)`` per half. Tolerance against a float64 product with the dequantized weight
 Prefill (M >= :data:`~.ggml_gemm.ROWS` in int8 mode, :data:`~.ggml_gemm.ROWS_F32` in exact
 mode): :mod:`.ggml_gemm` decodes each record once for that many activation rows held in
 registers (bitwise the one-row results), rows in L2-sized blocks; rows left over run the one-row
-kernels. The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
+kernels. Exact mode for the kinds of :func:`~.ggml_gemm.use_fpanel`: records decoded once per
+row block into a float32 panel read by tiles of rows of two groups (:func:`~.ggml_gemm.panel_f32`,
+also bitwise the one-row results). The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
 
 Memory: each task streams one contiguous range of groups; ``prefetcht0`` :data:`PF_BYTES` ahead.
 Bytes read per call: ``packed.nbytes`` (= the GGUF tensor's bytes, rows padded to 8).
@@ -82,7 +84,8 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
-from .ggml_gemm import ROWS, ROWS_F32, block_rows, rows_f32, rows_i8
+from .ggml_gemm import (ROWS, ROWS_F32, ROWS_P, block_rows, panel_f32, panel_floats,
+                        rows_f32, rows_i8, use_fpanel)
 from .ggml_panel import panel_groups, use_panel
 from .ggml_ir import (
     F32,
@@ -413,11 +416,27 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
     block in chunks of :data:`~.ggml_gemm.ROWS` (int8 mode, :func:`~.ggml_gemm.rows_i8`) or
     :data:`~.ggml_gemm.ROWS_F32` (exact mode, :func:`~.ggml_gemm.rows_f32`), each record decoded
     once per chunk; the rows left over one at a time (bitwise the same results). int8 mode on
-    the AVX2 path when :func:`~.ggml_panel.use_panel`: :func:`~.ggml_panel.panel_groups`."""
+    the AVX2 path when :func:`~.ggml_panel.use_panel`: :func:`~.ggml_panel.panel_groups`.
+    Exact mode when :func:`~.ggml_gemm.use_fpanel`: groups in pairs through
+    :func:`~.ggml_gemm.panel_f32` (records decoded once per row block into a float panel)."""
     if quant and not vnni and use_panel(kind, m):
         panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc)
         return
     mb = block_rows(xq.shape[1] if quant else 4 * x.shape[1])
+    if not quant and use_fpanel(kind):
+        panel = np.empty(2 * panel_floats(kind), np.float32)
+        accb = np.empty(16 * mb, np.float32)
+        for ib in range(0, m, mb):
+            ie = min(m, ib + mb)
+            for g in range(g0, g1, 2):
+                ng = min(2, g1 - g)
+                i0 = ib
+                if ie - ib >= ROWS_P:
+                    i0 = panel_f32(kind, data, g, ng, x, xsum, ib, ie, n, out, facc, panel, accb)
+                for gi in range(g, g + ng):
+                    for i in range(i0, ie):
+                        store_group(_row_f32(kind, data, gi, x, xsum, i), facc, gi, i, n, out)
+        return
     for ib in range(0, m, mb):
         ie = min(m, ib + mb)
         for g in range(g0, g1):

@@ -87,8 +87,8 @@ def test_exact_rows_bitwise_equal_one_row_kernel(name, m):
     assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6), np.abs(y - ref).max()
 
 
-def test_exact_parallel_driver_rows_bitwise():
-    name = "Q4_K"
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_0", "Q6_K"])  # rows_f32, float panel (2 kinds)
+def test_exact_parallel_driver_rows_bitwise(name):
     n, m, k = 45, 2 * ggml_gemm.ROWS_F32 * 8 + 1, 512
     assert m * n * k >= gp.SERIAL_MAX_WORK
     blocks = random_blocks(name, n, k, seed=5)
@@ -116,3 +116,35 @@ def test_row_blocks_bitwise(exact):
     if not exact:
         ref = naive_ref.linear_ggml_int8(gp.KINDS[name], blocks, x)
         assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+@pytest.mark.parametrize("ng", [1, 2])
+def test_exact_float_panel_bitwise_every_kind(name, ng):
+    """The float panel (``panel_f32``: records decoded once into float32, tiles of ROWS_P rows of
+    one group or ROWS_P2 rows of two groups, several panels along K) gives the bits of the
+    one-row kernel for every kind, also those whose prefill does not take it
+    (``use_fpanel``); rows past the last full tile are left to the caller."""
+    kind = gp.KINDS[name]
+    k = 3 * 256 if gp.BLOCKS[kind][0] == 256 else 12 * 32  # > 1 panel of records
+    assert k * 8 * 4 > ggml_gemm.panel_floats.py_func(kind) * 4
+    n, m, ib = 16, 15, 2
+    blocks = random_blocks(name, n, k, seed=kind + ng)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(ng).standard_normal((m, k)).astype(np.float32)
+    xsum = np.zeros((m, k // 32), np.float32)
+    gp._act_sums(kind, m, k, np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int32), x, xsum,
+                 False)
+    out = np.full((m, n), np.nan, np.float32)
+    panel = np.full(2 * ggml_gemm.panel_floats(kind), np.nan, np.float32)
+    accb = np.full(16 * m, np.nan, np.float32)
+    facc = np.zeros((1, 8), np.float32)
+    g = 2 - ng  # groups 1 (alone) or 0 and 1
+    end = ggml_gemm.panel_f32(kind, packed.data, g, ng, x, xsum, ib, m, n, out, facc, panel,
+                              accb)
+    rt = ggml_gemm.ROWS_P2 if ng == 2 else ggml_gemm.ROWS_P
+    assert end == ib + (m - ib) // rt * rt
+    one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
+    cols = slice(8 * g, 8 * (g + ng))
+    assert np.array_equal(out[ib:end, cols].view(np.uint32), one[ib:end, cols].view(np.uint32))
+    assert np.isnan(out[:ib]).all() and np.isnan(out[end:]).all()
