@@ -84,8 +84,8 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
-from .ggml_gemm import (ROWS, ROWS_F32, ROWS_P, block_rows, panel_f32, panel_floats,
-                        rows_f32, rows_i8, use_fpanel)
+from .ggml_gemm import (ROWS_P, block_rows, chunks_f32, chunks_i8, panel_f32,
+                        panel_floats, use_fpanel)
 from .ggml_panel import panel_groups, use_panel
 from .ggml_ir import (
     F32,
@@ -413,8 +413,8 @@ def _act_sums(kind, m, k, xq, xs16, x, xsum, quant):
 def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, quant, vnni):
     """Groups g0..g1-1 of ``out[:m]``: activation rows in blocks of
     :func:`~.ggml_gemm.block_rows` (their codes stay in L2 while the groups stream), within a
-    block in chunks of :data:`~.ggml_gemm.ROWS` (int8 mode, :func:`~.ggml_gemm.rows_i8`) or
-    :data:`~.ggml_gemm.ROWS_F32` (exact mode, :func:`~.ggml_gemm.rows_f32`), each record decoded
+    block in chunks of :data:`~.ggml_gemm.ROWS` (int8 mode, :func:`~.ggml_gemm.chunks_i8`) or
+    :data:`~.ggml_gemm.ROWS_F32` (exact mode, :func:`~.ggml_gemm.chunks_f32`), each record decoded
     once per chunk; the rows left over one at a time (bitwise the same results). int8 mode on
     the AVX2 path when :func:`~.ggml_panel.use_panel`: :func:`~.ggml_panel.panel_groups`.
     Exact mode when :func:`~.ggml_gemm.use_fpanel`: groups in pairs through
@@ -440,19 +440,10 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
     for ib in range(0, m, mb):
         ie = min(m, ib + mb)
         for g in range(g0, g1):
-            i0 = ib
             if quant:
-                while ie - i0 >= ROWS:
-                    accs = rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni)
-                    for r in range(ROWS):
-                        store_group(accs[r], facc, g, i0 + r, n, out)
-                    i0 += ROWS
+                i0 = chunks_i8(kind, data, g, xq, xd, xs8, xs16, ib, ie, n, out, facc, vnni)
             else:
-                while ie - i0 >= ROWS_F32:
-                    accs = rows_f32(kind, data, g, x, xsum, i0)
-                    for r in range(ROWS_F32):
-                        store_group(accs[r], facc, g, i0 + r, n, out)
-                    i0 += ROWS_F32
+                i0 = chunks_f32(kind, data, g, x, xsum, ib, ie, n, out, facc)
             for i in range(i0, ie):
                 if quant:
                     acc = _row_i8(kind, data, g, xq, xd, xs8, xs16, i, vnni)
