@@ -711,7 +711,7 @@ def chunks_i8(kind, data, g, xq, xd, xs8, xs16, ib, ie, n, out, facc, vnni):
     inlined) while a whole chunk is left before ``ie``; returns the first row not done. One call
     per (group, row block), not per chunk: a call per chunk, with its stores through
     ``store_group`` and the array reference counts of each call, cost ~20 % of a K = 896 GEMM
-    (Q8_0 4864 x 896, M = 128, one thread: 37.8 -> 48.7 GMAC/s, /work/notes/micro_q8.py)."""
+    (Q8_0 4864 x 896, M = 128, one thread: 37.8 -> 48.7 GMAC/s, bench/bench_gemm_calls.py)."""
     i0 = ib
     while ie - i0 >= ROWS:
         accs = rows_i8(kind, data, g, xq, xd, xs8, xs16, i0, vnni)
