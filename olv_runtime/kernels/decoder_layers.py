@@ -76,39 +76,8 @@ driver serves both caches: they differ only in step 3's write and step 4's share
 compiles, so a session compiles the one its model uses). The barrier, the atomics and the
 phase stamps live in :mod:`.step_sync`.
 
-Compile cost (cold start, issue 14). numba re-optimises and re-emits every function linked into
-a top-level function when that one is compiled, so the program is kept to what a session uses:
-the activation mode is chosen by the *type* of the int8 buffers argument (None in exact mode,
-an ``overload``), so only one mode's kernels are compiled; the ggml kernels likewise by the
-type of ``StepWeights.ggml0`` / ``RunState.g_*`` (None without ggml parts: an INT4 model's step
-is the INT4 program, and :mod:`.ggml_packed` is not even imported), and the INT4 kernels by
-the type of ``StepWeights.codes0`` (None without INT4 parts: a GGUF file without Q4_0 tensors,
-:func:`_int4_part`). A stack with ggml parts compiles the record kernels of all four types for
-its mode (one function with the kind as a run-time value). Measured (cold numba cache, no
-compile worker, CPU seconds of the first one-token call -- the step's compilation -- of 2-layer
-hidden-512 GGUF models, 2 threads, on a machine shared with other compiling processes), while
-every stack still compiled the INT4 kernels: int8 mode 27.0 s with Q4_0 tensors only (the INT4
-program), 46.1 s all Q8_0, 40.2 s a Q4_K_M-like mix (Q5_0 / Q8_0 / Q4_K / Q6_K); exact mode
-31.7 s, 46.9 s, 49.7 s. So a ggml model adds about 13-19 s of CPU to the step's compilation
-(once per numba cache); the serial entry is
-:func:`_stack_thread` itself (one specialisation shared with the parallel driver, whose task
-index is cast to int64); the packed weights and KV buffers arrive as int64 address tables turned
-into array views inside the program (:func:`_view`), not as numba typed lists (whose methods
-are compiled again in every process and box on every call). Helpers called at many places of
-the program (:func:`_linear_part`, :func:`_weight`, the prefetches) are functions of their own,
-compiled once; numba's IR inlining (``inline="always"``) is kept for the once-called layer
-parts: inlining a helper re-translates and re-types it at every call site (measured: ~2 s of
-the step's ~9 s compilation when the many-site helpers were inlined). A library level costs
-LLVM work too -- each compiled function's LLVM module re-optimises and re-emits everything
-linked into it -- so small helpers called from one place are inlined (``inline="always"`` in
-:mod:`.attention` and :mod:`.packed_f32_vnni`). The phase stamps (:func:`_stamp`, 16 sites) are
-a function of their own called with ``np.int64`` phases (IR-inlined they cost ~1 s). The callees
-the prefill kernels share with the step take the prefill's specialisations (one row as
-``np.int64(1)``, int64 key offsets), so that with a compile worker (:mod:`.precompile`, one numba
-cache for both processes) each is compiled once: the worker first compiles what the prefill needs
-last (many-row GEMV groups, RoPE rows, the attention rows: :func:`precompile_entries`), the main
-process meanwhile the rest of the prefill (one-row GEMV groups, activation digits, RMSNorm rows),
-which the step then loads.
+Compile cost (cold start, issue 14): how the program is kept to what a session compiles, with
+the measurements, is in docs/architecture.md, "The compiled decode step's compile cost".
 """
 from __future__ import annotations
 
