@@ -2,7 +2,7 @@
 for int8 prefill, single thread (``time.thread_time``), alternating in one process.
 
     python bench/bench_ggml_panel.py [--rounds 7] [--kinds Q8_0,Q5_0,Q4_1,Q5_1,Q4_K,Q5_K,Q6_K]
-                                     [--ms 128,512] [--paths avx2,vnni,panel]
+                                     [--ms 128,512] [--paths vnni,panel,vpanel]
                                      [--shapes 896x896,128x896,4864x896,896x4864]
 
 Shapes are Qwen2.5-0.5B's (N x K): q/o 896x896, k/v 128x896, gate/up 4864x896, down 896x4864
@@ -10,7 +10,9 @@ Shapes are Qwen2.5-0.5B's (N x K): q/o 896x896, k/v 128x896, gate/up 4864x896, d
 printed). Random valid blocks. Paths (all after the same activation quantization):
 ``avx2`` / ``vnni``: ``ggml_packed._groups``' register-blocked driver (``ggml_gemm.chunks_i8``
 per (group, L2 row block), ``_row_i8`` for the rows left over) with the ``vnni`` flag off / on
-(``vnni`` only on a VNNI host: ``vpdpbusd``); ``panel``: ``ggml_panel.panel_groups``. All write
+(``vnni`` only on a VNNI host: ``vpdpbusd``); ``panel`` / ``vpanel``: ``ggml_panel.panel_groups``
+with the ``vnni`` flag off / on (the AVX2 or the ``vpdpbusd`` tiles; default paths on a VNNI host
+``vnni,panel,vpanel``, else ``avx2,panel``). All write
 bitwise equal outputs (asserted). Per (kind, shape, M) the paths are timed alternately,
 ``--rounds`` rounds of a few calls each; the figure is the best round. GMAC/s = M N K / time;
 the ratio columns are ``panel`` over each other path. Not run by the test command.
@@ -50,7 +52,8 @@ def _gemm_ser(kind, data, x, m, k, n, out, xq, xd, xs8, xs16, xsum, facc, vnni):
 def _panel_ser(kind, data, x, m, k, n, out, xq, xd, xs8, xs16, xsum, facc, vnni):
     quantize_rows_i8(x, m, k, k // 32, xq, xd, xs8)
     gp._act_sums(kind, m, k, xq, xs16, x, xsum, True)
-    gpl.panel_groups(kind, data, np.int64(0), data.shape[0], xq, xd, xs8, xs16, m, n, out, facc)
+    gpl.panel_groups(kind, data, np.int64(0), data.shape[0], xq, xd, xs8, xs16, m, n, out, facc,
+                     vnni)
 
 
 def measure(name, n, k, m, rounds, rng, paths):
@@ -61,10 +64,7 @@ def measure(name, n, k, m, rounds, rng, paths):
     x = rng.standard_normal((m, k)).astype(np.float32)
     ws = gp.make_workspace_ggml(m, k, 1)
     ys = {key: np.empty((m, n), np.float32) for key in paths}
-    fns = {"avx2": (_gemm_ser, False), "vnni": (_gemm_ser, True)}
-    for key in paths:
-        if key not in fns:
-            fns[key] = (PANELS[key], False)
+    fns = {"avx2": (_gemm_ser, False), "vnni": (_gemm_ser, True), **PANELS}
 
     def run(key):
         fn, vnni = fns[key]
@@ -84,8 +84,8 @@ def measure(name, n, k, m, rounds, rng, paths):
     return {key: m * n * k / t / 1e9 for key, t in best.items()}
 
 
-#: the panel paths (name: serial driver), :func:`measure` times each beside ggml_gemm's.
-PANELS = {"panel": _panel_ser}
+#: the panel paths (name: (serial driver, vnni flag)), timed beside ggml_gemm's.
+PANELS = {"panel": (_panel_ser, False), "vpanel": (_panel_ser, True)}
 
 
 def main():
@@ -94,11 +94,11 @@ def main():
     ap.add_argument("--kinds", default="Q8_0,Q5_0,Q4_1,Q5_1,Q4_K,Q5_K,Q6_K")
     ap.add_argument("--ms", default="128,512")
     ap.add_argument("--shapes", default="896x896,128x896,4864x896,896x4864")
-    ap.add_argument("--paths", default="avx2,vnni,panel" if HOST_VNNI else "avx2,panel")
+    ap.add_argument("--paths", default="vnni,panel,vpanel" if HOST_VNNI else "avx2,panel")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    if "vnni" in paths and not HOST_VNNI:
-        ap.error("--paths vnni: this CPU has no AVX-512 VNNI")
+    if ("vnni" in paths or "vpanel" in paths) and not HOST_VNNI:
+        ap.error("--paths vnni / vpanel: this CPU has no AVX-512 VNNI")
     numba.set_num_threads(1)
     rng = np.random.default_rng(0)
     gemms = [p for p in paths if p not in PANELS]

@@ -415,12 +415,13 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
     :func:`~.ggml_gemm.block_rows` (their codes stay in L2 while the groups stream), within a
     block in chunks of :data:`~.ggml_gemm.ROWS` (int8 mode, :func:`~.ggml_gemm.chunks_i8`) or
     :data:`~.ggml_gemm.ROWS_F32` (exact mode, :func:`~.ggml_gemm.chunks_f32`), each record decoded
-    once per chunk; the rows left over one at a time (bitwise the same results). int8 mode on
-    the AVX2 path when :func:`~.ggml_panel.use_panel`: :func:`~.ggml_panel.panel_groups`.
+    once per chunk; the rows left over one at a time (bitwise the same results). int8 mode when
+    :func:`~.ggml_panel.use_panel` (per kind, rows and path): :func:`~.ggml_panel.panel_groups`
+    (``vnni``: its ``vpdpbusd`` tiles).
     Exact mode when :func:`~.ggml_gemm.use_fpanel`: groups in pairs through
     :func:`~.ggml_gemm.panel_f32` (records decoded once per row block into a float panel)."""
-    if quant and not vnni and use_panel(kind, m):
-        panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc)
+    if quant and use_panel(kind, m, vnni):
+        panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, vnni)
         return
     mb = block_rows(xq.shape[1] if quant else 4 * x.shape[1])
     if not quant and use_fpanel(kind):

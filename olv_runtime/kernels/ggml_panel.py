@@ -1,5 +1,5 @@
 """Panel GEMM for prefill on the ggml group records (Q8_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K),
-int8 mode, AVX2.
+int8 mode, AVX2 and AVX-512 VNNI.
 
 :mod:`.ggml_gemm` decodes a record (nibbles, high bits, 6-bit scales) once per
 :data:`~.ggml_gemm.ROWS` = 4 activation rows, so at prefill the decode is repeated ``M / 4``
@@ -42,11 +42,42 @@ int32 sums per (row, 32-block or 16-half) are exact on every path; the float32 o
   computed by the same float32 multiply at decode and stored);
 * Q6_K: ``a + float(sc_0 (S_0 - 32 s_0) + sc_1 (S_1 - 32 s_1)) * (d * d_x)``.
 
-Used by :func:`~.ggml_packed._groups` when :func:`use_panel` (from :data:`MIN_ROWS` activation
-rows, Q4_1 from :data:`MIN_ROWS_Q4_1`, AVX2 path, every kind but Q8_0; on a VNNI host the
-``vpdpbusd`` kernels of :mod:`.ggml_gemm` keep the job: not measured there).
+VNNI path (``vnni`` flag, a VNNI host): the same panel, tiles of :data:`VROWS` = 4 rows x 2
+slots with one ``vpdpbusd`` chain per (row, slot, chunk group) (8 or 16 int32 chains and 8 float32
+accumulators live: AVX-512 has 32 vector registers), Q8_0's codes stored as ``u = q + 128`` and
+its chains started at ``-128 sum(xq)`` (as :mod:`.ggml_gemm`'s VNNI path): the same exact
+integers, the same float epilogue, so the bits of both paths are equal.
 
-Measured (``python bench/bench_ggml_panel.py --rounds 5 --ms 128,512``: one thread, panel vs
+Used by :func:`~.ggml_packed._groups` when :func:`use_panel`: AVX2 path from :data:`MIN_ROWS`
+activation rows, Q4_1 from :data:`MIN_ROWS_Q4_1`, every kind but Q8_0; VNNI path the k-quants from
+:data:`MIN_ROWS`, Q5_0 / Q4_1 / Q5_1 from :data:`MIN_ROWS_VNNI`, Q8_0 from
+:data:`MIN_ROWS_VNNI_Q8_0`.
+
+Measured on a Zen 4 (AVX-512 VNNI, 2 cores shared with a compiler build, load ~6: single
+figures +-30 %, ``python bench/bench_ggml_panel.py --rounds 7 --paths vnni,vpanel``, one thread):
+VNNI panel / ggml_gemm's VNNI path (``vpdpbusd``, 4 rows per decoded record), M = 128 / 512,
+shapes as below:
+
+=====  ===========  ===========  ===========  ===========
+kind   896 x 896    128 x 896    4864 x 896   896 x 4864
+=====  ===========  ===========  ===========  ===========
+Q8_0   1.08 / 0.88  1.08 / 1.08  0.89 / 1.04  1.14 / 1.15
+Q5_0   1.16 / 1.00  1.14 / 1.08  1.02 / 0.56  1.17 / 1.04
+Q4_1   1.09 / 1.29  1.06 / 1.04  1.02 / 0.55  1.11 / 1.00
+Q5_1   1.14 / 0.89  1.16 / 1.12  1.10 / 0.62  1.25 / 1.13
+Q4_K   1.32 / 1.50  1.35 / 1.31  1.14 / 0.77  1.51 / 1.34
+Q5_K   1.55 / 1.15  1.40 / 1.38  1.19 / 0.81  1.59 / 1.43
+Q6_K   1.59 / 1.30  1.42 / 1.47  1.35 / 0.99  1.65 / 1.52
+=====  ===========  ===========  ===========  ===========
+
+(ggml_gemm VNNI 46-108 GMAC/s, the VNNI panel 52-124.) The 4864 x 896 M = 512 column did not
+repeat: Q5_0 there alone (a script timing ``panel_rows`` per row-block size, 7 rounds) ran 81
+GMAC/s at the default block of 292 rows, the same as 64-256, against 96 for ggml_gemm in the
+table's run. The AVX2 panel on this host (``--paths avx2,vnni,panel``, same load) is 0.38-0.66x
+the VNNI ggml_gemm for Q8_0 / Q5_0 and 0.8-1.2x for Q6_K: the AVX2 multiply (``vpmaddubsw``,
+``vpaddw``, ``vpmaddwd``) costs more than the decode the panel saves.
+
+Measured, AVX2 path (``python bench/bench_ggml_panel.py --rounds 5 --ms 128,512``: one thread, panel vs
 ggml_gemm alternating in one process, best of 5 rounds, GMAC/s; a shared 2-core Zen 3 with load
 ~4, so single figures are noisy, the ratios less so). Panel / ggml_gemm at M = 128 / 512 on
 Qwen2.5-0.5B's shapes N x K (Q4_K / Q6_K with K = 896 rounded up to 1024):
@@ -91,9 +122,10 @@ from .ggml_ir import (
     load_i32,
     xbcast,
 )
-from .packed_i8 import V8F32, check_array_arg, elem_ptr, splat, store_group
+from .packed_i8 import (HOST_VNNI, V8F32, _prefetch_l2, check_array_arg, elem_ptr, splat,
+                        store_group)
 
-__all__ = ["MIN_ROWS", "MIN_ROWS_Q4_1", "ROWS", "SPECS", "TILE_GROUPS", "block_rows",
+__all__ = ["MIN_ROWS", "MIN_ROWS_Q4_1", "MIN_ROWS_VNNI", "MIN_ROWS_VNNI_Q8_0", "ROWS", "SPECS", "TILE_GROUPS", "VROWS", "block_rows",
            "panel_groups", "panel_rows", "use_panel"]
 
 #: activation rows per tile (llvm-mca -mcpu=znver3 on the tile loops, MAC per cycle, (slots,
@@ -101,6 +133,8 @@ __all__ = ["MIN_ROWS", "MIN_ROWS_Q4_1", "ROWS", "SPECS", "TILE_GROUPS", "block_r
 #: / 32.6 / 34.1, Q6_K 27.9 / 24.9 / 27.5 / 27.8, Q8_0 23.2 / 22.5 / 23.2 / 23.5; (2, 2) is the
 #: only one without spills in the loop (ggml_gemm's rows_i8: 19-24)).
 ROWS = 2
+#: activation rows per tile of the VNNI path (``vpdpbusd``: no int16 sums, 32 registers).
+VROWS = 4
 #: panel slots (8-row groups) per tile: each row's broadcast activations serve both.
 TILE_GROUPS = 2
 #: :func:`~.ggml_packed._groups` runs the panel from this many activation rows (AVX2 path;
@@ -111,6 +145,13 @@ MIN_ROWS = 8
 #: Q4_1's (the panel / ggml_gemm at M = 8 / 16 / 32: 0.97 / 1.02 / 1.10; Q5_1 1.02 / 1.16 /
 #: 1.26, Q5_K 1.23 / 1.34 / 1.35).
 MIN_ROWS_Q4_1 = 16
+#: VNNI path: Q5_0 / Q4_1 / Q5_1 from this many rows (bench/bench_ggml_panel.py --paths
+#: vnni,vpanel, 896x896, one thread, vpanel / vnni ggml_gemm at M = 4 / 8 / 16 / 32: Q5_0 0.80 /
+#: 0.90 / 1.01 / 1.07, Q4_1 0.82 / 0.90 / 0.97 / 1.02, Q5_1 0.86 / 0.97 / 1.07 / 1.14; Q4_K 0.92
+#: / 1.08 / 1.14 / 1.31, Q5_K 0.95 / 1.10 / 1.24 / 1.19, Q6_K 1.08 / 1.21 / 1.34 / 1.40).
+MIN_ROWS_VNNI = 16
+#: VNNI path, Q8_0 (0.71 / 0.87 / 1.00 / 1.04 at M = 4 / 8 / 16 / 32).
+MIN_ROWS_VNNI_Q8_0 = 32
 #: fewest activation rows per row block (:func:`block_rows`).
 MIN_BLOCK_ROWS = 64
 #: per kind: (32-blocks per record, chunk groups summed separately (Q6_K: 16-halves), signed).
@@ -131,9 +172,10 @@ def _store(context, builder, aty, arr, off, val):
     builder.store(val, elem_ptr(context, builder, aty, arr, off, val.type), align=1)
 
 
-def _emit_decode(kind, context, builder, sig, args):
+def _emit_decode(kind, vnni, context, builder, sig, args):
     """One record -> the panel: codes (and Q8_0 signs) of its ``nsub`` 32-blocks at byte ``po``,
-    scales at float ``so`` (layout of the module docstring)."""
+    scales at float ``so`` (layout of the module docstring; ``vnni``: Q8_0's codes are
+    ``u = q + 128``, no signs)."""
     dat, ro, pan, po, sgn, psc, so = args
     at = sig.args
     e = Emit(context, builder, at[0], dat, ro)
@@ -146,7 +188,7 @@ def _emit_decode(kind, context, builder, sig, args):
         for t in range(8):
             u = _chunk(e, kind, sub, t)
             o = builder.add(po, ir.Constant(po.type, 256 * sub + 32 * t))
-            if kind == 8:
+            if kind == 8 and not vnni:
                 q = builder.xor(u, ir.Constant(LV32I8, [0x80] * 32))
                 _store(context, builder, at[4], sgn, o, q)
                 u = builder.call(absb, [q, ir.Constant(ir.IntType(1), 0)])
@@ -172,7 +214,7 @@ def _emit_decode(kind, context, builder, sig, args):
     return context.get_dummy_value()
 
 
-def _make_decode(kind):
+def _make_decode(kind, vnni=False):
     @intrinsic
     def dec(typingctx, data, roff, panel, po, signs, scales, so):
         if not (check_array_arg(data, types.uint8) and check_array_arg(panel, types.uint8)
@@ -181,7 +223,7 @@ def _make_decode(kind):
             return None
         sig = types.none(data, types.intp, panel, types.intp, signs, scales, types.intp)
         return sig, (lambda context, builder, sig, args:
-                     _emit_decode(kind, context, builder, sig, args))
+                     _emit_decode(kind, vnni, context, builder, sig, args))
     return dec
 
 
@@ -214,53 +256,33 @@ def _epilogue(kind, builder, a, sums, sc, xd, x8, t16):
     return builder.fadd(a, builder.fmul(builder.sitofp(s, LV8F32), builder.fmul(sc[0], xd)))
 
 
-def _emit_tile(kind, ngr, nrows, context, builder, sig, args):
+def _emit_tile(kind, ngr, nrows, vnni, context, builder, sig, args):
     """One 32-block for ``nrows`` activation rows x ``ngr`` panel slots (from ``po`` / ``so``,
     ``pst`` / ``sst`` apart): ``acc[ngr r + j]`` (row ``r``, slot ``j``) += the block's
     contribution (module docstring). Chunk-outer: per chunk the slots' panel vectors are loaded
     once and each row's broadcast activations serve every slot; live: the ``ngr nrows`` int16
     sums and float32 accumulators, ``ngr`` panel vectors (Q8_0: and their signs), one
-    broadcast."""
+    broadcast. ``vnni`` (on a VNNI host): one ``vpdpbusd`` chain per (row, slot, chunk group)
+    instead (Q8_0: codes ``q + 128``, chains from ``-128 sum(xq)``), :func:`_vnni_sums`."""
     accs, pan, po, pst, sgn, psc, so, sst, xqa, xo, kx, xda, s8a, s16a, bo, kbx = args
     at = sig.args
     a = [builder.extract_value(accs, i) for i in range(ngr * nrows)]
-    _, groups, signed = SPECS[kind]
-    terms = I16_TERMS[kind]
-
-    def fn(name, ret, argt):
-        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argt), name)
-    mub = fn("llvm.x86.avx2.pmadd.ub.sw", LV16I16, [LV32I8, LV32I8])
-    mwd = fn("llvm.x86.avx2.pmadd.wd", LV8I32, [LV16I16, LV16I16])
-    psign = fn("llvm.x86.avx2.psign.b", LV32I8, [LV32I8, LV32I8])
-    ones = ir.Constant(LV16I16, [1] * 16)
     pj = [po]
     sj = [so]
     for _ in range(1, ngr):
         pj.append(builder.add(pj[-1], pst))
         sj.append(builder.add(sj[-1], sst))
 
-    def pvec(arr_i, arr, j, t):
+    def pvec(arr_i, j, t):
         o = builder.add(pj[j], ir.Constant(po.type, 32 * t))
+        arr = pan if arr_i == 1 else sgn
         return builder.load(elem_ptr(context, builder, at[arr_i], arr, o, LV32I8), align=1)
     xr = [builder.add(xo, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
     br = [builder.add(bo, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
-    sums = [[None] * len(groups) for _ in range(ngr * nrows)]
-    for gi, grp in enumerate(groups):
-        s16 = [None] * (ngr * nrows)
-        for c, t in enumerate(grp):
-            us = [pvec(1, pan, j, t) for j in range(ngr)]
-            qs = [pvec(4, sgn, j, t) for j in range(ngr)] if signed else None
-            for r in range(nrows):
-                xb = xbcast(context, builder, at[8], xqa, xr[r], t)
-                for j in range(ngr):
-                    x2 = builder.call(psign, [xb, qs[j]]) if signed else xb
-                    p = builder.call(mub, [us[j], x2])
-                    i = ngr * r + j
-                    s16[i] = p if s16[i] is None else builder.add(s16[i], p)
-                    if (c + 1) % terms == 0 or c + 1 == len(grp):
-                        w = builder.call(mwd, [s16[i], ones])
-                        sums[i][gi] = w if sums[i][gi] is None else builder.add(sums[i][gi], w)
-                        s16[i] = None
+    if vnni and HOST_VNNI:
+        sums = _vnni_sums(context, builder, at, pvec, xqa, xr, s8a, br, ngr, nrows, kind)
+    else:
+        sums = _avx2_sums(context, builder, at, pvec, xqa, xr, ngr, nrows, kind)
     for r in range(nrows):
         xd = splat(builder, load_f32(context, builder, at[11], xda, br[r]), LV8F32)
         x8 = load_i32(context, builder, at[12], s8a, br[r]) if kind != 8 and kind != 14 else None
@@ -279,7 +301,66 @@ def _emit_tile(kind, ngr, nrows, context, builder, sig, args):
     return context.make_tuple(builder, sig.return_type, a)
 
 
-def _make_tile(kind, ngr, nrows):
+def _avx2_sums(context, builder, at, pvec, xqa, xr, ngr, nrows, kind):
+    """``[ngr r + j][chunk group]`` exact int32 sums, AVX2: per chunk the slots' panel vectors
+    loaded once, each row's broadcast used for every slot, ``vpmaddubsw`` pair sums added in
+    int16 over :data:`~.ggml_gemm.I16_TERMS` chunks, ``vpmaddwd`` with ones (Q8_0: ``vpsignb``
+    of the activations by the stored ``q``)."""
+    _, groups, signed = SPECS[kind]
+    terms = I16_TERMS[kind]
+
+    def fn(name, ret, argt):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argt), name)
+    mub = fn("llvm.x86.avx2.pmadd.ub.sw", LV16I16, [LV32I8, LV32I8])
+    mwd = fn("llvm.x86.avx2.pmadd.wd", LV8I32, [LV16I16, LV16I16])
+    psign = fn("llvm.x86.avx2.psign.b", LV32I8, [LV32I8, LV32I8])
+    ones = ir.Constant(LV16I16, [1] * 16)
+    sums = [[None] * len(groups) for _ in range(ngr * nrows)]
+    for gi, grp in enumerate(groups):
+        s16 = [None] * (ngr * nrows)
+        for c, t in enumerate(grp):
+            us = [pvec(1, j, t) for j in range(ngr)]
+            qs = [pvec(4, j, t) for j in range(ngr)] if signed else None
+            for r in range(nrows):
+                xb = xbcast(context, builder, at[8], xqa, xr[r], t)
+                for j in range(ngr):
+                    x2 = builder.call(psign, [xb, qs[j]]) if signed else xb
+                    p = builder.call(mub, [us[j], x2])
+                    i = ngr * r + j
+                    s16[i] = p if s16[i] is None else builder.add(s16[i], p)
+                    if (c + 1) % terms == 0 or c + 1 == len(grp):
+                        w = builder.call(mwd, [s16[i], ones])
+                        sums[i][gi] = w if sums[i][gi] is None else builder.add(sums[i][gi], w)
+                        s16[i] = None
+    return sums
+
+
+def _vnni_sums(context, builder, at, pvec, xqa, xr, s8a, br, ngr, nrows, kind):
+    """As :func:`_avx2_sums` with one ``vpdpbusd`` per (row, slot, chunk) (u8 x s8 -> s32, the
+    same exact sums); Q8_0's chains start at ``-128 sum(xq) = -16 (8 sum(xq))``."""
+    _, groups, signed = SPECS[kind]
+    dp = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(LV8I32, [LV8I32, LV32I8, LV32I8]),
+        "llvm.x86.avx512.vpdpbusd.256")
+    start = [ir.Constant(LV8I32, [0] * 8)] * nrows
+    if signed:
+        start = [splat(builder, builder.sub(ir.Constant(I32, 0), builder.shl(
+            load_i32(context, builder, at[12], s8a, br[r]), ir.Constant(I32, 4))), LV8I32)
+            for r in range(nrows)]
+    sums = [[None] * len(groups) for _ in range(ngr * nrows)]
+    for gi, grp in enumerate(groups):
+        acc = [start[i // ngr] for i in range(ngr * nrows)]
+        for t in grp:
+            us = [pvec(1, j, t) for j in range(ngr)]
+            for r in range(nrows):
+                xb = xbcast(context, builder, at[8], xqa, xr[r], t)
+                for j in range(ngr):
+                    acc[ngr * r + j] = builder.call(dp, [acc[ngr * r + j], us[j], xb])
+        for i in range(ngr * nrows):
+            sums[i][gi] = acc[i]
+    return sums
+
+def _make_tile(kind, ngr, nrows, vnni=False):
     tup = types.UniTuple(V8F32, ngr * nrows)
 
     @intrinsic
@@ -294,7 +375,7 @@ def _make_tile(kind, ngr, nrows):
         ip = types.intp
         sig = tup(tup, panel, ip, ip, signs, scales, ip, ip, xq, ip, ip, xd, xs8, xs16, ip, ip)
         return sig, (lambda context, builder, sig, args:
-                     _emit_tile(kind, ngr, nrows, context, builder, sig, args))
+                     _emit_tile(kind, ngr, nrows, vnni, context, builder, sig, args))
     return tile
 
 
@@ -318,25 +399,42 @@ _KINDS = (8, 6, 12, 14, 3, 7, 13)
  _tile_q5_k) = (_make_tile(k, TILE_GROUPS, ROWS) for k in _KINDS)
 (_one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k, _one_q4_1, _one_q5_1,
  _one_q5_k) = (_make_tile(k, TILE_GROUPS, 1) for k in _KINDS)
+_vzeros = _make_zeros(TILE_GROUPS * VROWS)
+_vdec_q8_0 = _make_decode(8, True)
+(_vtile_q8_0, _vtile_q5_0, _vtile_q4_k, _vtile_q6_k, _vtile_q4_1, _vtile_q5_1,
+ _vtile_q5_k) = (_make_tile(k, TILE_GROUPS, VROWS, True) for k in _KINDS)
+(_vone_q8_0, _vone_q5_0, _vone_q4_k, _vone_q6_k, _vone_q4_1, _vone_q5_1,
+ _vone_q5_k) = (_make_tile(k, TILE_GROUPS, 1, True) for k in _KINDS)
 
 
 @njit(**JIT)
-def use_panel(kind, m):
-    """True when :func:`~.ggml_packed._groups` should run :func:`panel_groups` for ``m`` rows
-    (AVX2 path): from :data:`MIN_ROWS` rows for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K, from
-    :data:`MIN_ROWS_Q4_1` for Q4_1. Not Q8_0: its decode is a load, so the panel saves
+def use_panel(kind, m, vnni):
+    """True when :func:`~.ggml_packed._groups` should run :func:`panel_groups` for ``m`` rows.
+
+    AVX2 path (``vnni`` false): from :data:`MIN_ROWS` rows for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K,
+    from :data:`MIN_ROWS_Q4_1` for Q4_1. Not Q8_0: its decode is a load, so the panel saves
     :mod:`.ggml_gemm` nothing, and its multiply costs the same there (the sign trick's
     ``vpsignb`` per multiply; storing ``u = q + 128`` in two nibble planes, ``S = S_lo + 16
     S_hi - 128 sum(xq)``, exact, takes two ``vpmaddubsw`` per chunk instead: measured 0.89-0.97x
-    ggml_gemm, the sign-trick panel 0.96-1.13x, bench/bench_ggml_panel.py --kinds Q8_0)."""
+    ggml_gemm, the sign-trick panel 0.96-1.13x, bench/bench_ggml_panel.py --kinds Q8_0).
+
+    VNNI path (the ``vpdpbusd`` tiles): the k-quants from :data:`MIN_ROWS`, Q5_0 / Q4_1 / Q5_1
+    from :data:`MIN_ROWS_VNNI`, Q8_0 from :data:`MIN_ROWS_VNNI_Q8_0` (module docstring)."""
+    if vnni:
+        if kind == 12 or kind == 13 or kind == 14:
+            return m >= MIN_ROWS
+        if kind == 8:
+            return m >= MIN_ROWS_VNNI_Q8_0
+        return (kind == 3 or kind == 6 or kind == 7) and m >= MIN_ROWS_VNNI
     if kind == 3:
         return m >= MIN_ROWS_Q4_1
     return (kind == 6 or kind == 7 or kind == 12 or kind == 13 or kind == 14) and m >= MIN_ROWS
 
 
 @njit(**JIT)
-def _decode(kind, data, g, panel, po, signs, scales, so):
-    """Every record of group ``g`` into the panel slot at byte ``po`` / float ``so``."""
+def _decode(kind, data, g, panel, po, signs, scales, so, vnni):
+    """Every record of group ``g`` into the panel slot at byte ``po`` / float ``so`` (``vnni``:
+    Q8_0 codes for the VNNI tiles)."""
     nrec = data.shape[1]
     rb = data.shape[2]
     nsub = 1 if kind == 6 or kind == 8 or kind == 3 or kind == 7 else 8
@@ -344,7 +442,9 @@ def _decode(kind, data, g, panel, po, signs, scales, so):
         ro = (g * nrec + s) * rb
         p = po + 256 * nsub * s
         q = so + 8 * NSC * nsub * s
-        if kind == 8:
+        if kind == 8 and vnni:
+            _vdec_q8_0(data, ro, panel, p, signs, scales, q)
+        elif kind == 8:
             _dec_q8_0(data, ro, panel, p, signs, scales, q)
         elif kind == 6:
             _dec_q5_0(data, ro, panel, p, signs, scales, q)
@@ -440,6 +540,84 @@ def _one(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i)
 
 
 @njit(**JIT)
+def _vtile(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i0):
+    """:func:`_tile` of the VNNI path: rows ``i0 .. i0 + VROWS - 1`` (``[2r + j]``)."""
+    kx = xq.shape[1]
+    kbx = xd.shape[1]
+    xo = i0 * kx
+    bo = i0 * kbx
+    acc = _vzeros()
+    if kind == 8:
+        for b in range(nb):
+            acc = _vtile_q8_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 6:
+        for b in range(nb):
+            acc = _vtile_q5_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 12:
+        for b in range(nb):
+            acc = _vtile_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 3:
+        for b in range(nb):
+            acc = _vtile_q4_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 7:
+        for b in range(nb):
+            acc = _vtile_q5_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 13:
+        for b in range(nb):
+            acc = _vtile_q5_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    else:
+        for b in range(nb):
+            acc = _vtile_q6_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    return acc
+
+
+@njit(**JIT)
+def _vone(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i):
+    """:func:`_one` of the VNNI path."""
+    kx = xq.shape[1]
+    kbx = xd.shape[1]
+    xo = i * kx
+    bo = i * kbx
+    acc = _zeros1()
+    if kind == 8:
+        for b in range(nb):
+            acc = _vone_q8_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 6:
+        for b in range(nb):
+            acc = _vone_q5_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 12:
+        for b in range(nb):
+            acc = _vone_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 3:
+        for b in range(nb):
+            acc = _vone_q4_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 7:
+        for b in range(nb):
+            acc = _vone_q5_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    elif kind == 13:
+        for b in range(nb):
+            acc = _vone_q5_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    else:
+        for b in range(nb):
+            acc = _vone_q6_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
+                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    return acc
+
+
+@njit(**JIT)
 def _aligned(nbytes):
     """A 64-byte aligned uint8 buffer of ``nbytes`` (sliced from a larger one)."""
     raw = np.empty(nbytes + 64, np.uint8)
@@ -455,46 +633,61 @@ def block_rows(kx):
 
 
 @njit(**JIT)
-def panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc):
+def panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, vnni):
     """Groups ``g0 .. g1 - 1`` of ``out[:m]`` (activations already quantized, Q6_K's per-16
     sums in ``xs16``): activation rows in blocks of :func:`block_rows`; per block, group pairs
     decoded once into a panel (module docstring), then the block's rows in tiles of
-    :data:`ROWS` and one at a time. Bitwise ``ggml_packed._row_i8`` per output row."""
-    panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, block_rows(xq.shape[1]))
+    :data:`ROWS` (``vnni``: :data:`VROWS`, ``vpdpbusd``; only on a VNNI host) and one at a
+    time. Bitwise ``ggml_packed._row_i8`` per output row."""
+    panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, block_rows(xq.shape[1]),
+               vnni)
 
 
 @njit(**JIT)
-def panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, mb):
+def panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, mb, vnni):
     """:func:`panel_groups` with row blocks of ``mb`` rows."""
     nsub = 1 if kind == 6 or kind == 8 or kind == 3 or kind == 7 else 8
     nb = data.shape[1] * nsub
     pst = 256 * nb
     sst = 8 * NSC * nb
     panel = _aligned(2 * pst)
-    signs = _aligned(2 * pst if kind == 8 else 64)
+    signs = _aligned(2 * pst if kind == 8 and not vnni else 64)
     scales = _aligned(4 * 2 * sst).view(np.float32)
+    rows = VROWS if vnni else ROWS
     for ib in range(0, m, mb):
         ie = min(m, ib + mb)
-        mt = ib + (ie - ib) // ROWS * ROWS
+        mt = ib + (ie - ib) // rows * rows
+        # bytes of the next pair's records prefetched per tile (64-byte lines, over the tiles)
+        pf0 = (2 * data.shape[1] * data.shape[2] * rows // max(mt - ib, 1) + 63) // 64 * 64
         g = g0
         while g < g1:
             g2 = g + 1 if g + 1 < g1 else g  # an odd last group: both slots, slot 1 not stored
-            _decode(kind, data, g, panel, 0, signs, scales, 0)
-            _decode(kind, data, g2, panel, pst, signs, scales, sst)
+            _decode(kind, data, g, panel, 0, signs, scales, 0, vnni)
+            _decode(kind, data, g2, panel, pst, signs, scales, sst, vnni)
             nslot = 2 if g2 != g else 1
-            for j0 in range(0, nslot, TILE_GROUPS):
-                for i0 in range(ib, mt, ROWS):
-                    acc = _tile(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst,
-                                xq, xd, xs8, xs16, i0)
+            pf = (g + 2) * data.shape[1] * data.shape[2]  # the next pair's records, into L2
+            for i0 in range(ib, mt, rows):
+                for o in range(pf0 * (i0 - ib) // rows, pf0 * (i0 - ib + rows) // rows, 64):
+                    _prefetch_l2(data, pf + o)
+                if vnni:
+                    vacc = _vtile(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8,
+                                  xs16, i0)
+                    for r in range(VROWS):
+                        for j in range(nslot):
+                            store_group(vacc[TILE_GROUPS * r + j], facc, g + j, i0 + r, n, out)
+                else:
+                    acc = _tile(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8,
+                                xs16, i0)
                     for r in range(ROWS):
-                        for j in range(TILE_GROUPS):
-                            if j0 + j < nslot:
-                                store_group(acc[TILE_GROUPS * r + j], facc, g + j0 + j, i0 + r,
-                                            n, out)
-                for i in range(mt, ie):
-                    acc1 = _one(kind, nb, panel, j0 * pst, pst, signs, scales, j0 * sst, sst,
-                                xq, xd, xs8, xs16, i)
-                    for j in range(TILE_GROUPS):
-                        if j0 + j < nslot:
-                            store_group(acc1[j], facc, g + j0 + j, i, n, out)
+                        for j in range(nslot):
+                            store_group(acc[TILE_GROUPS * r + j], facc, g + j, i0 + r, n, out)
+            for i in range(mt, ie):
+                if vnni:
+                    acc1 = _vone(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8,
+                                 xs16, i)
+                else:
+                    acc1 = _one(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8,
+                                xs16, i)
+                for j in range(nslot):
+                    store_group(acc1[j], facc, g + j, i, n, out)
             g += 2

@@ -1,4 +1,6 @@
-"""Panel GEMM for ggml prefill (kernels/ggml_panel.py), int8 mode, AVX2 path (forced).
+"""Panel GEMM for ggml prefill (kernels/ggml_panel.py), int8 mode, on each instruction path of
+the host: AVX2 (forced, ``set_isa("avx2")``: the ``vpmaddubsw`` tiles) and, on a VNNI host, the
+``vpdpbusd`` tiles (``set_isa("avx512vnni")``: the selection the host makes).
 
 Oracles, all bitwise: the one-row kernel (each activation row in its own call: M = 1 runs only
 ``ggml_packed._row_i8``) and tests/reference.py ``linear_ggml_int8`` (a plain numpy model of the
@@ -24,10 +26,14 @@ def _k(name):
     return 3 * 256 if gp.BLOCKS[gp.KINDS[name]][0] == 256 else 5 * 32
 
 
-@pytest.fixture(autouse=True)
-def avx2():
-    packed_i8.set_isa("avx2")
-    yield
+def _isas():
+    return ["avx2"] + (["avx512vnni"] if packed_i8.HOST_VNNI else [])
+
+
+@pytest.fixture(autouse=True, params=_isas())
+def isa(request):
+    packed_i8.set_isa(request.param)
+    yield request.param
     packed_i8.set_isa(None)
 
 
@@ -43,7 +49,7 @@ def _panel_linear(x, packed, ntasks):
     for t in range(ntasks):
         g0, g1 = t * ng // ntasks, (t + 1) * ng // ntasks
         ggml_panel.panel_groups(packed.kind, packed.data, g0, g1, ws.xq, ws.xd, ws.xs8,
-                                ws.xs16, m, packed.n, out, ws.facc[t])
+                                ws.xs16, m, packed.n, out, ws.facc[t], packed_i8.use_vnni())
     return out
 
 
@@ -79,7 +85,8 @@ def test_panel_bitwise_equal_one_row_kernel_and_reference(name, m, n):
 def test_dispatch_from_min_rows(name, ntasks):
     """``linear_ggml_i8`` at ``MIN_ROWS`` rows and more (serial driver with 1 task, parallel
     above SERIAL_MAX_WORK with 2): bitwise the reference."""
-    for m in (ggml_panel.MIN_ROWS, ggml_panel.MIN_ROWS + 3, ggml_panel.MIN_ROWS_Q4_1):
+    for m in sorted({ggml_panel.MIN_ROWS, ggml_panel.MIN_ROWS + 3, ggml_panel.MIN_ROWS_Q4_1,
+                     ggml_panel.MIN_ROWS_VNNI, ggml_panel.MIN_ROWS_VNNI_Q8_0 + 1}):
         n = 45
         kind, blocks, packed, x = _case(name, n, m, seed=7 * gp.KINDS[name] + m, k=1024)
         k = x.shape[1]
@@ -114,14 +121,24 @@ def test_row_blocks_bitwise(name):
     assert np.array_equal(_bits(gp.linear_ggml_i8(x, packed)), _bits(ref))
 
 
-def test_use_panel_only_for_kinds_it_decodes():
-    """Every ggml_packed kind the panel is chosen for has a SPECS entry (Q8_0 stays on
-    ggml_gemm; Q4_1 from MIN_ROWS_Q4_1 rows)."""
-    chosen = {k for k in gp.KINDS.values() if ggml_panel.use_panel(k, 64)}
-    assert chosen == {3, 6, 7, 12, 13, 14}
-    assert chosen <= set(ggml_panel.SPECS)
-    assert not any(ggml_panel.use_panel(k, ggml_panel.MIN_ROWS - 1) for k in gp.KINDS.values())
-    at_min = {k for k in gp.KINDS.values() if ggml_panel.use_panel(k, ggml_panel.MIN_ROWS)}
-    assert at_min == {6, 7, 12, 13, 14}
-    assert ggml_panel.use_panel(3, ggml_panel.MIN_ROWS_Q4_1)
-    assert not ggml_panel.use_panel(3, ggml_panel.MIN_ROWS_Q4_1 - 1)
+def test_use_panel_only_for_kinds_it_decodes(isa):
+    """Every ggml_packed kind the panel is chosen for has a SPECS entry. AVX2: Q8_0 stays on
+    ggml_gemm, Q4_1 from MIN_ROWS_Q4_1 rows; VNNI: every kind, the k-quants from MIN_ROWS, the
+    32-weight kinds from MIN_ROWS_VNNI (Q8_0 MIN_ROWS_VNNI_Q8_0)."""
+    vnni = isa == "avx512vnni"
+    assert packed_i8.use_vnni() == vnni
+
+    def chosen(m):
+        return {k for k in gp.KINDS.values() if ggml_panel.use_panel(k, m, vnni)}
+    assert chosen(64) <= set(ggml_panel.SPECS)
+    assert not chosen(ggml_panel.MIN_ROWS - 1)
+    if vnni:
+        assert chosen(ggml_panel.MIN_ROWS_VNNI_Q8_0) == set(gp.KINDS.values())
+        assert chosen(ggml_panel.MIN_ROWS_VNNI_Q8_0 - 1) == {3, 6, 7, 12, 13, 14}
+        assert chosen(ggml_panel.MIN_ROWS_VNNI - 1) == {12, 13, 14}
+        assert chosen(ggml_panel.MIN_ROWS) == {12, 13, 14}
+        return
+    assert chosen(64) == {3, 6, 7, 12, 13, 14}
+    assert chosen(ggml_panel.MIN_ROWS) == {6, 7, 12, 13, 14}
+    assert ggml_panel.use_panel(3, ggml_panel.MIN_ROWS_Q4_1, False)
+    assert not ggml_panel.use_panel(3, ggml_panel.MIN_ROWS_Q4_1 - 1, False)
