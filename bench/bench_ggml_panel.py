@@ -11,11 +11,13 @@ printed). Random valid blocks. Paths (all after the same activation quantization
 ``avx2`` / ``vnni``: ``ggml_packed._groups``' register-blocked driver (``ggml_gemm.chunks_i8``
 per (group, L2 row block), ``_row_i8`` for the rows left over) with the ``vnni`` flag off / on
 (``vnni`` only on a VNNI host: ``vpdpbusd``); ``panel`` / ``vpanel``: ``ggml_panel.panel_groups``
-with the ``vnni`` flag off / on (the AVX2 or the ``vpdpbusd`` tiles; default paths on a VNNI host
-``vnni,panel,vpanel``, else ``avx2,panel``). All write
+with the ``vnni`` flag off / on (the AVX2 or the zmm ``vpdpbusd`` tiles; default paths on a VNNI
+host ``vnni,panel,vpanel``, else ``avx2,panel``). All write
 bitwise equal outputs (asserted). Per (kind, shape, M) the paths are timed alternately,
-``--rounds`` rounds of a few calls each; the figure is the best round. GMAC/s = M N K / time;
-the ratio columns are ``panel`` over each other path. Not run by the test command.
+``--rounds`` rounds of a few calls each; the GMAC/s figure (M N K / time) is the best round,
+the ratio columns (a panel path's speed over each path before it on ``--paths``) the median over
+rounds of the ratio within a round (the paths run back to back: robust to a shared machine's
+load swings). Not run by the test command.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ def measure(name, n, k, m, rounds, rng, paths):
     ws = gp.make_workspace_ggml(m, k, 1)
     ys = {key: np.empty((m, n), np.float32) for key in paths}
     fns = {"avx2": (_gemm_ser, False), "vnni": (_gemm_ser, True), **PANELS}
+    fns = {k: (f, v) for k, (f, v) in fns.items() if k in paths}
 
     def run(key):
         fn, vnni = fns[key]
@@ -73,15 +76,19 @@ def measure(name, n, k, m, rounds, rng, paths):
     for key in paths:
         run(key)
         assert np.array_equal(ys[paths[0]].view(np.uint32), ys[key].view(np.uint32)), key
-    calls = max(1, int(1e8 // (m * n * k)))
-    best = dict.fromkeys(paths, np.inf)
+    calls = max(1, int(3e7 // (m * n * k)))
+    times = {key: [] for key in paths}
     for _ in range(rounds):
         for key in paths:
             t0 = time.thread_time()
             for _ in range(calls):
                 run(key)
-            best[key] = min(best[key], (time.thread_time() - t0) / calls)
-    return {key: m * n * k / t / 1e9 for key, t in best.items()}
+            times[key].append((time.thread_time() - t0) / calls)
+    out = {key: m * n * k / min(t) / 1e9 for key, t in times.items()}
+    for p in paths:  # the median over rounds of the per-round speed ratio to each other path
+        for q in paths:
+            out[p, q] = float(np.median(np.array(times[q]) / np.array(times[p])))
+    return out
 
 
 #: the panel paths (name: (serial driver, vnni flag)), timed beside ggml_gemm's.
@@ -101,11 +108,12 @@ def main():
         ap.error("--paths vnni / vpanel: this CPU has no AVX-512 VNNI")
     numba.set_num_threads(1)
     rng = np.random.default_rng(0)
-    gemms = [p for p in paths if p not in PANELS]
-    pans = [p for p in paths if p in PANELS]
-    print(f"int8, 1 thread, best of {args.rounds} rounds, GMAC/s; ratio = panel path / path")
+    # ratio columns: each panel path over each path before it on --paths
+    pairs = [(p, q) for i, p in enumerate(paths) if p in PANELS for q in paths[:i]]
+    print(f"int8, 1 thread, best of {args.rounds} rounds, GMAC/s; ratio = panel path / path, "
+          "the median of the per-round ratios (the paths alternate within a round)")
     print(f"{'kind':5} {'N':>5} {'K':>5} {'M':>4} " + " ".join(f"{p:>7}" for p in paths) + " "
-          + " ".join(f"{p + '/' + q:>12}" for p in pans for q in gemms))
+          + " ".join(f"{p + '/' + q:>12}" for p, q in pairs))
     for name in args.kinds.split(","):
         bs = gp.BLOCKS[gp.KINDS[name]][0]
         for shape in args.shapes.split(","):
@@ -114,7 +122,7 @@ def main():
             for m in (int(v) for v in args.ms.split(",")):
                 r = measure(name, n, k, m, args.rounds, rng, paths)
                 print(f"{name:5} {n:5d} {k:5d} {m:4d} " + " ".join(f"{r[p]:7.1f}" for p in paths)
-                      + " " + " ".join(f"{r[p] / r[q]:12.2f}" for p in pans for q in gemms),
+                      + " " + " ".join(f"{r[p, q]:12.2f}" for p, q in pairs),
                       flush=True)
 
 

@@ -42,44 +42,51 @@ int32 sums per (row, 32-block or 16-half) are exact on every path; the float32 o
   computed by the same float32 multiply at decode and stored);
 * Q6_K: ``a + float(sc_0 (S_0 - 32 s_0) + sc_1 (S_1 - 32 s_1)) * (d * d_x)``.
 
-VNNI path (``vnni`` flag, a VNNI host): the same panel, tiles of :data:`VROWS` = 4 rows x 2
-slots with one ``vpdpbusd`` chain per (row, slot, chunk group) (8 or 16 int32 chains and 8 float32
-accumulators live: AVX-512 has 32 vector registers), Q8_0's codes stored as ``u = q + 128`` and
-its chains started at ``-128 sum(xq)`` (as :mod:`.ggml_gemm`'s VNNI path): the same exact
-integers, the same float epilogue, so the bits of both paths are equal.
+VNNI path (``vnni`` flag, a VNNI host; :func:`_emit_ztile`): the two slots' panels interleaved
+per chunk (slot ``j`` at byte ``32 j`` of each 64-byte chunk, 512 bytes per 32-block; scales
+``[nb, 3, 2, 8]``), so one zmm load holds chunk ``t`` of both groups (slot 0 in lanes 0-7) and
+one ``vpdpbusd`` zmm per (row, chunk) with the row's 4 activation bytes as a ``{1to16}``
+broadcast operand serves both; tiles of :data:`VROWS` = 4 rows, one int32 chain per (row, chunk
+group) and the epilogue on 16 lanes (lane-wise the same float32 operations). Q8_0's codes are
+stored as ``u = q + 128`` and its chains start at ``-128 sum(xq)`` (as :mod:`.ggml_gemm`'s
+VNNI path): the same exact integers, so the bits of both paths are equal.
 
 Used by :func:`~.ggml_packed._groups` when :func:`use_panel`: AVX2 path from :data:`MIN_ROWS`
 activation rows, Q4_1 from :data:`MIN_ROWS_Q4_1`, every kind but Q8_0; VNNI path the k-quants from
 :data:`MIN_ROWS`, Q5_0 / Q4_1 / Q5_1 from :data:`MIN_ROWS_VNNI`, Q8_0 from
 :data:`MIN_ROWS_VNNI_Q8_0`.
 
-Measured on a Zen 4 (AVX-512 VNNI, 2 cores shared with a compiler build, load ~6: single
-figures +-30 %, ``python bench/bench_ggml_panel.py --rounds 7 --paths vnni,vpanel``, one thread):
-VNNI panel / ggml_gemm's VNNI path (``vpdpbusd``, 4 rows per decoded record), M = 128 / 512,
-shapes as below:
+Measured on a Zen 4 (AVX-512 VNNI, 2 cores shared with a compiler build and another helper, load
+~7: ``python bench/bench_ggml_panel.py --rounds 11 --paths vnni,vpanel`` with a third path of
+ymm tiles then in the module, one thread, the median per-round ratio of the paths run back to
+back): zmm VNNI panel / ggml_gemm's VNNI path (``vpdpbusd`` ymm, 4 rows per decoded record),
+M = 128 / 512, N x K as below (k-quants K = 1024 for 896):
 
 =====  ===========  ===========  ===========  ===========
 kind   896 x 896    128 x 896    4864 x 896   896 x 4864
 =====  ===========  ===========  ===========  ===========
-Q8_0   1.08 / 0.88  1.08 / 1.08  0.89 / 1.04  1.14 / 1.15
-Q5_0   1.16 / 1.00  1.14 / 1.08  1.02 / 0.56  1.17 / 1.04
-Q4_1   1.09 / 1.29  1.06 / 1.04  1.02 / 0.55  1.11 / 1.00
-Q5_1   1.14 / 0.89  1.16 / 1.12  1.10 / 0.62  1.25 / 1.13
-Q4_K   1.32 / 1.50  1.35 / 1.31  1.14 / 0.77  1.51 / 1.34
-Q5_K   1.55 / 1.15  1.40 / 1.38  1.19 / 0.81  1.59 / 1.43
-Q6_K   1.59 / 1.30  1.42 / 1.47  1.35 / 0.99  1.65 / 1.52
+Q8_0   0.94 / 1.32  1.06 / 0.99  1.38 / 1.06  1.24 / 1.04
+Q5_0   1.41 / 1.25  1.17 / 1.13  1.11 / 0.74  1.32 / 1.34
+Q4_1   0.80 / 1.38  1.11 / 0.85  1.04 / 0.76  1.21 / 1.14
+Q5_1   1.32 / 1.24  1.25 / 1.12  1.13 / 0.78  1.31 / 1.25
+Q4_K   1.11 / 1.35  1.44 / 1.26  1.39 / 1.04  1.65 / 1.43
+Q5_K   1.07 / 1.47  1.45 / 1.08  1.27 / 0.97  1.81 / 1.74
+Q6_K   1.94 / 1.77  1.53 / 1.17  1.46 / 1.21  1.85 / 1.98
 =====  ===========  ===========  ===========  ===========
 
-(ggml_gemm VNNI 46-108 GMAC/s, the VNNI panel 52-124.) The 4864 x 896 M = 512 column did not
-repeat: Q5_0 there alone (a script timing ``panel_rows`` per row-block size, 7 rounds) ran 81
-GMAC/s at the default block of 292 rows, the same as 64-256, against 96 for ggml_gemm in the
-table's run. The AVX2 panel on this host (``--paths avx2,vnni,panel``, same load) is 0.38-0.66x
-the VNNI ggml_gemm for Q8_0 / Q5_0 and 0.8-1.2x for Q6_K: the AVX2 multiply (``vpmaddubsw``,
-``vpaddw``, ``vpmaddwd``) costs more than the decode the panel saves.
+Geometric means: Q8_0 1.12, Q5_0 1.16, Q4_1 1.02, Q5_1 1.16, Q4_K 1.32, Q5_K 1.33, Q6_K 1.58
+(ggml_gemm VNNI 36-105 GMAC/s, the zmm panel 55-130). The same run had the ymm variant (the
+AVX2 tile structure with one ``vpdpbusd`` ymm chain per (row, slot)) at geometric means 0.96 -
+1.31, so it was dropped. Single figures swing: a (path, shape) sometimes runs at ~55 GMAC/s for
+a whole run (4864 x 896 M = 512 here; 896 x 896 M = 512 for the ymm tiles in the same run, the
+other way round in an earlier one), not understood. The AVX2 panel on this host is 0.38-0.66x
+ggml_gemm's VNNI path for Q8_0 / Q5_0 and 0.8-1.2x for Q6_K (``--paths avx2,vnni,panel``): the
+AVX2 multiply (``vpmaddubsw``, ``vpaddw``, ``vpmaddwd``) costs more than the decode saves.
 
-Measured, AVX2 path (``python bench/bench_ggml_panel.py --rounds 5 --ms 128,512``: one thread, panel vs
-ggml_gemm alternating in one process, best of 5 rounds, GMAC/s; a shared 2-core Zen 3 with load
-~4, so single figures are noisy, the ratios less so). Panel / ggml_gemm at M = 128 / 512 on
+Measured, AVX2 path (``python bench/bench_ggml_panel.py --rounds 5 --ms 128,512`` at the time:
+one thread, panel vs ggml_gemm alternating in one process, best of 5 rounds, GMAC/s; a shared
+2-core Zen 3 with load ~4, so single figures are noisy, the ratios less so). Panel / ggml_gemm
+at M = 128 / 512 on
 Qwen2.5-0.5B's shapes N x K (Q4_K / Q6_K with K = 896 rounded up to 1024):
 
 =====  ===========  ===========  ===========  ===========
@@ -125,8 +132,8 @@ from .ggml_ir import (
 from .packed_i8 import (HOST_VNNI, V8F32, _prefetch_l2, check_array_arg, elem_ptr, splat,
                         store_group)
 
-__all__ = ["MIN_ROWS", "MIN_ROWS_Q4_1", "MIN_ROWS_VNNI", "MIN_ROWS_VNNI_Q8_0", "ROWS", "SPECS", "TILE_GROUPS", "VROWS", "block_rows",
-           "panel_groups", "panel_rows", "use_panel"]
+__all__ = ["MIN_ROWS", "MIN_ROWS_Q4_1", "MIN_ROWS_VNNI", "MIN_ROWS_VNNI_Q8_0", "ROWS", "SPECS",
+           "TILE_GROUPS", "VROWS", "block_rows", "panel_groups", "panel_rows", "use_panel"]
 
 #: activation rows per tile (llvm-mca -mcpu=znver3 on the tile loops, MAC per cycle, (slots,
 #: rows) = (2, 2) / (1, 4) / (2, 3) / (2, 4): Q5_0 35.2 / 28.4 / 33.6 / 32.0, Q4_K 32.9 / 28.9
@@ -172,7 +179,7 @@ def _store(context, builder, aty, arr, off, val):
     builder.store(val, elem_ptr(context, builder, aty, arr, off, val.type), align=1)
 
 
-def _emit_decode(kind, vnni, context, builder, sig, args):
+def _emit_decode(kind, vnni, context, builder, sig, args, w=1):
     """One record -> the panel: codes (and Q8_0 signs) of its ``nsub`` 32-blocks at byte ``po``,
     scales at float ``so`` (layout of the module docstring; ``vnni``: Q8_0's codes are
     ``u = q + 128``, no signs)."""
@@ -187,17 +194,17 @@ def _emit_decode(kind, vnni, context, builder, sig, args):
     for sub in range(nsub):
         for t in range(8):
             u = _chunk(e, kind, sub, t)
-            o = builder.add(po, ir.Constant(po.type, 256 * sub + 32 * t))
+            o = builder.add(po, ir.Constant(po.type, w * (256 * sub + 32 * t)))
             if kind == 8 and not vnni:
                 q = builder.xor(u, ir.Constant(LV32I8, [0x80] * 32))
                 _store(context, builder, at[4], sgn, o, q)
                 u = builder.call(absb, [q, ir.Constant(ir.IntType(1), 0)])
             _store(context, builder, at[2], pan, o, u)
-        so_s = builder.add(so, ir.Constant(so.type, 8 * NSC * sub))
+        so_s = builder.add(so, ir.Constant(so.type, w * 8 * NSC * sub))
 
         def put(slot, v, so_s=so_s):
             _store(context, builder, at[5], psc,
-                   builder.add(so_s, ir.Constant(so.type, 8 * slot)), v)
+                   builder.add(so_s, ir.Constant(so.type, w * 8 * slot)), v)
         if kind in (12, 13):
             sc, mn = k4_scales(e, sub)
             put(0, builder.fmul(d, builder.sitofp(sc, LV8F32)))
@@ -214,7 +221,7 @@ def _emit_decode(kind, vnni, context, builder, sig, args):
     return context.get_dummy_value()
 
 
-def _make_decode(kind, vnni=False):
+def _make_decode(kind, vnni=False, w=1):
     @intrinsic
     def dec(typingctx, data, roff, panel, po, signs, scales, so):
         if not (check_array_arg(data, types.uint8) and check_array_arg(panel, types.uint8)
@@ -223,47 +230,49 @@ def _make_decode(kind, vnni=False):
             return None
         sig = types.none(data, types.intp, panel, types.intp, signs, scales, types.intp)
         return sig, (lambda context, builder, sig, args:
-                     _emit_decode(kind, vnni, context, builder, sig, args))
+                     _emit_decode(kind, vnni, context, builder, sig, args, w))
     return dec
 
 
 def _epilogue(kind, builder, a, sums, sc, xd, x8, t16):
     """``a`` + the float32 operations of ``ggml_packed._make_rec_i8`` for one (row, group,
     32-block): ``sums`` the exact int32 lanes per chunk group, ``sc`` the panel scale slots,
-    ``xd`` the row's d_x (splat), ``x8`` = 8 sum(xq) (int32), ``t16`` the two 16-half sums."""
+    ``xd`` the row's d_x (splat), ``x8`` = 8 sum(xq) (int32), ``t16`` the two 16-half sums.
+    Lane-wise: 8 lanes (one slot) or 16 (two slots, the zmm tiles)."""
+    vf = a.type
+    vi = ir.VectorType(I32, vf.count)
     if kind == 14:
         c32 = ir.Constant(I32, 32)
-        s0 = builder.sub(sums[0], splat(builder, builder.mul(t16[0], c32), LV8I32))
-        s1 = builder.sub(sums[1], splat(builder, builder.mul(t16[1], c32), LV8I32))
-        sc0 = builder.bitcast(sc[1], LV8I32)
-        sc1 = builder.bitcast(sc[2], LV8I32)
+        s0 = builder.sub(sums[0], splat(builder, builder.mul(t16[0], c32), vi))
+        s1 = builder.sub(sums[1], splat(builder, builder.mul(t16[1], c32), vi))
+        sc0 = builder.bitcast(sc[1], vi)
+        sc1 = builder.bitcast(sc[2], vi)
         tot = builder.add(builder.mul(sc0, s0), builder.mul(sc1, s1))
-        return builder.fadd(a, builder.fmul(builder.sitofp(tot, LV8F32),
+        return builder.fadd(a, builder.fmul(builder.sitofp(tot, vf),
                                             builder.fmul(sc[0], xd)))
     (s,) = sums
     if kind in (3, 7):
         sx = builder.sitofp(builder.ashr(x8, ir.Constant(I32, 3)), F32)
-        f = builder.fadd(builder.fmul(builder.sitofp(s, LV8F32), builder.fmul(sc[0], xd)),
-                         builder.fmul(sc[1], builder.fmul(xd, splat(builder, sx, LV8F32))))
+        f = builder.fadd(builder.fmul(builder.sitofp(s, vf), builder.fmul(sc[0], xd)),
+                         builder.fmul(sc[1], builder.fmul(xd, splat(builder, sx, vf))))
         return builder.fadd(a, f)
     if kind in (12, 13):
         sx = builder.sitofp(builder.ashr(x8, ir.Constant(I32, 3)), F32)
-        f = builder.fsub(builder.fmul(sc[0], builder.sitofp(s, LV8F32)),
-                         builder.fmul(sc[1], splat(builder, sx, LV8F32)))
+        f = builder.fsub(builder.fmul(sc[0], builder.sitofp(s, vf)),
+                         builder.fmul(sc[1], splat(builder, sx, vf)))
         return builder.fadd(a, builder.fmul(f, xd))
     if kind == 6:
-        s = builder.sub(s, splat(builder, builder.shl(x8, ir.Constant(I32, 1)), LV8I32))
-    return builder.fadd(a, builder.fmul(builder.sitofp(s, LV8F32), builder.fmul(sc[0], xd)))
+        s = builder.sub(s, splat(builder, builder.shl(x8, ir.Constant(I32, 1)), vi))
+    return builder.fadd(a, builder.fmul(builder.sitofp(s, vf), builder.fmul(sc[0], xd)))
 
 
-def _emit_tile(kind, ngr, nrows, vnni, context, builder, sig, args):
+def _emit_tile(kind, ngr, nrows, context, builder, sig, args):
     """One 32-block for ``nrows`` activation rows x ``ngr`` panel slots (from ``po`` / ``so``,
     ``pst`` / ``sst`` apart): ``acc[ngr r + j]`` (row ``r``, slot ``j``) += the block's
     contribution (module docstring). Chunk-outer: per chunk the slots' panel vectors are loaded
     once and each row's broadcast activations serve every slot; live: the ``ngr nrows`` int16
     sums and float32 accumulators, ``ngr`` panel vectors (Q8_0: and their signs), one
-    broadcast. ``vnni`` (on a VNNI host): one ``vpdpbusd`` chain per (row, slot, chunk group)
-    instead (Q8_0: codes ``q + 128``, chains from ``-128 sum(xq)``), :func:`_vnni_sums`."""
+    broadcast (the VNNI path: :func:`_emit_ztile`)."""
     accs, pan, po, pst, sgn, psc, so, sst, xqa, xo, kx, xda, s8a, s16a, bo, kbx = args
     at = sig.args
     a = [builder.extract_value(accs, i) for i in range(ngr * nrows)]
@@ -279,10 +288,7 @@ def _emit_tile(kind, ngr, nrows, vnni, context, builder, sig, args):
         return builder.load(elem_ptr(context, builder, at[arr_i], arr, o, LV32I8), align=1)
     xr = [builder.add(xo, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
     br = [builder.add(bo, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
-    if vnni and HOST_VNNI:
-        sums = _vnni_sums(context, builder, at, pvec, xqa, xr, s8a, br, ngr, nrows, kind)
-    else:
-        sums = _avx2_sums(context, builder, at, pvec, xqa, xr, ngr, nrows, kind)
+    sums = _avx2_sums(context, builder, at, pvec, xqa, xr, ngr, nrows, kind)
     for r in range(nrows):
         xd = splat(builder, load_f32(context, builder, at[11], xda, br[r]), LV8F32)
         x8 = load_i32(context, builder, at[12], s8a, br[r]) if kind != 8 and kind != 14 else None
@@ -335,32 +341,7 @@ def _avx2_sums(context, builder, at, pvec, xqa, xr, ngr, nrows, kind):
     return sums
 
 
-def _vnni_sums(context, builder, at, pvec, xqa, xr, s8a, br, ngr, nrows, kind):
-    """As :func:`_avx2_sums` with one ``vpdpbusd`` per (row, slot, chunk) (u8 x s8 -> s32, the
-    same exact sums); Q8_0's chains start at ``-128 sum(xq) = -16 (8 sum(xq))``."""
-    _, groups, signed = SPECS[kind]
-    dp = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(LV8I32, [LV8I32, LV32I8, LV32I8]),
-        "llvm.x86.avx512.vpdpbusd.256")
-    start = [ir.Constant(LV8I32, [0] * 8)] * nrows
-    if signed:
-        start = [splat(builder, builder.sub(ir.Constant(I32, 0), builder.shl(
-            load_i32(context, builder, at[12], s8a, br[r]), ir.Constant(I32, 4))), LV8I32)
-            for r in range(nrows)]
-    sums = [[None] * len(groups) for _ in range(ngr * nrows)]
-    for gi, grp in enumerate(groups):
-        acc = [start[i // ngr] for i in range(ngr * nrows)]
-        for t in grp:
-            us = [pvec(1, j, t) for j in range(ngr)]
-            for r in range(nrows):
-                xb = xbcast(context, builder, at[8], xqa, xr[r], t)
-                for j in range(ngr):
-                    acc[ngr * r + j] = builder.call(dp, [acc[ngr * r + j], us[j], xb])
-        for i in range(ngr * nrows):
-            sums[i][gi] = acc[i]
-    return sums
-
-def _make_tile(kind, ngr, nrows, vnni=False):
+def _make_tile(kind, ngr, nrows):
     tup = types.UniTuple(V8F32, ngr * nrows)
 
     @intrinsic
@@ -375,9 +356,82 @@ def _make_tile(kind, ngr, nrows, vnni=False):
         ip = types.intp
         sig = tup(tup, panel, ip, ip, signs, scales, ip, ip, xq, ip, ip, xd, xs8, xs16, ip, ip)
         return sig, (lambda context, builder, sig, args:
-                     _emit_tile(kind, ngr, nrows, vnni, context, builder, sig, args))
+                     _emit_tile(kind, ngr, nrows, context, builder, sig, args))
     return tile
 
+
+def _emit_ztile(kind, nrows, context, builder, sig, args):
+    """VNNI path, zmm: one 32-block for ``nrows`` rows x both slots of the interleaved panel
+    (:data:`ZW`): per chunk one 64-byte load (slot 0 lanes 0-7, slot 1 lanes 8-15), per row one
+    16-lane broadcast and one ``vpdpbusd`` zmm per chunk; the epilogue on 16 lanes (the same
+    lane-wise operations). ``acc[2r + j]`` as :func:`_emit_tile`."""
+    accs, pan, po, psc, so, xqa, xo, kx, xda, s8a, s16a, bo, kbx = args
+    at = sig.args
+    lv16i32 = ir.VectorType(I32, 16)
+    lv64i8 = ir.VectorType(ir.IntType(8), 64)
+    lv16f32 = ir.VectorType(F32, 16)
+    lo = ir.Constant(LV8I32, list(range(8)))
+    a = []
+    for r in range(nrows):
+        a0, a1 = builder.extract_value(accs, 2 * r), builder.extract_value(accs, 2 * r + 1)
+        a.append(builder.shuffle_vector(a0, a1, ir.Constant(lv16i32, list(range(16)))))
+    _, groups, signed = SPECS[kind]
+    dp = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(lv16i32, [lv16i32, lv64i8, lv64i8]),
+        "llvm.x86.avx512.vpdpbusd.512")
+    xr = [builder.add(xo, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
+    br = [builder.add(bo, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
+    x8 = [load_i32(context, builder, at[9], s8a, b) for b in br]
+    zero = ir.Constant(lv16i32, [0] * 16)
+    sums = [[None] * len(groups) for _ in range(nrows)]
+    for gi, grp in enumerate(groups):
+        acc = [splat(builder, builder.sub(ir.Constant(I32, 0), builder.shl(
+            x8[r], ir.Constant(I32, 4))), lv16i32) if signed else zero for r in range(nrows)]
+        for t in grp:
+            o = builder.add(po, ir.Constant(po.type, 64 * t))
+            u = builder.load(elem_ptr(context, builder, at[1], pan, o, lv64i8), align=1)
+            for r in range(nrows):
+                xo_t = builder.add(xr[r], ir.Constant(xo.type, 4 * t))
+                xv = builder.load(elem_ptr(context, builder, at[5], xqa, xo_t, I32), align=1)
+                xb = builder.bitcast(splat(builder, xv, lv16i32), lv64i8)
+                acc[r] = builder.call(dp, [acc[r], u, xb])
+        for r in range(nrows):
+            sums[r][gi] = acc[r]
+    sc = [builder.load(elem_ptr(context, builder, at[3], psc,
+                                builder.add(so, ir.Constant(so.type, 16 * i)), lv16f32), align=1)
+          for i in range(NSC)]
+    out = []
+    for r in range(nrows):
+        xd = splat(builder, load_f32(context, builder, at[8], xda, br[r]), lv16f32)
+        t16 = None
+        if kind == 14:
+            i16 = builder.mul(br[r], ir.Constant(br[r].type, 2))
+            t16 = [load_i32(context, builder, at[10], s16a, i16),
+                   load_i32(context, builder, at[10], s16a,
+                            builder.add(i16, ir.Constant(i16.type, 1)))]
+        v = _epilogue(kind, builder, a[r], sums[r], sc, xd, x8[r], t16)
+        out.append(builder.shuffle_vector(v, v, lo))
+        out.append(builder.shuffle_vector(v, v, ir.Constant(LV8I32, list(range(8, 16)))))
+    return context.make_tuple(builder, sig.return_type, out)
+
+
+def _make_ztile(kind):
+    """The zmm tile of ``kind`` for ``n`` rows: ``accs`` a tuple of ``2 n`` float32 x 8."""
+    @intrinsic
+    def tile(typingctx, accs, panel, po, scales, so, xq, xo, kx, xd, xs8, xs16, bo, kbx):
+        if not (isinstance(accs, types.UniTuple) and accs.dtype == V8F32 and accs.count % 2 == 0
+                and check_array_arg(panel, types.uint8)
+                and check_array_arg(scales, types.float32) and check_array_arg(xq, types.int8)
+                and check_array_arg(xd, types.float32) and check_array_arg(xs8, types.int32)
+                and check_array_arg(xs16, types.int32)):
+            return None
+        ip = types.intp
+        sig = accs(accs, panel, ip, scales, ip, xq, ip, ip, xd, xs8, xs16, ip, ip)
+        if not HOST_VNNI:  # the zmm instruction cannot be compiled here (never called)
+            return sig, lambda context, builder, sig, args: args[0]
+        return sig, (lambda context, builder, sig, args:
+                     _emit_ztile(kind, accs.count // 2, context, builder, sig, args))
+    return tile
 
 def _make_zeros(n):
     @intrinsic
@@ -400,11 +454,10 @@ _KINDS = (8, 6, 12, 14, 3, 7, 13)
 (_one_q8_0, _one_q5_0, _one_q4_k, _one_q6_k, _one_q4_1, _one_q5_1,
  _one_q5_k) = (_make_tile(k, TILE_GROUPS, 1) for k in _KINDS)
 _vzeros = _make_zeros(TILE_GROUPS * VROWS)
-_vdec_q8_0 = _make_decode(8, True)
-(_vtile_q8_0, _vtile_q5_0, _vtile_q4_k, _vtile_q6_k, _vtile_q4_1, _vtile_q5_1,
- _vtile_q5_k) = (_make_tile(k, TILE_GROUPS, VROWS, True) for k in _KINDS)
-(_vone_q8_0, _vone_q5_0, _vone_q4_k, _vone_q6_k, _vone_q4_1, _vone_q5_1,
- _vone_q5_k) = (_make_tile(k, TILE_GROUPS, 1, True) for k in _KINDS)
+(_zdec_q8_0, _zdec_q5_0, _zdec_q4_k, _zdec_q6_k, _zdec_q4_1, _zdec_q5_1,
+ _zdec_q5_k) = (_make_decode(k, True, 2) for k in _KINDS)
+(_ztile_q8_0, _ztile_q5_0, _ztile_q4_k, _ztile_q6_k, _ztile_q4_1, _ztile_q5_1,
+ _ztile_q5_k) = (_make_ztile(k) for k in _KINDS)
 
 
 @njit(**JIT)
@@ -432,9 +485,8 @@ def use_panel(kind, m, vnni):
 
 
 @njit(**JIT)
-def _decode(kind, data, g, panel, po, signs, scales, so, vnni):
-    """Every record of group ``g`` into the panel slot at byte ``po`` / float ``so`` (``vnni``:
-    Q8_0 codes for the VNNI tiles)."""
+def _decode(kind, data, g, panel, po, signs, scales, so):
+    """Every record of group ``g`` into the panel slot at byte ``po`` / float ``so``."""
     nrec = data.shape[1]
     rb = data.shape[2]
     nsub = 1 if kind == 6 or kind == 8 or kind == 3 or kind == 7 else 8
@@ -442,9 +494,7 @@ def _decode(kind, data, g, panel, po, signs, scales, so, vnni):
         ro = (g * nrec + s) * rb
         p = po + 256 * nsub * s
         q = so + 8 * NSC * nsub * s
-        if kind == 8 and vnni:
-            _vdec_q8_0(data, ro, panel, p, signs, scales, q)
-        elif kind == 8:
+        if kind == 8:
             _dec_q8_0(data, ro, panel, p, signs, scales, q)
         elif kind == 6:
             _dec_q5_0(data, ro, panel, p, signs, scales, q)
@@ -540,80 +590,58 @@ def _one(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i)
 
 
 @njit(**JIT)
-def _vtile(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i0):
-    """:func:`_tile` of the VNNI path: rows ``i0 .. i0 + VROWS - 1`` (``[2r + j]``)."""
+def _zdecode(kind, data, g, panel, po, signs, scales, so):
+    """:func:`_decode` into the interleaved (zmm) panel: slot ``j`` at byte ``32 j`` / float
+    ``8 j``, 64-byte chunks, 512-byte 32-blocks."""
+    nrec = data.shape[1]
+    rb = data.shape[2]
+    nsub = 1 if kind == 6 or kind == 8 or kind == 3 or kind == 7 else 8
+    for s in range(nrec):
+        ro = (g * nrec + s) * rb
+        p = po + 512 * nsub * s
+        q = so + 16 * NSC * nsub * s
+        if kind == 8:
+            _zdec_q8_0(data, ro, panel, p, signs, scales, q)
+        elif kind == 6:
+            _zdec_q5_0(data, ro, panel, p, signs, scales, q)
+        elif kind == 12:
+            _zdec_q4_k(data, ro, panel, p, signs, scales, q)
+        elif kind == 3:
+            _zdec_q4_1(data, ro, panel, p, signs, scales, q)
+        elif kind == 7:
+            _zdec_q5_1(data, ro, panel, p, signs, scales, q)
+        elif kind == 13:
+            _zdec_q5_k(data, ro, panel, p, signs, scales, q)
+        else:
+            _zdec_q6_k(data, ro, panel, p, signs, scales, q)
+
+
+@njit(**JIT)
+def _ztile(kind, nb, panel, scales, xq, xd, xs8, xs16, i0, acc):
+    """Rows ``i0 ..`` (as many as ``acc`` holds: :data:`VROWS` or 1) x both slots of the
+    interleaved panel, ``acc`` its zeros."""
     kx = xq.shape[1]
     kbx = xd.shape[1]
     xo = i0 * kx
     bo = i0 * kbx
-    acc = _vzeros()
-    if kind == 8:
-        for b in range(nb):
-            acc = _vtile_q8_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 6:
-        for b in range(nb):
-            acc = _vtile_q5_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 12:
-        for b in range(nb):
-            acc = _vtile_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 3:
-        for b in range(nb):
-            acc = _vtile_q4_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 7:
-        for b in range(nb):
-            acc = _vtile_q5_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 13:
-        for b in range(nb):
-            acc = _vtile_q5_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    else:
-        for b in range(nb):
-            acc = _vtile_q6_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    return acc
-
-
-@njit(**JIT)
-def _vone(kind, nb, panel, po, pst, signs, scales, so, sst, xq, xd, xs8, xs16, i):
-    """:func:`_one` of the VNNI path."""
-    kx = xq.shape[1]
-    kbx = xd.shape[1]
-    xo = i * kx
-    bo = i * kbx
-    acc = _zeros1()
-    if kind == 8:
-        for b in range(nb):
-            acc = _vone_q8_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 6:
-        for b in range(nb):
-            acc = _vone_q5_0(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 12:
-        for b in range(nb):
-            acc = _vone_q4_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 3:
-        for b in range(nb):
-            acc = _vone_q4_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 7:
-        for b in range(nb):
-            acc = _vone_q5_1(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    elif kind == 13:
-        for b in range(nb):
-            acc = _vone_q5_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
-    else:
-        for b in range(nb):
-            acc = _vone_q6_k(acc, panel, po + 256 * b, pst, signs, scales, so + 8 * NSC * b,
-                             sst, xq, xo + 32 * b, kx, xd, xs8, xs16, bo + b, kbx)
+    for b in range(nb):
+        po = 512 * b
+        so = 16 * NSC * b
+        xb = xo + 32 * b
+        if kind == 8:
+            acc = _ztile_q8_0(acc, panel, po, scales, so, xq, xb, kx, xd, xs8, xs16, bo + b, kbx)
+        elif kind == 6:
+            acc = _ztile_q5_0(acc, panel, po, scales, so, xq, xb, kx, xd, xs8, xs16, bo + b, kbx)
+        elif kind == 12:
+            acc = _ztile_q4_k(acc, panel, po, scales, so, xq, xb, kx, xd, xs8, xs16, bo + b, kbx)
+        elif kind == 3:
+            acc = _ztile_q4_1(acc, panel, po, scales, so, xq, xb, kx, xd, xs8, xs16, bo + b, kbx)
+        elif kind == 7:
+            acc = _ztile_q5_1(acc, panel, po, scales, so, xq, xb, kx, xd, xs8, xs16, bo + b, kbx)
+        elif kind == 13:
+            acc = _ztile_q5_k(acc, panel, po, scales, so, xq, xb, kx, xd, xs8, xs16, bo + b, kbx)
+        else:
+            acc = _ztile_q6_k(acc, panel, po, scales, so, xq, xb, kx, xd, xs8, xs16, bo + b, kbx)
     return acc
 
 
@@ -662,19 +690,22 @@ def panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, mb, vnni)
         g = g0
         while g < g1:
             g2 = g + 1 if g + 1 < g1 else g  # an odd last group: both slots, slot 1 not stored
-            _decode(kind, data, g, panel, 0, signs, scales, 0, vnni)
-            _decode(kind, data, g2, panel, pst, signs, scales, sst, vnni)
+            if vnni:
+                _zdecode(kind, data, g, panel, 0, signs, scales, 0)
+                _zdecode(kind, data, g2, panel, 32, signs, scales, 8)
+            else:
+                _decode(kind, data, g, panel, 0, signs, scales, 0)
+                _decode(kind, data, g2, panel, pst, signs, scales, sst)
             nslot = 2 if g2 != g else 1
             pf = (g + 2) * data.shape[1] * data.shape[2]  # the next pair's records, into L2
             for i0 in range(ib, mt, rows):
                 for o in range(pf0 * (i0 - ib) // rows, pf0 * (i0 - ib + rows) // rows, 64):
                     _prefetch_l2(data, pf + o)
                 if vnni:
-                    vacc = _vtile(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8,
-                                  xs16, i0)
+                    zacc = _ztile(kind, nb, panel, scales, xq, xd, xs8, xs16, i0, _vzeros())
                     for r in range(VROWS):
                         for j in range(nslot):
-                            store_group(vacc[TILE_GROUPS * r + j], facc, g + j, i0 + r, n, out)
+                            store_group(zacc[TILE_GROUPS * r + j], facc, g + j, i0 + r, n, out)
                 else:
                     acc = _tile(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8,
                                 xs16, i0)
@@ -683,8 +714,7 @@ def panel_rows(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, mb, vnni)
                             store_group(acc[TILE_GROUPS * r + j], facc, g + j, i0 + r, n, out)
             for i in range(mt, ie):
                 if vnni:
-                    acc1 = _vone(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8,
-                                 xs16, i)
+                    acc1 = _ztile(kind, nb, panel, scales, xq, xd, xs8, xs16, i, _zeros1())
                 else:
                     acc1 = _one(kind, nb, panel, 0, pst, signs, scales, 0, sst, xq, xd, xs8,
                                 xs16, i)
