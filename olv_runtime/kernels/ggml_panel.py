@@ -152,12 +152,13 @@ MIN_ROWS = 8
 #: Q4_1's (the panel / ggml_gemm at M = 8 / 16 / 32: 0.97 / 1.02 / 1.10; Q5_1 1.02 / 1.16 /
 #: 1.26, Q5_K 1.23 / 1.34 / 1.35).
 MIN_ROWS_Q4_1 = 16
-#: VNNI path: Q5_0 / Q4_1 / Q5_1 from this many rows (bench/bench_ggml_panel.py --paths
-#: vnni,vpanel, 896x896, one thread, vpanel / vnni ggml_gemm at M = 4 / 8 / 16 / 32: Q5_0 0.80 /
-#: 0.90 / 1.01 / 1.07, Q4_1 0.82 / 0.90 / 0.97 / 1.02, Q5_1 0.86 / 0.97 / 1.07 / 1.14; Q4_K 0.92
-#: / 1.08 / 1.14 / 1.31, Q5_K 0.95 / 1.10 / 1.24 / 1.19, Q6_K 1.08 / 1.21 / 1.34 / 1.40).
+#: VNNI path: Q5_0 / Q4_1 / Q5_1 from this many rows (bench/bench_ggml_panel.py --rounds 15
+#: --paths vnni,vpanel --ms 8,16,32, one thread, zmm panel / ggml_gemm's VNNI path at M = 8 / 16
+#: / 32, 896 x 896 and 896 x 4864: Q5_0 0.99 / 1.11 / 1.14, 0.88 / 1.05 / 1.25; Q4_1 0.97 / 1.06
+#: / 1.13, 0.83 / 0.99 / 1.15; Q5_1 1.03 / 1.12 / 1.19, 0.98 / 1.02 / 1.17; the k-quants 1.10 -
+#: 1.29 at M = 8, 1.22 - 1.72 above).
 MIN_ROWS_VNNI = 16
-#: VNNI path, Q8_0 (0.71 / 0.87 / 1.00 / 1.04 at M = 4 / 8 / 16 / 32).
+#: VNNI path, Q8_0 (0.92 / 1.02 / 1.04 and 0.91 / 1.00 / 1.14 at M = 8 / 16 / 32).
 MIN_ROWS_VNNI_Q8_0 = 32
 #: fewest activation rows per row block (:func:`block_rows`).
 MIN_BLOCK_ROWS = 64
