@@ -19,8 +19,14 @@ latency. The float epilogue per (activation row, block) is ``vpsubd``, ``vcvtdq2
 across the block loop.
 
 Loop nest per task (a contiguous range of group pairs): activation rows in chunks of
-:data:`CHUNK_BYTES` of int8 codes (kept in L2), then group pairs, then 8-row tiles, then blocks.
-Rows left over (``M % 8``), and an odd last group, run the kernels of :mod:`.packed_i8`.
+:data:`CHUNK_BYTES` of int8 codes (kept in L2), then group pairs, then 8-row tiles, then blocks,
+all in one call (:func:`_pairs_tiles`). Rows left over (``M % 8``, or all of them below 8: the
+engine's rows step at 1..7 sequences) run one 16 x 4, 16 x 2 and 16 x 1 tile each as needed
+(each row's 8 ``vpdpbusd`` as two chains of 4 there, for enough independent chains); an odd last
+group runs the kernels of :mod:`.packed_i8`. The first tile of each pair issues the group
+kernels' software prefetches for both groups' streams (the weights come from DRAM in a decode
+step): without them the 151936 x 896 lm_head ran 0.57x (M = 1) .. 0.84x (M = 4) the group
+kernels' speed, with them 1.35x .. 1.7x (bench/bench_vnni_tiles.py, one thread).
 
 AVX2 tile (CPUs without AVX-512 VNNI, or ``OLV_ISA=avx2``; :func:`_tile2_block`): the same two
 groups as two ymm of 8 lanes x :data:`AVX2_TILE_ROWS` = 4 activation rows, per 4-code chunk the
@@ -68,6 +74,7 @@ from .packed_i8 import (
     linear_ser,
     make_workspace_i8,
     num_threads,
+    prefetch_block,
     quantize_rows_i8,
     splat,
     store_group,
@@ -334,10 +341,12 @@ def _tile_fstore(typingctx, out, off, ld, acc):
 
 
 @njit(inline="always", **JIT)
-def _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, nrows):
+def _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, nrows, pf):
     """Output rows 8g .. 8g+15 (groups g, g+1 exist) of activation rows i .. i+nrows-1 with one
     16 x ``nrows`` tile (``nrows`` a literal of :data:`TILE_SHAPES`); inlined into
-    :func:`_pair_tiles` once per tile shape."""
+    :func:`_pairs_tiles` once per tile shape. ``pf``: software-prefetch both groups' streams
+    ahead (:func:`~.packed_i8.prefetch_block`; the pair's first tile, which reads it from
+    DRAM)."""
     kb = codes.shape[1]
     kx = xq.shape[1]
     kbx = xd.shape[1]
@@ -348,6 +357,9 @@ def _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, nrows):
     xo = i * kx
     do = i * kbx
     for b in range(kb):
+        if pf:
+            prefetch_block(codes, scale, base, b)
+            prefetch_block(codes, scale, base + kb, b)
         acc = _tile_block(acc, codes, (base + b) * GROUP_BLOCK_BYTES, gstride, scale,
                           (base + b) * GROUP_ROWS, sstride, xq, xo + b * BLOCK, kx, xd, xs8,
                           do + b, kbx)
@@ -369,16 +381,16 @@ def _pairs_tiles(codes, scale, g0, g1, xq, xd, xs8, i0, i1, n, out):
     for g in range(g0, g1, 2):
         i = i0
         while i1 - i >= TILE_ROWS:
-            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 8)
+            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 8, i == i0)
             i += TILE_ROWS
         if i1 - i >= 4:
-            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 4)
+            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 4, i == i0)
             i += 4
         if i1 - i >= 2:
-            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 2)
+            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 2, i == i0)
             i += 2
         if i1 - i >= 1:
-            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 1)
+            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 1, i == i0)
 
 
 @njit(**JIT)
@@ -423,17 +435,15 @@ def tile_rows(vnni):
 @njit(**JIT)
 def groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
     """Groups g0..g1-1 of ``out[:m]`` (activations already quantized): group pairs
-    ``(g0, g0 + 1), (g0 + 2, g0 + 3), ...`` in tiles of :func:`tile_rows` activation rows, the
-    rows left over and an odd last group by the one-group kernels of :mod:`.packed_i8` --
-    bitwise :func:`~.packed_i8.groups` (the same integers and float operations per output)."""
+    ``(g0, g0 + 1), (g0 + 2, g0 + 3), ...`` in tiles of :func:`tile_rows` activation rows (VNNI:
+    the rows left over by 16 x 4 / 2 / 1 tiles; AVX2: by the one-group kernels of
+    :mod:`.packed_i8`), an odd last group by the one-group kernels -- bitwise
+    :func:`~.packed_i8.groups` (the same integers and float operations per output)."""
     tr = tile_rows(vnni)
     mt = m // tr * tr
     if vnni:
         ge = g1 - (g1 - g0) % 2
-        _pairs_tiles(codes, scale, g0, ge, xq, xd, xs8, np.int64(0), mt, n, out)
-        if mt < m:
-            for g in range(g0, ge):
-                _rows_tail(codes, scale, g, xq, xd, xs8, mt, m, n, out, facc, vnni)
+        _pairs_tiles(codes, scale, g0, ge, xq, xd, xs8, np.int64(0), m, n, out)
         if ge < g1:
             _rows_tail(codes, scale, ge, xq, xd, xs8, np.int64(0), m, n, out, facc, vnni)
         return
@@ -469,6 +479,8 @@ def _task(codes, scale, p0, p1, xq, xd, xs8, m, n, out, facc, last_group, vnni):
     tr = tile_rows(vnni)
     rows_chunk = max(tr, (CHUNK_BYTES // max(kx, 1)) // tr * tr)
     m8 = m // tr * tr
+    if vnni:  # the rows left over by the 4 / 2 / 1-row tiles of the last chunk
+        m8 = m
     c0 = np.int64(0)
     while c0 < m8:
         c1 = min(m8, c0 + rows_chunk)
