@@ -88,6 +88,7 @@ TILE_ROWS = 8          # activation rows per tile (one zmm float accumulator eac
 AVX2_TILE_ROWS = 4     # activation rows per AVX2 tile (two ymm float accumulators each)
 MIN_ROWS = 8           # callers use this GEMM from this many activation rows
 CHUNK_BYTES = 1 << 18  # int8 activation bytes per row chunk (kept in L2 while pairs stream)
+PAIR_STREAM_BYTES = 8192  # VNNI, M < 4: pairs as tiles only while a group has <= this many codes bytes
 
 V16F32 = Vec(32, 16, True)
 
@@ -441,6 +442,12 @@ def groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
     :func:`~.packed_i8.groups` (the same integers and float operations per output)."""
     tr = tile_rows(vnni)
     mt = m // tr * tr
+    if vnni and m < 4 and codes.shape[1] * GROUP_BLOCK_BYTES > PAIR_STREAM_BYTES:
+        # 1..3 rows of long groups: one group after the other (one sequential DRAM stream; the
+        # pair's two streams ran 0.8x from DRAM at 896 x 4864, M = 1, 2)
+        for g in range(g0, g1):
+            _rows_tail(codes, scale, g, xq, xd, xs8, np.int64(0), m, n, out, facc, vnni)
+        return
     if vnni:
         ge = g1 - (g1 - g0) % 2
         _pairs_tiles(codes, scale, g0, ge, xq, xd, xs8, np.int64(0), m, n, out)

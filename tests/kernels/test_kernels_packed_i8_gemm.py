@@ -150,12 +150,13 @@ VNNI_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 21, 24]
 
 
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("n,k", [(136, 96), (200, 64), (20, 160), (16, 32)])
+@pytest.mark.parametrize("n,k", [(136, 96), (200, 64), (20, 160), (16, 32), (40, 2112)])
 def test_vnni_groups_tiles_bitwise_equals_group_kernels(n, k, scale_dtype):
     """The engine's rows-step GEMM on the VNNI path (16 x 8 tiles per group pair, the rest of
     the rows by 16 x 4 / 2 / 1 tiles or the one-group kernels): bitwise packed_i8.groups (4/2/1
     rows per group) for every row count, over group ranges starting at an even or odd group,
-    odd group counts and a partial last pair (n not a multiple of 16)."""
+    odd group counts and a partial last pair (n not a multiple of 16); K = 2112 (groups longer
+    than PAIR_STREAM_BYTES: 1..3 rows by the one-group kernels)."""
     if not packed_i8.HOST_VNNI:
         pytest.skip("no AVX-512 VNNI on this CPU")
     from olv_runtime.kernels import packed_i8_gemm
