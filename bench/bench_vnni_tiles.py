@@ -9,8 +9,9 @@ group pair covering all the pair's tiles (full pairs stored by plain vector stor
 16 x 4 / 2 / 1 tiles of the same pair. Alternating in one process, one thread
 (``time.thread_time``), best round; outputs asserted bitwise equal. GMAC/s = M N K / time.
 Shapes: Qwen2.5-0.5B's q/o (896 x 896), k/v (128 x 896), gate/up (4864 x 896), down
-(896 x 4864) and lm_head (151936 x 896: 68 MB of codes, streamed from DRAM each call). Needs a
-CPU with AVX-512 VNNI. Not run by the test command.
+(896 x 4864) and lm_head (151936 x 896: 68 MB of codes, streamed from DRAM each call);
+``--copies C`` runs each timed call over C copies of the weight (e.g. 32: the smaller weights
+from DRAM too, as in a decode step). Needs a CPU with AVX-512 VNNI. Not run by the test command.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ms", default="4,8,16")
+    ap.add_argument("--copies", type=int, default=1)
     ap.add_argument("--shapes", default="896x896,128x896,4864x896,896x4864,151936x896")
     args = ap.parse_args(argv)
     if not pi.HOST_VNNI:
@@ -83,9 +85,9 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
-        p = pi.prepack_int4_i8(rng.integers(0, 256, n * k // 2, dtype=np.uint8),
-                               (rng.random((n, k // 32)) * 0.01).astype(np.float16), None, n,
-                               k, 32)
+        ps = [pi.prepack_int4_i8(rng.integers(0, 256, n * k // 2, dtype=np.uint8),
+                                 (rng.random((n, k // 32)) * 0.01).astype(np.float16), None, n,
+                                 k, 32) for _ in range(args.copies)]
         for m in ms:
             x = rng.standard_normal((m, k), dtype=np.float32)
             kb = k // 32
@@ -95,11 +97,19 @@ def main(argv=None) -> int:
             quantize_rows_i8(x, m, k, kb, xq, xd, xs8)
             o1, o2 = np.zeros((m, n), np.float32), np.zeros((m, n), np.float32)
             facc = np.zeros((1, 8), np.float32)
-            a = (p.codes, p.scale, np.int64(0), np.int64(p.n_groups), xq, xd, xs8, m, n)
-            t = _best([functools.partial(_old_groups_tiles, *a, o1, facc),
-                       functools.partial(pg.groups_tiles, *a, o2, facc, True)], args.rounds)
+
+            def run(new, out):
+                for p in ps:
+                    a = (p.codes, p.scale, np.int64(0), np.int64(p.n_groups), xq, xd, xs8, m, n,
+                         out, facc)
+                    if new:
+                        pg.groups_tiles(*a, True)
+                    else:
+                        _old_groups_tiles(*a)
+            t = _best([functools.partial(run, False, o1), functools.partial(run, True, o2)],
+                      args.rounds)
             assert np.array_equal(o1, o2)
-            g = [m * n * k / s / 1e9 for s in t]
+            g = [m * n * k * len(ps) / s / 1e9 for s in t]
             print(f"| {n} x {k} | {m} | {g[0]:.1f} | {g[1]:.1f} | {g[1] / g[0]:.2f} |",
                   flush=True)
     return 0
