@@ -60,19 +60,11 @@ def _old_pair_tile2(codes, scale, g, xq, xd, xs8, i0, n, out, facc):
 
 
 @njit(**JIT)
-def _old_tile(codes, scale, g, xq, xd, xs8, i0, n, out, facc, vnni):
-    if vnni:
-        pg._pair_tile(codes, scale, g, xq, xd, xs8, i0, n, out)
-    else:
-        _old_pair_tile2(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
-
-
-@njit(**JIT)
 def _int4_old(codes, scale, xq, xd, xs8, m, n, out, facc):
     for g in range(0, codes.shape[0] - 1, 2):
         i0 = np.int64(0)
         while i0 < m:
-            _old_tile(codes, scale, g, xq, xd, xs8, i0, n, out, facc, False)
+            _old_pair_tile2(codes, scale, g, xq, xd, xs8, i0, n, out, facc)
             i0 += 4
 
 

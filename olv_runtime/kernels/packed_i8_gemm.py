@@ -19,8 +19,14 @@ latency. The float epilogue per (activation row, block) is ``vpsubd``, ``vcvtdq2
 across the block loop.
 
 Loop nest per task (a contiguous range of group pairs): activation rows in chunks of
-:data:`CHUNK_BYTES` of int8 codes (kept in L2), then group pairs, then 8-row tiles, then blocks.
-Rows left over (``M % 8``), and an odd last group, run the kernels of :mod:`.packed_i8`.
+:data:`CHUNK_BYTES` of int8 codes (kept in L2), then group pairs, then 8-row tiles, then blocks,
+all in one call (:func:`_pairs_tiles`). Rows left over (``M % 8``, or all of them below 8: the
+engine's rows step at 1..7 sequences) run one 16 x 4, 16 x 2 and 16 x 1 tile each as needed
+(each row's 8 ``vpdpbusd`` as two chains of 4 there, for enough independent chains); an odd last
+group runs the kernels of :mod:`.packed_i8`. The first tile of each pair issues the group
+kernels' software prefetches for both groups' streams (the weights come from DRAM in a decode
+step): without them the 151936 x 896 lm_head ran 0.57x (M = 1) .. 0.84x (M = 4) the group
+kernels' speed, with them 1.35x .. 1.7x (bench/bench_vnni_tiles.py, one thread).
 
 AVX2 tile (CPUs without AVX-512 VNNI, or ``OLV_ISA=avx2``; :func:`_tile2_block`): the same two
 groups as two ymm of 8 lanes x :data:`AVX2_TILE_ROWS` = 4 activation rows, per 4-code chunk the
@@ -68,6 +74,7 @@ from .packed_i8 import (
     linear_ser,
     make_workspace_i8,
     num_threads,
+    prefetch_block,
     quantize_rows_i8,
     splat,
     store_group,
@@ -81,6 +88,7 @@ TILE_ROWS = 8          # activation rows per tile (one zmm float accumulator eac
 AVX2_TILE_ROWS = 4     # activation rows per AVX2 tile (two ymm float accumulators each)
 MIN_ROWS = 8           # callers use this GEMM from this many activation rows
 CHUNK_BYTES = 1 << 18  # int8 activation bytes per row chunk (kept in L2 while pairs stream)
+PAIR_STREAM_BYTES = 8192  # VNNI, M < 4: pairs as tiles only while a group has <= this many codes bytes
 
 V16F32 = Vec(32, 16, True)
 
@@ -97,7 +105,7 @@ _LV16I16 = ir.VectorType(_I16, 16)
 _LV8I32 = ir.VectorType(_I32, 8)
 _LV8F16 = ir.VectorType(ir.HalfType(), 8)
 
-_TILE = types.UniTuple(V16F32, TILE_ROWS)
+TILE_SHAPES = (8, 4, 2, 1)  # activation rows of the VNNI tiles (16 output rows each)
 _TILE2 = types.UniTuple(V8F32, 2 * AVX2_TILE_ROWS)
 
 
@@ -119,33 +127,51 @@ def _scales16(context, builder, aty, arr, off0, off1):
     return _concat(builder, v[0], v[1])
 
 
+def _tile_type(acc):
+    """The row count R of a tile accumulator type ``UniTuple(V16F32, R)`` (R in
+    :data:`TILE_SHAPES`), else 0."""
+    if isinstance(acc, types.UniTuple) and acc.dtype == V16F32 and acc.count in TILE_SHAPES:
+        return acc.count
+    return 0
+
+
 @intrinsic
-def _tile_zero(typingctx):
+def _tile_zero(typingctx, nrows):
+    """Zero accumulators of a 16 x ``nrows`` tile (``nrows`` a literal in :data:`TILE_SHAPES`)."""
+    if not (isinstance(nrows, types.IntegerLiteral) and nrows.literal_value in TILE_SHAPES):
+        return None
+    r = nrows.literal_value
+    ty = types.UniTuple(V16F32, r)
+
     def codegen(context, builder, sig, args):
         z = ir.Constant(_LV16F32, [0.0] * 16)
-        return context.make_tuple(builder, sig.return_type, [z] * TILE_ROWS)
-    return _TILE(), codegen
+        return context.make_tuple(builder, sig.return_type, [z] * r)
+    return ty(nrows), codegen
 
 
 @intrinsic
 def _tile_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, kx, xd, xs8,
                 do, kbx):
-    """One block of a 16 x 8 tile: ``acc[r] += float32(S_r - xs8) * (scale16 * xd)`` for
-    activation rows r = 0..7 (xq bytes ``xo + r * kx``, xd / xs8 elements ``do + r * kbx``)
-    against the group pair whose codes start at byte ``cb`` (second group ``gstride`` bytes
-    later) and scales at element ``so`` (second group ``sstride`` later)."""
-    if not (acc == _TILE and check_array_arg(codes, types.uint8) and is_scale_array(scale)
+    """One block of a 16 x R tile (R = len(acc), 8, 4, 2 or 1): ``acc[r] += float32(S_r -
+    xs8) * (scale16 * xd)`` for activation rows r < R (xq bytes ``xo + r * kx``, xd / xs8
+    elements ``do + r * kbx``) against the group pair whose codes start at byte ``cb`` (second
+    group ``gstride`` bytes later) and scales at element ``so`` (second group ``sstride``
+    later). Below 8 rows each row's 8 ``vpdpbusd`` run as two chains of 4 (chunks 0, 2 and 1,
+    3; summed in int32: the same integers) so that >= 8 chains cover the latency."""
+    nr = _tile_type(acc)
+    if not (nr and check_array_arg(codes, types.uint8) and is_scale_array(scale)
             and check_array_arg(xq, types.int8) and check_array_arg(xd, types.float32)
             and check_array_arg(xs8, types.int32)):
         return None
-    sig = _TILE(_TILE, codes, types.intp, types.intp, scale, types.intp, types.intp, xq,
-                types.intp, types.intp, xd, xs8, types.intp, types.intp)
+    sig = acc(acc, codes, types.intp, types.intp, scale, types.intp, types.intp, xq,
+              types.intp, types.intp, xd, xs8, types.intp, types.intp)
+    nchain = 1 if nr >= 8 else 2
 
     def codegen(context, builder, sig, args):
         (acc_v, codes_v, cb_v, gs_v, sc_v, so_v, ss_v, xq_v, xo_v, kx_v, xd_v, xs_v, do_v,
          kbx_v) = args
         aty = sig.args
-        accs = [builder.extract_value(acc_v, r) for r in range(TILE_ROWS)]
+        accs = [builder.extract_value(acc_v, r) for r in range(nr)]
         if not HOST_VNNI:  # never called (the wrappers check use_vnni()); nothing to emit
             return context.make_tuple(builder, sig.return_type, accs)
         m0f = ir.Constant(_LV64I8, [0x0F] * 64)
@@ -165,16 +191,18 @@ def _tile_block(typingctx, acc, codes, cb, gstride, scale, so, sstride, xq, xo, 
             "llvm.x86.avx512.vpdpbusd.512")
         ws = _scales16(context, builder, aty[4], sc_v, so_v, builder.add(so_v, ss_v))
         out = []
-        for r in range(TILE_ROWS):
+        for r in range(nr):
             xr = builder.add(xo_v, builder.mul(kx_v, ir.Constant(kx_v.type, r)))
-            s = ir.Constant(_LV16I32, [0] * 16)
+            s = [ir.Constant(_LV16I32, [0] * 16)] * nchain
             for c in range(4):
                 for h in range(2):
                     off = builder.add(xr, ir.Constant(xr.type, 16 * h + 4 * c))
                     p = elem_ptr(context, builder, aty[7], xq_v, off, _I32)
                     xb = builder.bitcast(splat(builder, builder.load(p, align=1), _LV16I32),
                                          _LV64I8)
-                    s = builder.call(dp, [s, us[2 * c + h], xb])
+                    j = c % nchain
+                    s[j] = builder.call(dp, [s[j], us[2 * c + h], xb])
+            s = s[0] if nchain == 1 else builder.add(s[0], s[1])
             dr = builder.add(do_v, builder.mul(kbx_v, ir.Constant(kbx_v.type, r)))
             s8 = builder.load(elem_ptr(context, builder, aty[11], xs_v, dr, _I32))
             d = builder.load(elem_ptr(context, builder, aty[10], xd_v, dr, _F32))
@@ -270,11 +298,12 @@ def _tile2_zero(typingctx):
 
 @intrinsic
 def _tile_store(typingctx, out, off, ld, nvalid, acc):
-    """Store row r of the tile (16 lanes, the first ``nvalid`` kept) at linear element
-    ``off + r * ld`` of ``out`` (float32)."""
-    if not (check_array_arg(out, types.float32) and acc == _TILE):
+    """Store row r of the tile (16 lanes, the first ``nvalid`` kept: a masked store) at linear
+    element ``off + r * ld`` of ``out`` (float32)."""
+    nr = _tile_type(acc)
+    if not (check_array_arg(out, types.float32) and nr):
         return None
-    sig = types.none(out, types.intp, types.intp, types.intp, _TILE)
+    sig = types.none(out, types.intp, types.intp, types.intp, acc)
 
     def codegen(context, builder, sig, args):
         out_v, off_v, ld_v, nv_v, acc_v = args
@@ -285,7 +314,7 @@ def _tile_store(typingctx, out, off, ld, nvalid, acc):
             builder.module, ir.FunctionType(ir.VoidType(), [_LV16F32, _LV16F32.as_pointer(),
                                                             _I32, ir.VectorType(ir.IntType(1), 16)]),
             "llvm.masked.store.v16f32.p0")
-        for r in range(TILE_ROWS):
+        for r in range(nr):
             o = builder.add(off_v, builder.mul(ld_v, ir.Constant(ld_v.type, r)))
             p = elem_ptr(context, builder, sig.args[0], out_v, o, _LV16F32)
             builder.call(fn, [builder.extract_value(acc_v, r), p, ir.Constant(_I32, 4), mask])
@@ -293,24 +322,76 @@ def _tile_store(typingctx, out, off, ld, nvalid, acc):
     return sig, codegen
 
 
-@njit(**JIT)
-def _pair_tile(codes, scale, g, xq, xd, xs8, i0, n, out):
-    """Output rows 8g .. 8g+15 of activation rows i0 .. i0+7 (groups g, g+1 exist)."""
+@intrinsic
+def _tile_fstore(typingctx, out, off, ld, acc):
+    """Store row r of the tile (all 16 lanes, one plain vector store) at linear element
+    ``off + r * ld`` of ``out`` (float32)."""
+    nr = _tile_type(acc)
+    if not (check_array_arg(out, types.float32) and nr):
+        return None
+    sig = types.none(out, types.intp, types.intp, acc)
+
+    def codegen(context, builder, sig, args):
+        out_v, off_v, ld_v, acc_v = args
+        for r in range(nr):
+            o = builder.add(off_v, builder.mul(ld_v, ir.Constant(ld_v.type, r)))
+            p = elem_ptr(context, builder, sig.args[0], out_v, o, _LV16F32)
+            builder.store(builder.extract_value(acc_v, r), p, align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(inline="always", **JIT)
+def _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, nrows, pf):
+    """Output rows 8g .. 8g+15 (groups g, g+1 exist) of activation rows i .. i+nrows-1 with one
+    16 x ``nrows`` tile (``nrows`` a literal of :data:`TILE_SHAPES`); inlined into
+    :func:`_pairs_tiles` once per tile shape. ``pf``: software-prefetch both groups' streams
+    ahead (:func:`~.packed_i8.prefetch_block`; the pair's first tile, which reads it from
+    DRAM)."""
     kb = codes.shape[1]
     kx = xq.shape[1]
     kbx = xd.shape[1]
     gstride = kb * GROUP_BLOCK_BYTES
     sstride = kb * GROUP_ROWS
-    acc = _tile_zero()
     base = g * kb
-    xo = i0 * kx
-    do = i0 * kbx
+    acc = _tile_zero(nrows)
+    xo = i * kx
+    do = i * kbx
     for b in range(kb):
+        if pf:
+            prefetch_block(codes, scale, base, b)
+            prefetch_block(codes, scale, base + kb, b)
         acc = _tile_block(acc, codes, (base + b) * GROUP_BLOCK_BYTES, gstride, scale,
                           (base + b) * GROUP_ROWS, sstride, xq, xo + b * BLOCK, kx, xd, xs8,
                           do + b, kbx)
     r0 = g * GROUP_ROWS
-    _tile_store(out, i0 * n + r0, n, min(2 * GROUP_ROWS, n - r0), acc)
+    if r0 + 2 * GROUP_ROWS <= n:
+        _tile_fstore(out, i * n + r0, n, acc)
+    else:
+        _tile_store(out, i * n + r0, n, n - r0, acc)
+
+
+@njit(**JIT)
+def _pairs_tiles(codes, scale, g0, g1, xq, xd, xs8, i0, i1, n, out):
+    """VNNI: group pairs ``(g0, g0 + 1), (g0 + 2, g0 + 3), ...`` below ``g1`` (``g1 - g0``
+    even) of activation rows i0 .. i1-1: per pair tiles of :data:`TILE_ROWS` rows, then the
+    rest (``(i1 - i0) % 8``) by one 4-, one 2- and one 1-row tile as needed. One call for all
+    the pairs and rows (a numba call passing these arrays costs a few hundred cycles, ~5 % of
+    a 16 x 8 tile at K = 896); full pairs stored by plain vector stores, a partial last pair by
+    masked ones."""
+    for g in range(g0, g1, 2):
+        i = i0
+        while i1 - i >= TILE_ROWS:
+            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 8, i == i0)
+            i += TILE_ROWS
+        if i1 - i >= 4:
+            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 4, i == i0)
+            i += 4
+        if i1 - i >= 2:
+            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 2, i == i0)
+            i += 2
+        if i1 - i >= 1:
+            _pair_rows(codes, scale, g, xq, xd, xs8, i, n, out, 1, i == i0)
 
 
 @njit(**JIT)
@@ -346,18 +427,6 @@ def _pair_tiles2(codes, scale, g, xq, xd, xs8, i0, i1, n, out, facc):
                 store_group(acc[2 * r + 1], facc, g + 1, i + r, n, out)
 
 
-@njit(**JIT)
-def _tiles(codes, scale, g, xq, xd, xs8, i0, i1, n, out, facc, vnni):
-    """Groups g, g+1 of activation rows i0 .. i1-1 in tiles of :func:`tile_rows` rows."""
-    if vnni:
-        i = i0
-        while i < i1:
-            _pair_tile(codes, scale, g, xq, xd, xs8, i, n, out)
-            i += TILE_ROWS
-    else:
-        _pair_tiles2(codes, scale, g, xq, xd, xs8, i0, i1, n, out, facc)
-
-
 @njit(inline="always", **JIT)
 def tile_rows(vnni):
     """Activation rows per tile: 8 (VNNI, zmm) or 4 (AVX2, ymm pairs)."""
@@ -367,14 +436,27 @@ def tile_rows(vnni):
 @njit(**JIT)
 def groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
     """Groups g0..g1-1 of ``out[:m]`` (activations already quantized): group pairs
-    ``(g0, g0 + 1), (g0 + 2, g0 + 3), ...`` in tiles of :func:`tile_rows` activation rows, the
-    rows left over and an odd last group by the one-group kernels of :mod:`.packed_i8` --
-    bitwise :func:`~.packed_i8.groups` (the same integers and float operations per output)."""
+    ``(g0, g0 + 1), (g0 + 2, g0 + 3), ...`` in tiles of :func:`tile_rows` activation rows (VNNI:
+    the rows left over by 16 x 4 / 2 / 1 tiles; AVX2: by the one-group kernels of
+    :mod:`.packed_i8`), an odd last group by the one-group kernels -- bitwise
+    :func:`~.packed_i8.groups` (the same integers and float operations per output)."""
     tr = tile_rows(vnni)
     mt = m // tr * tr
+    if vnni and m < 4 and codes.shape[1] * GROUP_BLOCK_BYTES > PAIR_STREAM_BYTES:
+        # 1..3 rows of long groups: one group after the other (one sequential DRAM stream; the
+        # pair's two streams ran 0.8x from DRAM at 896 x 4864, M = 1, 2)
+        for g in range(g0, g1):
+            _rows_tail(codes, scale, g, xq, xd, xs8, np.int64(0), m, n, out, facc, vnni)
+        return
+    if vnni:
+        ge = g1 - (g1 - g0) % 2
+        _pairs_tiles(codes, scale, g0, ge, xq, xd, xs8, np.int64(0), m, n, out)
+        if ge < g1:
+            _rows_tail(codes, scale, ge, xq, xd, xs8, np.int64(0), m, n, out, facc, vnni)
+        return
     g = g0
     while g + 1 < g1:
-        _tiles(codes, scale, g, xq, xd, xs8, np.int64(0), mt, n, out, facc, vnni)
+        _pair_tiles2(codes, scale, g, xq, xd, xs8, np.int64(0), mt, n, out, facc)
         if mt < m:
             _rows_tail(codes, scale, g, xq, xd, xs8, mt, m, n, out, facc, vnni)
             _rows_tail(codes, scale, g + 1, xq, xd, xs8, mt, m, n, out, facc, vnni)
@@ -404,11 +486,16 @@ def _task(codes, scale, p0, p1, xq, xd, xs8, m, n, out, facc, last_group, vnni):
     tr = tile_rows(vnni)
     rows_chunk = max(tr, (CHUNK_BYTES // max(kx, 1)) // tr * tr)
     m8 = m // tr * tr
+    if vnni:  # the rows left over by the 4 / 2 / 1-row tiles of the last chunk
+        m8 = m
     c0 = np.int64(0)
     while c0 < m8:
         c1 = min(m8, c0 + rows_chunk)
-        for p in range(p0, p1):
-            _tiles(codes, scale, 2 * p, xq, xd, xs8, c0, c1, n, out, facc, vnni)
+        if vnni:
+            _pairs_tiles(codes, scale, 2 * p0, 2 * p1, xq, xd, xs8, c0, c1, n, out)
+        else:
+            for p in range(p0, p1):
+                _pair_tiles2(codes, scale, 2 * p, xq, xd, xs8, c0, c1, n, out, facc)
         c0 = c1
     if m8 < m:
         for p in range(p0, p1):

@@ -73,14 +73,14 @@ def test_tile_kernel_emits_zmm_vpdpbusd_where_the_cpu_has_it():
 
     from olv_runtime.kernels import packed_i8_gemm
 
-    fresh = njit(packed_i8_gemm._pair_tile.py_func)  # cached code cannot be inspected
+    fresh = njit(packed_i8_gemm._pairs_tiles.py_func)  # cached code cannot be inspected
     codes = np.zeros((2, 1, 128), np.uint8)
     scale = np.zeros((2, 1, 8), np.uint16)
     xq = np.zeros((8, 32), np.int8)
     xd = np.zeros((8, 1), np.float32)
     xs8 = np.zeros((8, 1), np.int32)
     out = np.full((8, 16), 1.0, np.float32)
-    fresh(codes, scale, 0, xq, xd, xs8, 0, 16, out)
+    fresh(codes, scale, 0, 2, xq, xd, xs8, 0, 8, 16, out)
     np.testing.assert_array_equal(out, 0.0)
     asm = fresh.inspect_asm(fresh.signatures[0])
     assert "vpdpbusd" in asm and "zmm" in asm
@@ -144,3 +144,42 @@ def test_avx2_tile_shares_each_broadcast_between_two_groups():
     assert maddubs == 4 * 2 * 8  # per block: 4 rows x 2 groups x 8 (chunk, nibble) pairs
     # 32 activation broadcasts per block (one per two vpmaddubsw) + each row's sum(xq) splat
     assert bcast <= maddubs // 2 + 4, (bcast, maddubs)
+
+
+VNNI_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 21, 24]
+
+
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n,k", [(136, 96), (200, 64), (20, 160), (16, 32), (40, 2112)])
+def test_vnni_groups_tiles_bitwise_equals_group_kernels(n, k, scale_dtype):
+    """The engine's rows-step GEMM on the VNNI path (16 x 8 tiles per group pair, the rest of
+    the rows by 16 x 4 / 2 / 1 tiles or the one-group kernels): bitwise packed_i8.groups (4/2/1
+    rows per group) for every row count, over group ranges starting at an even or odd group,
+    odd group counts and a partial last pair (n not a multiple of 16); K = 2112 (groups longer
+    than PAIR_STREAM_BYTES: 1..3 rows by the one-group kernels)."""
+    if not packed_i8.HOST_VNNI:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    from olv_runtime.kernels import packed_i8_gemm
+
+    rng = np.random.default_rng(n + k)
+    _, payload, scale = _weight(n, k, rng)
+    p = prepack_int4_i8(payload, scale.astype(scale_dtype), None, n, k, 32)
+    mmax = max(VNNI_ROWS)
+    x = (rng.standard_normal((mmax, k)) * rng.uniform(0.1, 10, size=(mmax, 1))).astype(
+        np.float32)
+    ws = packed_i8.make_workspace_i8(mmax, k, 1)
+    packed_i8.quantize_rows_i8(x, mmax, k, k // 32, ws.xq, ws.xd, ws.xs8)
+    ng = p.n_groups
+    for m in VNNI_ROWS:
+        ref = np.full((m, n), np.nan, np.float32)
+        packed_i8.groups(p.codes, p.scale, np.int64(0), ng, ws.xq, ws.xd, ws.xs8, m, n, ref,
+                         ws.facc[0], True)
+        for g0, g1 in ((0, ng), (1, ng), (0, ng - 1), (1, ng - 1)):
+            if g1 <= g0:
+                continue
+            y = np.full((m, n), np.nan, np.float32)
+            packed_i8_gemm.groups_tiles(p.codes, p.scale, np.int64(g0), np.int64(g1), ws.xq,
+                                        ws.xd, ws.xs8, m, n, y, ws.facc[0], True)
+            c0, c1 = 8 * g0, min(n, 8 * g1)
+            np.testing.assert_array_equal(y[:, c0:c1], ref[:, c0:c1], err_msg=f"m={m} g={g0},{g1}")
+            assert np.isnan(y[:, :c0]).all() and np.isnan(y[:, c1:]).all()  # nothing else written
