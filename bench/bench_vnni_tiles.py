@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import numpy as np
 from numba import njit
+
+from bench_gemm_calls import _best  # bench/: the same best-of-rounds timer
 
 from olv_runtime.kernels import packed_i8 as pi
 from olv_runtime.kernels import packed_i8_gemm as pg
@@ -58,16 +59,6 @@ def _old_groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc):
         g += 2
     if g < g1:
         pg._rows_tail(codes, scale, g, xq, xd, xs8, np.int64(0), m, n, out, facc, True)
-
-
-def _best(fns, rounds):
-    best = [1e9] * len(fns)
-    for _ in range(rounds):
-        for i, f in enumerate(fns):
-            t = time.thread_time()
-            f()
-            best[i] = min(best[i], time.thread_time() - t)
-    return best
 
 
 def main(argv=None) -> int:

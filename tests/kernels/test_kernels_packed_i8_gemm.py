@@ -149,16 +149,16 @@ def test_avx2_tile_shares_each_broadcast_between_two_groups():
 VNNI_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 21, 24]
 
 
+@pytest.mark.parametrize("vnni", [False] + ([True] if packed_i8.HOST_VNNI else []))
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("n,k", [(136, 96), (200, 64), (20, 160), (16, 32), (40, 2112)])
-def test_vnni_groups_tiles_bitwise_equals_group_kernels(n, k, scale_dtype):
-    """The engine's rows-step GEMM on the VNNI path (16 x 8 tiles per group pair, the rest of
-    the rows by 16 x 4 / 2 / 1 tiles or the one-group kernels): bitwise packed_i8.groups (4/2/1
-    rows per group) for every row count, over group ranges starting at an even or odd group,
-    odd group counts and a partial last pair (n not a multiple of 16); K = 2112 (groups longer
-    than PAIR_STREAM_BYTES: 1..3 rows by the one-group kernels)."""
-    if not packed_i8.HOST_VNNI:
-        pytest.skip("no AVX-512 VNNI on this CPU")
+def test_groups_tiles_bitwise_equals_group_kernels(n, k, scale_dtype, vnni):
+    """The engine's rows-step GEMM on every path the host has (VNNI: 16 x 8 tiles per group
+    pair, the rest of the rows by 16 x 4 / 2 / 1 tiles or the one-group kernels; AVX2: 8 x 4
+    tiles, the rest by the one-group kernels): bitwise packed_i8.groups (4/2/1 rows per group)
+    for every row count, over group ranges starting at an even or odd group, odd group counts
+    and a partial last pair (n not a multiple of 16); K = 2112 (groups longer than
+    PAIR_STREAM_BYTES: 1..3 rows by the one-group kernels on VNNI)."""
     from olv_runtime.kernels import packed_i8_gemm
 
     rng = np.random.default_rng(n + k)
@@ -173,13 +173,13 @@ def test_vnni_groups_tiles_bitwise_equals_group_kernels(n, k, scale_dtype):
     for m in VNNI_ROWS:
         ref = np.full((m, n), np.nan, np.float32)
         packed_i8.groups(p.codes, p.scale, np.int64(0), ng, ws.xq, ws.xd, ws.xs8, m, n, ref,
-                         ws.facc[0], True)
+                         ws.facc[0], vnni)
         for g0, g1 in ((0, ng), (1, ng), (0, ng - 1), (1, ng - 1)):
             if g1 <= g0:
                 continue
             y = np.full((m, n), np.nan, np.float32)
             packed_i8_gemm.groups_tiles(p.codes, p.scale, np.int64(g0), np.int64(g1), ws.xq,
-                                        ws.xd, ws.xs8, m, n, y, ws.facc[0], True)
+                                        ws.xd, ws.xs8, m, n, y, ws.facc[0], vnni)
             c0, c1 = 8 * g0, min(n, 8 * g1)
             np.testing.assert_array_equal(y[:, c0:c1], ref[:, c0:c1], err_msg=f"m={m} g={g0},{g1}")
             assert np.isnan(y[:, :c0]).all() and np.isnan(y[:, c1:]).all()  # nothing else written
