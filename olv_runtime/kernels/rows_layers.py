@@ -15,8 +15,11 @@ Per layer, ``x`` float32 [R, E] the rows' residual stream:
    quantized to int8 blocks, :func:`~.packed_i8.quantize_rows_i8`);
 2. ``qkv = h @ Wqkv.T (+ bias)``: chunks of 8-row weight groups claimed by the tasks
    (:func:`~.decoder_layers._claim`), each chunk computing all R rows (the weights are read once
-   per step: int8 :func:`~.packed_i8_gemm.groups_tiles`, VNNI or AVX2 tiles; exact
-   :func:`~.packed_f32._groups8` / ``_groups_small``); barrier;
+   per step: int8 :func:`~.packed_i8_gemm.groups_tiles`, VNNI or AVX2 tiles; exact mode where
+   the CPU has AVX-512 VNNI: the one-token step's kernels on the rows' fixed-point digits,
+   :func:`~.packed_f32_vnni.groups_m1` for one row, :func:`~.packed_f32_vnni.groups_rows` for
+   more (the same operations per output); else the float path :func:`~.packed_f32._groups8` /
+   ``_groups_small``); barrier;
 3. per row (rows split between the tasks): RoPE of its query heads (into ``q`` [R, H, D]) and key
    heads at the row's position, its key and value written into the pool at (``blocks[r]``,
    ``offsets[r]``) in the pool's format; barrier (when every row is its sequence's only row --
@@ -39,8 +42,9 @@ norm, quantization, RoPE, the KV write and SiLU are per row; a row's attention w
 blocks in order, one task per (row, kv head), never split. So a request's logits are bitwise the
 same whatever else is in the step, however its prompt was chunked, and whichever blocks it got.
 They agree with the one-token step and with the per-operator plan to float32 rounding (the
-attention here is not split over the tasks; the exact kernels' float path is used on every CPU),
-which the tests bound.
+attention here is not split over the tasks; exact mode without VNNI runs the float path, the
+one-token step there too), which the tests bound. Exact mode on a VNNI CPU runs the one-token
+step's own linear kernels, so an engine of one sequence costs what ``generate`` does.
 
 **Phase profile** (benchmarks only, bench/rows_phases.py): the tasks stamp the time-stamp
 counter at the phase boundaries (:func:`~.step_sync._stamp`, the phases of
@@ -59,10 +63,10 @@ import numpy as np
 from numba import njit, prange, types
 from numba.core.extending import overload
 
-from . import packed_f32, packed_i8, packed_i8_gemm
+from . import packed_f32, packed_f32_vnni, packed_i8, packed_i8_gemm
 from .attention import SLACK, TILE, _attend_rows, _state_finish, _state_init
 from .config import JIT, PJIT
-from .decoder_layers import _chunk_units, _next_chunk, _prefetch_part, _weight
+from .decoder_layers import _chunk_units, _next_chunk, _prefetch_head, _prefetch_part, _weight
 from .norm import _rms_norm_row
 from .paged_ir import _f32_to_half
 from .row_attention import _decode_block
@@ -126,8 +130,14 @@ PoolKV = namedtuple("PoolKV", [
 # ------------------------------------------------------------------------------------------------
 # mode-dependent pieces (chosen by the type of the activation buffers: None = exact mode)
 # ------------------------------------------------------------------------------------------------
+def _is_digits(i8):
+    return isinstance(i8, types.BaseTuple) and len(i8) == 3
+
+
 def _quantize_rows(i8, xin, m, k, kb):
-    """int8 mode: ``xin[:m, :k]`` quantized into this task's buffers; exact mode: nothing."""
+    """int8 mode: ``xin[:m, :k]`` quantized into this task's buffers; exact mode on the VNNI
+    path: their activation digits (:func:`~.packed_f32_vnni.digits_rows`; a row holding a
+    non-finite value gets NaN outputs, as in the one-token step); exact float path: nothing."""
 
 
 @overload(_quantize_rows, jit_options=_OV)
@@ -135,6 +145,10 @@ def _ov_quantize_rows(i8, xin, m, k, kb):
     if isinstance(i8, types.NoneType):
         def impl(i8, xin, m, k, kb):
             pass
+    elif _is_digits(i8):
+        def impl(i8, xin, m, k, kb):
+            dg, bz, xsc = i8
+            packed_f32_vnni.digits_rows(xin, m, k, dg, bz, xsc)
     else:
         def impl(i8, xin, m, k, kb):
             xq, xd, xs8, facc8 = i8
@@ -156,6 +170,18 @@ def _ov_groups_rows(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1):
             else:
                 packed_f32._groups_small(codes, scale, g0, g1, xin, np.int64(0), m, n, out,
                                          facc32)
+    elif _is_digits(i8):
+        # one row: the one-token step's kernel (4 groups per pass for long rows); more: pairs
+        # of groups, 4 rows per pass -- the same operations per output, so a row's values do
+        # not depend on m (packed_f32_vnni's docstring)
+        def impl(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1):
+            dg, bz, xsc = i8
+            n = out.shape[1]
+            if m == 1:
+                packed_f32_vnni.groups_m1(codes, scale, g0, g1, dg, bz, xsc, n, out, facc32)
+            else:
+                packed_f32_vnni.groups_rows(codes, scale, g0, g1, m, dg, bz, xsc, n, out,
+                                            facc32)
     else:
         def impl(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1):
             xq, xd, xs8, facc8 = i8
@@ -172,6 +198,8 @@ def _task_i8(i8ws, tid):
 def _ov_task_i8(i8ws, tid):
     if isinstance(i8ws, types.NoneType):
         return lambda i8ws, tid: None
+    if _is_digits(i8ws):
+        return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid])
     return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid], i8ws[3][tid])
 
 
@@ -358,6 +386,22 @@ def _attention_rows(tid, nt, r_n, li, batch, rs, dims, kv, bar):
 
 
 @njit(**JIT)
+def _prefetch_gate_up(tid, nt, wt, w, codes0, scale0, inter):
+    """:func:`_prefetch_head` where this task's first claim of :func:`_gate_up_rows` starts:
+    its gate and its up group of pair ``tid * gh / nt`` (the whole linear's share when the
+    halves are not paired)."""
+    cw, sw = _weight(wt, w, codes0, scale0)
+    ng = cw.shape[0]
+    gh = ng // 2
+    if inter % GROUP_ROWS == 0 and ng == 2 * (inter // GROUP_ROWS):
+        a0 = tid * gh // nt
+        _prefetch_head(cw, sw, a0)
+        _prefetch_head(cw, sw, gh + a0)
+    else:
+        _prefetch_head(cw, sw, tid * ng // nt)
+
+
+@njit(**JIT)
 def _gate_up_rows(tid, nt, i8, cw, sw, h, m, rs, inter, f32, vnni, bar):
     """Gate and up groups as pairs (when no group straddles the halves) with ``SiLU(g) * u`` on
     the chunk's rows; else the whole linear, a barrier and the product over this task's rows."""
@@ -434,7 +478,7 @@ def _rows_thread(tid, nt, r_n, batch, bar, i8ws, w, dims, rs, kv):
         cw, sw = _weight(wt, wi + 1, codes0, scale0)
         _quantize_rows(i8, rs.attn2, r_n, hd, cw.shape[1])
         _linear_rows(tid, nt, i8, cw, sw, rs.attn2, r_n, xn, f32, vnni, bar, _YES, x, _NO)
-        _prefetch_part(tid, nt, wt, wi + 2, codes0, scale0)
+        _prefetch_gate_up(tid, nt, wt, wi + 2, codes0, scale0, inter)
         _stamp(bar, tid, nt, np.int64(6))
         _barrier(bar, nt)
         _stamp(bar, tid, nt, np.int64(7))
@@ -516,11 +560,25 @@ class RowsWorkspace:
                     np.zeros((nt, g), f), np.zeros((nt, bs, d), f), np.zeros((nt, bs, d), f),
                     np.zeros((nt, d), f))
         self.bar = np.zeros(barrier_slots(nt), np.int64)
+        self._kb = kb
+        self._digits = None
+
+    def digit_buffers(self) -> tuple:
+        """Exact mode's activation digits per task, ``(dg int8 [nt, r_max, 128 kb], bz int32
+        [nt, r_max, 4 kb], xsc float32 [nt, r_max, kb])`` (:mod:`.packed_f32_vnni`), made at
+        the first exact-mode call on the VNNI path."""
+        if self._digits is None:
+            nt, r, kb = self.nt, self.r_max, self._kb
+            self._digits = (np.zeros((nt, r, packed_f32_vnni.DG_BYTES * kb), np.int8),
+                            np.zeros((nt, r, packed_f32_vnni.PIECES * kb), np.int32),
+                            np.zeros((nt, r, kb), np.float32))
+        return self._digits
 
     @property
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.rs if a.base is None) + sum(
-            a.nbytes for a in self.i8) + sum(a.nbytes for a in self.att) + self.bar.nbytes)
+            a.nbytes for a in self.i8) + sum(a.nbytes for a in self.att) + self.bar.nbytes
+            + sum(a.nbytes for a in self._digits or ()))
 
 
 _NO_SCALE = np.ones((1, 1, 1, 1), np.float32)
@@ -544,7 +602,8 @@ def rows_forward(nt: int, quant: bool, batch: RowBatch, ws: RowsWorkspace, kv: P
     nt : int
         Tasks (1: the serial program; > 1 only with the ``omp`` threading layer).
     quant : bool
-        int8 activations (:mod:`.packed_i8`) or exact (float32 activations, :mod:`.packed_f32`).
+        int8 activations (:mod:`.packed_i8`) or exact (float32 activations: the digits of
+        :mod:`.packed_f32_vnni` where ``dims.vnni``, else :mod:`.packed_f32`).
     batch : RowBatch
         The step's rows (shapes beside its fields); ``R <= ws.r_max``, ``batch.logits`` float32
         ``[len(lrows), V]`` written.
@@ -562,7 +621,7 @@ def rows_forward(nt: int, quant: bool, batch: RowBatch, ws: RowsWorkspace, kv: P
     positions are the engine's own.
     """
     r_n = np.int64(batch.pos.shape[0])
-    i8ws = ws.i8 if quant else None
+    i8ws = ws.i8 if quant else (ws.digit_buffers() if dims.vnni else None)
     if nt > 1:
         _rows_par(nt, r_n, batch, ws.bar, i8ws, weights, dims, ws.rs, kv)
     else:

@@ -269,6 +269,61 @@ def test_compiled_rows_agree_with_plan(models, kv_dtype, int8, tasks, monkeypatc
         np.testing.assert_allclose(pool.v, ref_pool.v, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_compiled_rows_exact_on_each_path(models, isa, tasks, monkeypatch):
+    """Exact mode's compiled rows step on each path: where the CPU has AVX-512 VNNI the
+    one-token step's digit kernels (``groups_m1`` for one row, ``groups_rows`` for more), with
+    AVX2 forced the float path. On both, a prompt's logits are bitwise the same in one chunk or
+    in chunks of 1..64 rows, a sequence's rows give bitwise the same logits alone as beside
+    another sequence's rows in the same forward, and they agree with the per-operator program to
+    float32 rounding. A host without VNNI runs the AVX2 case twice (the VNNI one is the host's
+    path there) and checks the digits are never made."""
+    from olv_runtime.executor import decoder_step
+    from olv_runtime.kernels import config, packed_i8
+    from olv_runtime.kv.block_pool import KVBlockPool
+
+    if tasks == 2:
+        if config.threading_layer() != "omp":
+            pytest.fail("the parallel driver needs numba's omp threading layer")
+        monkeypatch.setattr(decoder_step, "STACK_SERIAL_MAX_WORK", 0)
+    sess = _session(models, "qwen2", False)
+    prog, _ = rows_program(sess)
+    ref_prog, _ = rows_program(sess)
+    ref_prog.use_compiled = False
+    rng = np.random.default_rng(3)
+    ids = rng.integers(3, _vocab(sess), 150).astype(np.int64)
+    other = rng.integers(3, _vocab(sess), 40).astype(np.int64)
+    nt0 = config.get_num_threads()
+    config.set_num_threads(tasks)
+    packed_i8.set_isa(isa if isa == "avx2" or packed_i8.HOST_VNNI else "avx2")
+    try:
+        digits = packed_i8.use_vnni()
+        pool = KVBlockPool(prog.n_layers, 8, prog.n_kv_heads, 64, prog.head_dim)
+        got = _forward_chunks(prog, ids, [150], pool)
+        ws = prog.compiled._local.ws
+        assert (ws._digits is not None) == digits
+        pool = KVBlockPool(prog.n_layers, 8, prog.n_kv_heads, 64, prog.head_dim)
+        again = _forward_chunks(prog, ids, [1, 1, 30, 64, 54], pool)
+        # rows 0..39 of `ids` beside all 40 rows of another sequence (blocks 2, 3): one forward
+        pool = KVBlockPool(prog.n_layers, 8, prog.n_kv_heads, 64, prog.head_dim)
+        pos = np.concatenate([np.arange(40), np.arange(40)]).astype(np.int64)
+        seq = np.repeat(np.arange(2, dtype=np.int32), 40)
+        tab = np.array([[5, 1, 6], [2, 3, 4]], np.int32)
+        mixed = prog.forward(np.concatenate([ids[:40], other]), pos, seq, tab,
+                             tab[seq, pos // 64].astype(np.int64), pos % 64,
+                             np.arange(40, dtype=np.int64), pool)
+        ref = _forward_chunks(ref_prog, ids, [150],
+                              KVBlockPool(prog.n_layers, 8, prog.n_kv_heads, 64, prog.head_dim))
+    finally:
+        packed_i8.set_isa(None)
+        config.set_num_threads(nt0)
+    assert prog.compiled.tasks == tasks
+    assert np.array_equal(got, again)
+    assert np.array_equal(got[:40], mixed)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+
+
 def test_compiled_rows_refuse_bad_indices(models):
     """The compiled step indexes without bounds checks: forward refuses indices outside the pool
     or the tables before running anything."""
