@@ -69,21 +69,22 @@ def _solo(sess, prompt, cfg, kv_dtype="float32"):
 
 # -- batch invariance -------------------------------------------------------------------------
 def _workload(rng, vocab, n=32, shared=70):
-    """n prompts of 1..200 tokens, a third starting with one shared 70-token header; configs
-    greedy or seeded sampling, all with logprobs."""
+    """n prompts of 1..300 tokens, a third starting with one shared 70-token header; configs
+    greedy or seeded sampling, all with logprobs (no context limit: the tiny models declare 256
+    positions, RoPE takes any)."""
     header = rng.integers(3, vocab, shared).tolist()
     prompts, cfgs = [], []
     for i in range(n):
-        ln = int(rng.integers(1, 200))
+        ln = int(rng.integers(1, 301))
         p = rng.integers(3, vocab, ln).tolist()
         if i % 3 == 0:
-            p = header + p[:130]
+            p = header + p[:300 - shared]
         prompts.append(p)
         sample = i % 2 == 1
         cfgs.append(GenerationConfig(max_new_tokens=int(rng.integers(4, 14)), eos_token_id=None,
                                      temperature=0.8 if sample else 0.0, top_k=20 if sample else 0,
                                      seed=int(rng.integers(0, 2**31)), logprobs=True,
-                                     top_logprobs=2))
+                                     top_logprobs=2, context_limit=None))
     return prompts, cfgs
 
 
@@ -139,6 +140,7 @@ def test_batch_invariance(models, name, int8):
 def _check_invariance(sess):
     rng = np.random.default_rng(7)
     prompts, cfgs = _workload(rng, _vocab(sess))
+    assert min(map(len, prompts)) < 20 and max(map(len, prompts)) > 256
     mixed, st = _run_mixed(sess, prompts, cfgs, rng, "float32", kv_tokens=12 * 64)
     assert st.preemptions > 0, st           # the small pool forced preemptions
     assert st.prefix_hit_tokens > 0, st     # the shared header came from the prefix cache
