@@ -535,7 +535,7 @@ def _layer_tail(tid, nt, i8, gx, x, nxt, li, w, dims, rs, attn, h, f32, bar):
     # gate rows [0, inter), up rows [inter, 2 inter): when no 8-row group straddles the two,
     # each task takes the same groups of both halves and applies SiLU * up to its own rows
     # (no barrier between gate/up and the product)
-    halves = inter % GROUP_ROWS == 0 and ng == 2 * (inter // GROUP_ROWS)
+    halves = _paired_halves(inter, ng)
     gh = ng // 2
     a0 = tid * gh // nt
     if halves:
@@ -581,6 +581,14 @@ def _layer_tail(tid, nt, i8, gx, x, nxt, li, w, dims, rs, attn, h, f32, bar):
     _barrier(bar, nt)
     _stamp(bar, tid, nt, np.int64(12))
     return xn, 1 - nxt
+
+
+@njit(inline="always", **JIT)
+def _paired_halves(inter, ng):
+    """Whether the ``ng`` 8-row groups of a gate|up weight (gate rows ``[0, inter)``, up rows
+    ``[inter, 2 inter)``) pair up: no group straddles the halves, so a task can take the same
+    groups of both and apply SiLU * up to its own rows without a barrier between."""
+    return inter % GROUP_ROWS == 0 and ng == 2 * (inter // GROUP_ROWS)
 
 
 @njit(inline="always", **JIT)

@@ -66,7 +66,16 @@ from numba.core.extending import overload
 from . import packed_f32, packed_f32_vnni, packed_i8, packed_i8_gemm
 from .attention import SLACK, TILE, _attend_rows, _state_finish, _state_init
 from .config import JIT, PJIT
-from .decoder_layers import _chunk_units, _next_chunk, _prefetch_head, _prefetch_part, _weight
+from .decoder_layers import (
+    _chunk_units,
+    _is_digits,
+    _next_chunk,
+    _paired_halves,
+    _prefetch_head,
+    _prefetch_part,
+    _task_i8,
+    _weight,
+)
 from .norm import _rms_norm_row
 from .paged_ir import _f32_to_half
 from .row_attention import _decode_block
@@ -130,10 +139,6 @@ PoolKV = namedtuple("PoolKV", [
 # ------------------------------------------------------------------------------------------------
 # mode-dependent pieces (chosen by the type of the activation buffers: None = exact mode)
 # ------------------------------------------------------------------------------------------------
-def _is_digits(i8):
-    return isinstance(i8, types.BaseTuple) and len(i8) == 3
-
-
 def _quantize_rows(i8, xin, m, k, kb):
     """int8 mode: ``xin[:m, :k]`` quantized into this task's buffers; exact mode on the VNNI
     path: their activation digits (:func:`~.packed_f32_vnni.digits_rows`; a row holding a
@@ -188,19 +193,6 @@ def _ov_groups_rows(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1):
             packed_i8_gemm.groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, out.shape[1],
                                         out, facc8, vnni)
     return impl
-
-
-def _task_i8(i8ws, tid):
-    """Task ``tid``'s int8 buffers ``(xq, xd, xs8, facc8)``, or None (exact mode)."""
-
-
-@overload(_task_i8, jit_options=_OV)
-def _ov_task_i8(i8ws, tid):
-    if isinstance(i8ws, types.NoneType):
-        return lambda i8ws, tid: None
-    if _is_digits(i8ws):
-        return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid])
-    return lambda i8ws, tid: (i8ws[0][tid], i8ws[1][tid], i8ws[2][tid], i8ws[3][tid])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +385,7 @@ def _prefetch_gate_up(tid, nt, wt, w, codes0, scale0, inter):
     cw, sw = _weight(wt, w, codes0, scale0)
     ng = cw.shape[0]
     gh = ng // 2
-    if inter % GROUP_ROWS == 0 and ng == 2 * (inter // GROUP_ROWS):
+    if _paired_halves(inter, ng):
         a0 = tid * gh // nt
         _prefetch_head(cw, sw, a0)
         _prefetch_head(cw, sw, gh + a0)
@@ -409,7 +401,7 @@ def _gate_up_rows(tid, nt, i8, cw, sw, h, m, rs, inter, f32, vnni, bar):
     ng = cw.shape[0]
     gh = ng // 2
     one = np.float32(1.0)
-    if inter % GROUP_ROWS == 0 and ng == 2 * (inter // GROUP_ROWS):
+    if _paired_halves(inter, ng):
         step = _chunk_units(cw, 2)
         r = tid
         while True:
@@ -568,10 +560,9 @@ class RowsWorkspace:
         [nt, r_max, 4 kb], xsc float32 [nt, r_max, kb])`` (:mod:`.packed_f32_vnni`), made at
         the first exact-mode call on the VNNI path."""
         if self._digits is None:
-            nt, r, kb = self.nt, self.r_max, self._kb
-            self._digits = (np.zeros((nt, r, packed_f32_vnni.DG_BYTES * kb), np.int8),
-                            np.zeros((nt, r, packed_f32_vnni.PIECES * kb), np.int32),
-                            np.zeros((nt, r, kb), np.float32))
+            nt, r = self.nt, self.r_max
+            self._digits = tuple(a.reshape((nt, r) + a.shape[1:]) for a in
+                                 packed_f32_vnni.digit_buffers(nt * r, self._kb))
         return self._digits
 
     @property
