@@ -72,7 +72,7 @@ def main() -> None:
         rl.rows_forward = real
     nt, quant, batch, ws, kv, w, dims = seen["args"]
     r_n = np.int64(batch.pos.shape[0])
-    i8ws = ws.i8 if quant else None
+    i8ws = ws.i8 if quant else (ws.digit_buffers() if dims.vnni else None)  # as rows_forward
     prof = np.zeros(ss.barrier_slots(nt) + nt * ss.PROF_SLOTS, np.int64)
 
     def call(bar):

@@ -111,6 +111,7 @@ from .packed_i8 import (
     GROUP_ROWS,
     V8F32,
     aligned_empty,
+    task_scratch,
     check_array_arg,
     fzero,
     prefetch,
@@ -530,7 +531,7 @@ class GGMLWorkspace:
         self.xs8 = np.zeros((m_max, kp // 32), np.int32)
         self.xs16 = np.zeros((m_max, kp // 16), np.int32)
         self.xsum = np.zeros((m_max, kp // 32), np.float32)
-        self.facc = np.zeros((n_tasks, 1, GROUP_ROWS), np.float32)
+        self.facc = task_scratch(n_tasks, (1, GROUP_ROWS), np.float32)  # own lines
 
     @property
     def nbytes(self) -> int:

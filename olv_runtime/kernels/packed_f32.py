@@ -67,6 +67,7 @@ from .packed_i8 import (
     load_scales8,
     num_threads,
     prefetch,
+    task_scratch,
     splat,
     use_vnni,
 )
@@ -180,7 +181,7 @@ class PackedF32Workspace:
         kp = BLOCK * (-(-k_max // BLOCK))
         kb = kp // BLOCK
         self.m_max, self.k_max, self.n_tasks = m_max, kp, n_tasks
-        self.facc = np.zeros((n_tasks, ROWS_MAX * GROUP_ROWS), dtype=np.float32)
+        self.facc = task_scratch(n_tasks, (ROWS_MAX * GROUP_ROWS,), np.float32)  # own lines
         if HOST_VNNI:
             # the VNNI path's activation digits and the float path's xpad (forced fallback,
             # zero-point kernels) share one buffer: a call writes every element it then reads

@@ -417,6 +417,29 @@ def aligned_empty(shape, dtype, align=ALIGN):
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
+def task_scratch(nt, tail, dtype, pad=True):
+    """Zeros ``[nt, *tail']``: each task's private scratch on cache lines of its own.
+
+    The array starts on a 64-byte line and, with ``pad``, the first dimension of ``tail`` is
+    rounded up so that one task's block is a whole number of lines (``tail'[0] >= tail[0]``; the
+    kernels index their scratch explicitly and never read its shape); without ``pad`` (a caller
+    that checks the shape) the block is whole lines when its byte size is a multiple of 64.
+    Why: ``np.zeros`` starts small arrays 16 bytes into a line, so the last line of task 0's
+    block was also the first of task 1's, and the two cores took turns owning it on every write
+    (false sharing): the engine's exact-mode accumulators (4 rows x 16 floats per task,
+    rewritten every 32-block) made its 8-row step 64 ms instead of 51 ms (bench/rows_phases.py
+    --batch 8 --exact, 2 tasks)."""
+    dtype = np.dtype(dtype)
+    tail = tuple(int(t) for t in tail)
+    if pad and tail:
+        rest = int(np.prod(tail[1:], dtype=np.int64)) * dtype.itemsize
+        unit = ALIGN // np.gcd(ALIGN, rest) if rest else 1
+        tail = (-(-tail[0] // unit) * unit,) + tail[1:]
+    a = aligned_empty((nt,) + tail, dtype)
+    a[...] = 0
+    return a
+
+
 class PackedInt4I8:
     """A symmetric INT4 ``[N, K]`` weight (block 32) repacked by :func:`prepack_int4_i8`.
 
@@ -475,7 +498,7 @@ class PackedI8Workspace:
         self.xq[...] = 0
         self.xd = np.zeros((m_max, kb), dtype=np.float32)
         self.xs8 = np.zeros((m_max, kb), dtype=np.int32)
-        self.facc = np.zeros((n_tasks, 1, GROUP_ROWS), dtype=np.float32)
+        self.facc = task_scratch(n_tasks, (1, GROUP_ROWS), np.float32)
 
     @property
     def nbytes(self) -> int:

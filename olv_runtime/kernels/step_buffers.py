@@ -143,8 +143,9 @@ class StackWorkspace:
         self.xq[...] = 0
         self.xd = np.zeros((nt, 1, kb), np.float32)
         self.xs8 = np.zeros((nt, 1, kb), np.int32)
-        self.facc8 = np.zeros((nt, 1, GROUP_ROWS), np.float32)
-        self.facc32 = np.zeros((nt, packed_f32.ROWS_MAX * GROUP_ROWS), np.float32)
+        # per-task scratch on cache lines of its own (packed_i8.task_scratch)
+        self.facc8 = packed_i8.task_scratch(nt, (1, GROUP_ROWS), np.float32)
+        self.facc32 = packed_i8.task_scratch(nt, (packed_f32.ROWS_MAX * GROUP_ROWS,), np.float32)
         # exact mode on the VNNI path: per-task activation digits (packed_f32_vnni)
         self.dgt = tuple(a.reshape((nt, 1) + a.shape[1:]) for a in
                          packed_f32_vnni.digit_buffers(nt, kb if packed_i8.HOST_VNNI else 0))
@@ -166,7 +167,7 @@ class StackWorkspace:
             nt, kp = self.nt, self._kp
             self._ggml = GGMLState(np.zeros((nt, 1, kp // 16), np.int32),
                                    np.zeros((nt, 1, kp // 32), np.float32),
-                                   np.zeros((nt, 1, GROUP_ROWS), np.float32),
+                                   packed_i8.task_scratch(nt, (1, GROUP_ROWS), np.float32),
                                    np.zeros((nt, 1, 32), np.int8))
         return self._ggml
 
@@ -192,13 +193,14 @@ class StackWorkspace:
         a = self._att
         if a is None or a[4].shape[2] != width + SLACK:
             nt, g = self.nt, n_heads // n_kv
-            a = self._att = (np.zeros((nt, n_heads), np.float32),
-                             np.zeros((nt, n_heads), np.float32),
-                             np.zeros((nt, n_heads, d), np.float32),
-                             np.zeros((nt, 1, n_heads * d), np.float32),
-                             np.zeros((nt, g, width + SLACK), np.float32),
-                             np.zeros((nt, g, width + SLACK), np.float32),
-                             np.zeros((nt, g), np.float32))
+            ts = packed_i8.task_scratch  # rows on cache lines of their own
+            a = self._att = (ts(nt, (n_heads,), np.float32),
+                             ts(nt, (n_heads,), np.float32),
+                             ts(nt, (n_heads, d), np.float32),
+                             ts(nt, (1, n_heads * d), np.float32),
+                             ts(nt, (g, width + SLACK), np.float32),
+                             ts(nt, (g, width + SLACK), np.float32),
+                             ts(nt, (g,), np.float32))
         return a
 
     def paged(self, d, width, n_kv, bs, n_heads):
@@ -215,16 +217,16 @@ class StackWorkspace:
         if a is None or a[2].shape[1] != width or a[0].shape[1] != bs or a[4].shape[1] != n_heads:
             nt = self.nt
 
-            def padded(n, dtype):  # [nt, n] rows 64-byte aligned apart
-                w = -(-n // 16) * 16
-                return np.zeros((nt, w), dtype)[:, :n]
+            def padded(n, dtype):  # [nt, n] rows on 64-byte lines of their own
+                return packed_i8.task_scratch(nt, (-(-n // 16) * 16,), dtype)[:, :n]
 
-            a = self._paged = (np.zeros((nt, bs, d), np.float32),
-                               np.zeros((nt, bs + SLACK), np.float32),
-                               np.zeros((nt, width, 2), np.int64),
-                               np.zeros((nt, 2, n_kv * d), np.float32),
-                               np.zeros((nt, n_heads, d), np.int8),
-                               np.zeros((nt, n_heads, d), np.int8),
+            ts = packed_i8.task_scratch  # shapes kept (checked above), 64-byte aligned
+            a = self._paged = (ts(nt, (bs, d), np.float32, pad=False),
+                               ts(nt, (bs + SLACK,), np.float32, pad=False),
+                               ts(nt, (width, 2), np.int64, pad=False),
+                               ts(nt, (2, n_kv * d), np.float32, pad=False),
+                               ts(nt, (n_heads, d), np.int8, pad=False),
+                               ts(nt, (n_heads, d), np.int8, pad=False),
                                padded(n_heads, np.float32),
                                padded(n_heads, np.int32),
                                padded(n_heads, np.float32),
