@@ -418,7 +418,8 @@ class RowsProgram:
                 f"RowsProgram.forward: row_seq int32 [{r}], tables int32 [S, MB], logit_rows "
                 f"int64 [n] expected, got {row_seq.dtype} {list(row_seq.shape)}, {tables.dtype} "
                 f"{list(tables.shape)}, {logit_rows.dtype} {list(logit_rows.shape)}")
-        if r:
+        if r and not rows_layers.indices_ok(pos, row_seq, tables, blocks, offsets, logit_rows,
+                                            nb, bs):
             bad = []
             if int(pos.min()) < 0 or int(pos.max()) // bs >= tables.shape[1]:
                 bad.append(f"a position ({int(pos.min())}..{int(pos.max())}) outside the block "
@@ -433,8 +434,8 @@ class RowsProgram:
                 bad.append(f"an offset outside 0..{bs - 1}")
             if logit_rows.size and (int(logit_rows.min()) < 0 or int(logit_rows.max()) >= r):
                 bad.append(f"a logit row outside 0..{r - 1}")
-            if bad:
-                raise InvalidArgument("RowsProgram.forward: " + "; ".join(bad))
+            raise InvalidArgument("RowsProgram.forward: " + ("; ".join(bad)
+                                                             or "an index outside its range"))
         c = self.compiled
         st = c.stack
         consts = self._const

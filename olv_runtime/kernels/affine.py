@@ -343,9 +343,25 @@ def gather_rows_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndar
     ndarray of float32, shape [*ids.shape, K]
         Bit-identical to the same rows of :func:`dequantize_affine`.
     """
+    args = int4_gather_args(payload, scale, zero_point, n_rows, k, block_size)
+    check_array(ids, "ids", dtype=(np.int64, np.int32), contiguous=False)
+    return gather_rows_checked(args, ids, out)
+
+
+def int4_gather_args(payload, scale, zero_point, n_rows, k, block_size) -> tuple:
+    """The validated matrix arguments of :func:`gather_rows_checked` (the checks of
+    :func:`gather_rows_int4` on the matrix; a caller that gathers from one matrix many times
+    keeps them): ``(payload, scale bits, zero_point or a dummy, has_zp, N, K, block_size)``."""
     n_rows, k, block_size, zp = check_int4_matrix(payload, scale, zero_point, n_rows, k,
                                                   block_size)
-    check_array(ids, "ids", dtype=(np.int64, np.int32), contiguous=False)
+    return (payload, scale_bits(scale), zp, zero_point is not None, n_rows, k, block_size)
+
+
+def gather_rows_checked(args: tuple, ids: np.ndarray, out=None) -> np.ndarray:
+    """:func:`gather_rows_int4` on the matrix of ``args`` (:func:`int4_gather_args`) for int64 or
+    int32 ``ids`` of any shape: the index range and ``out`` are checked here
+    (:class:`~olv_runtime.errors.InvalidArgument`)."""
+    payload, sbits, zp, has_zp, n_rows, k, block_size = args
     ids_flat = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids_flat.size:
         lo, hi = int(ids_flat.min()), int(ids_flat.max())
@@ -355,10 +371,6 @@ def gather_rows_int4(payload: np.ndarray, scale: np.ndarray, zero_point: np.ndar
     out = check_out(out, "out", np.float32, tuple(ids.shape) + (k,))
     if ids_flat.size:
         drv = _gather_int4_par if ids_flat.size * k >= PARALLEL_MIN_WORK else _gather_int4_ser
-        drv(payload, scale_bits(scale), zp, zero_point is not None, n_rows, k, block_size,
-            ids_flat, out.reshape(ids_flat.size, k))
+        drv(payload, sbits, zp, has_zp, n_rows, k, block_size, ids_flat,
+            out.reshape(ids_flat.size, k))
     return out
-
-
-#: Old name, still used by ops/olv.py.
-_check_int4_matrix = check_int4_matrix

@@ -516,6 +516,29 @@ def _rows_thread(tid, nt, r_n, batch, bar, i8ws, w, dims, rs, kv):
     _stamp(bar, tid, nt, np.int64(14))
 
 
+@njit(**JIT)
+def indices_ok(pos, row_seq, tables, blocks, offsets, logit_rows, n_blocks, bs):
+    """True when every index of a step is inside its range (positions within the block table,
+    ``row_seq`` rows of ``tables``, pool blocks ``< n_blocks``, offsets ``< bs``, logit rows
+    ``< len(pos)``): the compiled step indexes without bounds checks. One pass instead of a
+    dozen numpy reductions per step (the caller explains a False with those)."""
+    r = pos.shape[0]
+    mb = tables.shape[1]
+    for i in range(r):
+        if pos[i] < 0 or pos[i] // bs >= mb or row_seq[i] < 0 or row_seq[i] >= tables.shape[0]:
+            return False
+        if blocks[i] < 0 or blocks[i] >= n_blocks or offsets[i] < 0 or offsets[i] >= bs:
+            return False
+    for s in range(tables.shape[0]):
+        for j in range(mb):
+            if tables[s, j] < 0 or tables[s, j] >= n_blocks:
+                return False
+    for i in range(logit_rows.shape[0]):
+        if logit_rows[i] < 0 or logit_rows[i] >= r:
+            return False
+    return True
+
+
 @njit(**PJIT)
 def _rows_par(nt, r_n, batch, bar, i8ws, w, dims, rs, kv):
     """The parallel entry: one region of ``nt`` tasks, each :func:`_rows_thread`."""

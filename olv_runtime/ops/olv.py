@@ -45,7 +45,19 @@ class EncodedGather:
     def __init__(self, name: str, weight: AffineValue):
         self.name = name
         self.w = weight
-        self._one = threading.local()  # one_token's validated arguments and scratch row
+        self._one = threading.local()  # one_token's scratch row
+        self._args = None  # the matrix arguments, validated at the first call
+
+    def _matrix(self) -> tuple:
+        """:func:`~olv_runtime.kernels.affine.int4_gather_args` of the weight (validated once: the
+        weight is immutable; two threads racing here compute the same tuple)."""
+        a = self._args
+        if a is None:
+            w = self.w
+            n, k = w.shape
+            a = self._args = kernels.affine.int4_gather_args(w.codes, w.scale, w.zero_point, n,
+                                                             k, w.block_size)
+        return a
 
     def one_token(self, ids):
         """``__call__`` for int64 ids of shape [1, 1] (a decode token): the matrix arguments
@@ -53,16 +65,12 @@ class EncodedGather:
         Returns float32 [1, 1, K] in this thread's scratch row (overwritten by its next
         ``one_token``: the decode program hands it straight to the compiled step). Same values
         and errors as ``__call__``."""
+        payload, sbits, zp, has_zp, n, k, bs = self._matrix()
         one = getattr(self._one, "v", None)
         if one is None:
-            w = self.w
-            n, k = w.shape
-            n, k, bs, zp = kernels.affine._check_int4_matrix(w.codes, w.scale, w.zero_point, n,
-                                                             k, w.block_size)
             out = np.empty((1, 1, k), np.float32)
-            one = self._one.v = (w.codes, kernels.half.scale_bits(w.scale), zp,
-                                 w.zero_point is not None, n, k, bs, out, out.reshape(1, k))
-        payload, sbits, zp, has_zp, n, k, bs, out, out2 = one
+            one = self._one.v = (out, out.reshape(1, k))
+        out, out2 = one
         i = int(ids[0, 0])
         if i < -n or i >= n:
             raise InvalidArgument(f"ids: expected indices in [{-n}, {n}), got {i}")
@@ -75,12 +83,6 @@ class EncodedGather:
             raise InvalidArgument(
                 f"node {self.name!r} (Gather): indices must be int64 or int32, got {ids.dtype}"
             )
-        w = self.w
-        n, k = w.shape
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        return (
-            kernels.gather_rows_int4(
-                w.codes, w.scale, w.zero_point, n, k, w.block_size, ids,
-                out=empty(ids.shape + (k,), np.float32),
-            ),
-        )
+        args = self._matrix()
+        return (kernels.affine.gather_rows_checked(
+            args, ids, out=empty(tuple(ids.shape) + (args[5],), np.float32)),)
