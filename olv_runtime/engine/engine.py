@@ -507,26 +507,29 @@ class Engine:
         if not plan:
             return
         bs = self.block_size
-        r_n = sum(n for _, n in plan)
-        ids = np.empty(r_n, np.int64)
-        pos = np.empty(r_n, np.int64)
-        row_seq = np.empty(r_n, np.int32)
         mb = max(len(req.table) for req, _ in plan)
         tables = np.zeros((len(plan), mb), np.int32)
+        # the rows as Python lists, one array each at the end (a decode step's few rows: a
+        # dozen numpy calls less per step)
+        ids, pos, row_seq, blocks, offsets = [], [], [], [], []
         logit_rows, sampled = [], []
         r = 0
         for s, (req, n) in enumerate(plan):
             c = req.computed
-            ids[r:r + n] = req.tokens[c:c + n]
-            pos[r:r + n] = np.arange(c, c + n)
-            row_seq[r:r + n] = s
-            tables[s, :len(req.table)] = req.table
-            if c + n == len(req.tokens):
-                logit_rows.append(r + n - 1)
-                sampled.append(req)
+            tab = req.table
+            ids += req.tokens[c:c + n]
+            span = range(c, c + n)
+            pos += span
+            row_seq += [s] * n
+            blocks += [tab[p // bs] for p in span]  # IndexError, not block 0, if one lacked
+            offsets += [p % bs for p in span]
+            tables[s, :len(tab)] = tab
             r += n
-        blocks = tables[row_seq, pos // bs].astype(np.int64)
-        offsets = pos % bs
+            if c + n == len(req.tokens):
+                logit_rows.append(r - 1)
+                sampled.append(req)
+        ids, pos, blocks, offsets = (np.array(a, np.int64) for a in (ids, pos, blocks, offsets))
+        row_seq = np.array(row_seq, np.int32)
         masks = self._prepare_masks(sampled)  # grammar masks, computed alongside the forward
         try:
             logits = self.program.forward(ids, pos, row_seq, tables, blocks, offsets,
@@ -542,8 +545,8 @@ class Engine:
         if masks is not None:
             masks.result()  # (prepare never raises: a failing mask is recomputed by the call)
         st = self._stats
-        st.rows += r_n
-        st.max_rows_in_step = max(st.max_rows_in_step, r_n)
+        st.rows += r
+        st.max_rows_in_step = max(st.max_rows_in_step, r)
         for req, n in plan:
             old = req.computed
             req.computed += n

@@ -364,7 +364,11 @@ def gather_rows_checked(args: tuple, ids: np.ndarray, out=None) -> np.ndarray:
     payload, sbits, zp, has_zp, n_rows, k, block_size = args
     ids_flat = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids_flat.size:
-        lo, hi = int(ids_flat.min()), int(ids_flat.max())
+        if ids_flat.size <= 64:  # a decode step's few rows: no numpy reductions
+            vals = ids_flat.tolist()
+            lo, hi = min(vals), max(vals)
+        else:
+            lo, hi = int(ids_flat.min()), int(ids_flat.max())
         if lo < -n_rows or hi >= n_rows:
             bad = lo if lo < -n_rows else hi
             raise InvalidArgument(f"ids: expected indices in [{-n_rows}, {n_rows}), got {bad}")
