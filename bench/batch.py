@@ -15,7 +15,9 @@ until each has ``--new-tokens`` tokens. Figures: aggregate decode tok/s (tokens 
 time), per-sequence tok/s (aggregate / B), TTFT under load (a request added while B-1 others
 decode: seconds to its first token), KV bytes per sequence (pool bytes per token x (prompt + new
 tokens)). The row "generate" is :func:`olv_runtime.generate` on one sequence (the engine's B = 1
-is compared with it: the issue's "no tax for the scheduler").
+is compared with it: the issue's "no tax for the scheduler"); its runs alternate with the B = 1
+runs (one generate run before each), since this VM's memory bandwidth drifts between phases
+minutes long and a decode at B = 1 is bound by it.
 
 Peers (never in CI): ``--ik-batched-bench`` runs ik_llama.cpp's ``llama-batched-bench -m GGUF
 -npp P -ntg N -npl B1,B2,.. -t T -rtr`` and reads its S_TG column (aggregate generation
@@ -114,19 +116,27 @@ def phase(args) -> dict:
     for new in news:
         cfg = GenerationConfig(max_new_tokens=new, eos_token_id=None)
         gen = []
-        for _ in range(args.runs):
+
+        def gen_run():
             st = olv_runtime.GenerationStats()
             olv_runtime.generate_result(sess, rng.integers(0, vocab, args.prompt_len).tolist(),
                                         cfg, stats=st)
             gen.append(st.decode_tokens_per_second)
-        out["rows"].append({"B": "generate", "new": new, "decode": statistics.median(gen)})
+        if 1 not in sizes:
+            for _ in range(args.runs):
+                gen_run()
+        grow = {"B": "generate", "new": new, "decode": None}
+        out["rows"].append(grow)
         for b in sizes:
             dec, pre = [], []
             for _ in range(args.runs):
+                if b == 1:  # generate's runs alternate with B = 1's: the VM's memory bandwidth
+                    gen_run()  # drifts by the minute, so the pair sees the same machine
                 prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
                 d, p = _decode(eng, prompts, cfg)
                 dec.append(d)
                 pre.append(p)
+            grow["decode"] = statistics.median(gen)
             prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
             ttft = _ttft(eng, prompts, cfg)
             kv = eng.pool.bytes_per_token() * (args.prompt_len + new) if eng.pool else None
@@ -243,7 +253,8 @@ def table(results, ik, llama=None) -> str:
                 kv = r["kv_bytes_per_seq"]
                 lines.append(
                     f"| {res['mode']} | {new} | {r['B']} | {d:.1f} | {d / r['B']:.1f} | "
-                    f"{d / one:.2f} | {d / gen:.2f} | {r['prefill']:.1f} | {r['ttft']:.3f} | "
+                    + (f"{d / one:.2f}" if one else "") + f" | {d / gen:.2f} | "
+                    f"{r['prefill']:.1f} | {r['ttft']:.3f} | "
                     f"{kv / 2**20:.1f} | " + (f"{k:.1f} | {d / k:.2f} |" if k else " | |")
                     + (f" {lc:.1f} | {d / lc:.2f} |" if lc else " | |"))
     loads = ", ".join(f"{r['mode']} {100 * r['other_load']:.0f} %" for r in results)
