@@ -111,13 +111,13 @@ from .packed_i8 import (
     GROUP_ROWS,
     V8F32,
     aligned_empty,
-    task_scratch,
     check_array_arg,
     fzero,
     prefetch,
     quantize_rows_i8,
     splat,
     store_group,
+    task_scratch,
     use_vnni,
 )
 

@@ -67,8 +67,8 @@ from .packed_i8 import (
     load_scales8,
     num_threads,
     prefetch,
-    task_scratch,
     splat,
+    task_scratch,
     use_vnni,
 )
 

@@ -80,7 +80,6 @@ from .norm import _rms_norm_row
 from .paged_ir import _f32_to_half
 from .row_attention import _decode_block
 from .step_buffers import StepDims, StepWeights
-from .packed_i8 import task_scratch
 from .step_sync import _barrier, _stamp, barrier_slots
 
 __all__ = ["RowBatch", "RowsState", "PoolKV", "RowsWorkspace", "rows_forward", "pool_bundle",
@@ -559,24 +558,23 @@ class RowsWorkspace:
         kp = 32 * (-(-k_max // 32))
         kb = kp // 32
         self.nt, self.r_max = nt, r_max
+        ts = packed_i8.task_scratch  # per-task scratch: cache lines of its own
         attn = np.zeros((r_max, h, d), f)
         self.rs = RowsState(np.zeros((r_max, e), f), np.zeros((r_max, e), f),
                             np.zeros((r_max, n_qkv), f), np.zeros((r_max, h, d), f), attn,
                             attn.reshape(r_max, h * d), np.zeros((r_max, 2 * inter), f),
                             np.zeros((r_max, inter), f), np.zeros((nt, r_max, e), f),
-                            task_scratch(nt, (packed_f32.ROWS_MAX * GROUP_ROWS,), f),
+                            ts(nt, (packed_f32.ROWS_MAX * GROUP_ROWS,), f),
                             np.zeros((nt, r_max, e), f))
         xq = packed_i8.aligned_empty((nt, r_max, kp), np.int8)
         xq[...] = 0
         self.i8 = (xq, np.zeros((nt, r_max, kb), f), np.zeros((nt, r_max, kb), np.int32),
-                   task_scratch(nt, (1, GROUP_ROWS), f))
+                   ts(nt, (1, GROUP_ROWS), f))
         g = h // kvh
-        # per-task scratch on lines of its own (packed_i8.task_scratch); the decoded key/value
-        # blocks keep their shape (RowsProgram checks it)
-        self.att = (task_scratch(nt, (g,), f), task_scratch(nt, (g,), f),
-                    task_scratch(nt, (g, TILE + SLACK), f), task_scratch(nt, (g, TILE + SLACK), f),
-                    task_scratch(nt, (g,), f), task_scratch(nt, (bs, d), f, pad=False),
-                    task_scratch(nt, (bs, d), f, pad=False), task_scratch(nt, (d,), f, pad=False))
+        # the decoded key/value blocks keep their shape (RowsProgram checks it)
+        self.att = (ts(nt, (g,), f), ts(nt, (g,), f), ts(nt, (g, TILE + SLACK), f),
+                    ts(nt, (g, TILE + SLACK), f), ts(nt, (g,), f), ts(nt, (bs, d), f, pad=False),
+                    ts(nt, (bs, d), f, pad=False), ts(nt, (d,), f, pad=False))
         self.bar = np.zeros(barrier_slots(nt), np.int64)
         self._kb = kb
         self._digits = None
