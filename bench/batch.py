@@ -136,7 +136,6 @@ def phase(args) -> dict:
                 d, p = _decode(eng, prompts, cfg)
                 dec.append(d)
                 pre.append(p)
-            grow["decode"] = statistics.median(gen)
             prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
             ttft = _ttft(eng, prompts, cfg)
             kv = eng.pool.bytes_per_token() * (args.prompt_len + new) if eng.pool else None
@@ -144,6 +143,7 @@ def phase(args) -> dict:
                                 "prefill": statistics.median(pre), "ttft": ttft,
                                 "kv_bytes_per_seq": kv})
             print(json.dumps(out["rows"][-1]), file=sys.stderr, flush=True)
+        grow["decode"] = statistics.median(gen)  # (B = 1 may come anywhere in --batch)
     wall = time.time() - w0
     other = (_cpu_busy() - busy0) / os.sysconf("SC_CLK_TCK") - (_own_cpu() - own0)
     out["other_load"] = max(0.0, other / wall / (os.cpu_count() or 1))
