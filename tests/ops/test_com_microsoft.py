@@ -199,3 +199,20 @@ def test_gather_block_quantized_through_reshape_of_tied_weight():
                [_vi("y", TensorProto.FLOAT, None)], inits)
     (got,), (ref,) = _both(m, {"ids": np.array([[0, 11, 5, 5]], np.int64)})
     np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
+
+
+def test_gather_block_quantized_scalar_index():
+    """A 0-d index gathers one row of shape [D], as onnxruntime (and ONNX Gather) give: the fused
+    EncodedGather path keeps the index's rank."""
+    rng = np.random.default_rng(7)
+    v, d, block = 10, 64, 32
+    data = rng.integers(0, 256, (v, d // 2), dtype=np.uint8)
+    scales = (rng.random((v, d // block)) * 0.1 + 0.01).astype(np.float32)
+    inits = [numpy_helper.from_array(data, "data"), numpy_helper.from_array(scales, "scales")]
+    node = helper.make_node("GatherBlockQuantized", ["data", "ids", "scales"], ["y"], domain=MS,
+                            block_size=block, gather_axis=0, quantize_axis=1)
+    m = _model([node], [_vi("ids", TensorProto.INT64, [])], [_vi("y", TensorProto.FLOAT, [d])],
+               inits)
+    (got,), (ref,) = _both(m, {"ids": np.array(4, np.int64)})
+    assert got.shape == ref.shape == (d,)
+    np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
