@@ -33,7 +33,8 @@ Per layer (the Qwen2/Llama decoder layer; ``x`` is the residual stream, float32 
    claimed chunk is the same 8-row groups of the gate half and of the up half (when ``inter``
    is a multiple of 8; otherwise the groups are claimed over the whole and a barrier follows);
 7. ``a = g * sigmoid(g) * u`` on the chunk's rows (same operations as the unfused SiLU:
-   ``1 / (1 + exp(-g))``, then two products); barrier;
+   ``1 / (1 + exp(-g))``, then two products; ``exp`` is :func:`~.activations.expf`, bitwise
+   libm's, in a vector loop); barrier;
 8. ``x2 = a @ Wdown.T + x1`` (groups claimed); barrier.
 
 After the last layer: ``RMSNorm(x) * w_final`` (private), ``logits = . @ Wlm.T`` (groups
@@ -94,6 +95,7 @@ from olv_runtime.kernels.rope import _rope_token
 from . import packed_f32, packed_f32_vnni, packed_i8
 from . import paged_attention as pk
 from .attention import SLACK, _attend_rows, _merge_partials, _state_init
+from .activations import silu_mul_chunk
 from .config import JIT, PJIT
 from .norm import _rms_norm_row
 from .paged_attention import Int8Query, SoftmaxState, TileScratch, _attend_blocks
@@ -595,11 +597,7 @@ def _paired_halves(inter, ng):
 def _silu_mul(gu, act, inter, j0, j1):
     """Step 7 on rows ``[j0, j1)``: ``act = g * sigmoid(g) * u`` (same operations as
     fusion.SiluMul: ``1 / (1 + exp(-g))``, then two products)."""
-    one = np.float32(1.0)
-    for j in range(j0, j1):
-        gv = gu[0, j]
-        sg = one / (np.exp(-gv) + one)
-        act[0, j] = (gv * sg) * gu[0, inter + j]
+    silu_mul_chunk(gu[0, j0:j1], gu[0, inter + j0:inter + j1], act[0, j0:j1])
 
 
 @njit(inline="always", **JIT)

@@ -64,6 +64,7 @@ from numba import njit, prange, types
 from numba.core.extending import overload
 
 from . import packed_f32, packed_f32_vnni, packed_i8, packed_i8_gemm
+from .activations import silu_mul_chunk
 from .attention import SLACK, TILE, _attend_rows, _state_finish, _state_init
 from .config import JIT, PJIT
 from .decoder_layers import (
@@ -400,7 +401,6 @@ def _gate_up_rows(tid, nt, i8, cw, sw, h, m, rs, inter, f32, vnni, bar):
     gu, act = rs.gu, rs.act
     ng = cw.shape[0]
     gh = ng // 2
-    one = np.float32(1.0)
     if _paired_halves(inter, ng):
         step = _chunk_units(cw, 2)
         r = tid
@@ -410,19 +410,15 @@ def _gate_up_rows(tid, nt, i8, cw, sw, h, m, rs, inter, f32, vnni, bar):
                 break
             _groups_rows(i8, cw, sw, h, m, gu, f32, vnni, p0, p1)
             _groups_rows(i8, cw, sw, h, m, gu, f32, vnni, gh + p0, gh + p1)
+            j0, j1 = p0 * GROUP_ROWS, p1 * GROUP_ROWS
             for i in range(m):
-                for j in range(p0 * GROUP_ROWS, p1 * GROUP_ROWS):
-                    gv = gu[i, j]
-                    sg = one / (np.exp(-gv) + one)
-                    act[i, j] = (gv * sg) * gu[i, inter + j]
+                silu_mul_chunk(gu[i, j0:j1], gu[i, inter + j0:inter + j1], act[i, j0:j1])
     else:
         _linear_rows(tid, nt, i8, cw, sw, h, m, gu, f32, vnni, bar, _NO, gu, _NO)
         _barrier(bar, nt)
+        j0, j1 = tid * inter // nt, (tid + 1) * inter // nt
         for i in range(m):
-            for j in range(tid * inter // nt, (tid + 1) * inter // nt):
-                gv = gu[i, j]
-                sg = one / (np.exp(-gv) + one)
-                act[i, j] = (gv * sg) * gu[i, inter + j]
+            silu_mul_chunk(gu[i, j0:j1], gu[i, inter + j0:inter + j1], act[i, j0:j1])
 
 
 # ------------------------------------------------------------------------------------------------
