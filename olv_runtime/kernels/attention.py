@@ -11,11 +11,12 @@ head. Keys are taken in tiles of :data:`TILE`: the scores of a tile (``q . k`` d
 vectorised) for all heads of the group, then one *online* (streaming) softmax update per head and
 tile -- running max ``m``, running sum ``l``, un-normalised output ``o`` rescaled by
 ``exp(m_old - m_new)`` when the max grows -- with the tile's exponentials in one vector loop
-(:func:`_exp_neg`, a polynomial within 2 ulp of libm's ``expf``), then ``o += p @ V`` four keys
-per pass. The accumulator ``o`` lives in the output rows; ``o / l`` at the end. A decode step may
-split one kv head's keys over threads and combine the partial states (:func:`_merge_partials`,
-flash-decoding). A query with no attendable key gets zeros (ONNX convention for fully masked rows).
-Results agree with the float64 reference to ~1e-6 relative (tests: rtol 1e-5).
+(:func:`_exp_neg`, a polynomial within 2 ulp of libm's ``expf``), then ``o += p @ V`` per head
+with its output row in registers (:func:`_pv16`; four keys per pass over ``o`` for head dims that
+are not a multiple of 16). The accumulator ``o`` lives in the output rows; ``o / l`` at the end. A
+decode step may split one kv head's keys over threads and combine the partial states
+(:func:`_merge_partials`, flash-decoding). A query with no attendable key gets zeros (ONNX
+convention for fully masked rows). Results agree with the float64 reference to ~1e-6 relative (tests: rtol 1e-5).
 """
 from __future__ import annotations
 
@@ -193,6 +194,73 @@ def _qk16(typingctx, q, k, row0, nrows, out, off, mult):
         return context.get_dummy_value()
     return sig, codegen
 
+@intrinsic
+def _pv16(typingctx, pr, c0, v, j0, nt, oh, mult):
+    """``oh[i] += sum_{j < nt} (pr[c0 + j] * mult) * v[j0 + j, i]`` for every ``i < D``: one query
+    head's ``p @ V`` over ``nt`` keys with the output in registers. The 16-lane chunks of ``oh``
+    are taken four at a time (then one at a time): per key one ``pj = pr * mult`` (float32) and
+    one FMA per chunk, keys in order (``acc = fma(pj, v, acc)``), so each output element is the
+    sequential sum of its products, each added with one rounding. ``pr`` float32 [>= c0 + nt],
+    ``oh`` float32 [D], ``v`` float32 [T, D] with unit strides along D (the rows may be strided),
+    ``D % 16 == 0`` (the caller checks)."""
+    sig = types.void(pr, c0, v, j0, nt, oh, mult)
+
+    def codegen(context, builder, sig, args):
+        pa = context.make_array(sig.args[0])(context, builder, args[0])
+        va = context.make_array(sig.args[2])(context, builder, args[2])
+        oa = context.make_array(sig.args[5])(context, builder, args[5])
+        i64, i8 = ir.IntType(64), ir.IntType(8)
+        f32 = ir.FloatType()
+        v16 = ir.VectorType(f32, 16)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3),
+                                             "llvm.fma.v16f32")
+        c0 = context.cast(builder, args[1], sig.args[1], types.int64)
+        j0 = context.cast(builder, args[3], sig.args[3], types.int64)
+        nt = context.cast(builder, args[4], sig.args[4], types.int64)
+        mult = context.cast(builder, args[6], sig.args[6], types.float32)
+        d = builder.extract_value(va.shape, 1)
+        vstride = builder.extract_value(va.strides, 0)
+        pbase = builder.gep(builder.bitcast(pa.data, f32.as_pointer()), [c0])
+        obase = builder.bitcast(oa.data, f32.as_pointer())
+        vbase = builder.bitcast(va.data, i8.as_pointer())
+        nch = builder.udiv(d, ir.Constant(i64, 16))
+        nb4 = builder.udiv(nch, ir.Constant(i64, 4))
+        zero_idx = ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16)
+
+        def vptr(base, off):
+            return builder.bitcast(builder.gep(base, [off]), v16.as_pointer())
+
+        def block(first_lane, width):
+            accs = [cgutils.alloca_once(builder, v16) for _ in range(width)]
+            for k, a in enumerate(accs):
+                off = builder.add(first_lane, ir.Constant(i64, 16 * k))
+                builder.store(builder.load(vptr(obase, off), align=4), a)
+            with cgutils.for_range(builder, nt) as jl:
+                pj = builder.fmul(builder.load(builder.gep(pbase, [jl.index])), mult)
+                pv = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(v16, ir.Undefined), pj,
+                                           ir.Constant(ir.IntType(32), 0)),
+                    ir.Constant(v16, ir.Undefined), zero_idx)
+                row = builder.bitcast(
+                    builder.gep(vbase, [builder.mul(builder.add(j0, jl.index), vstride)]),
+                    f32.as_pointer())
+                for k, a in enumerate(accs):
+                    off = builder.add(first_lane, ir.Constant(i64, 16 * k))
+                    x = builder.load(vptr(row, off), align=4)
+                    builder.store(builder.call(fma, [pv, x, builder.load(a)]), a)
+            for k, a in enumerate(accs):
+                off = builder.add(first_lane, ir.Constant(i64, 16 * k))
+                builder.store(builder.load(a), vptr(obase, off), align=4)
+
+        with cgutils.for_range(builder, nb4) as b:
+            block(builder.mul(b.index, ir.Constant(i64, 64)), 4)
+        done = builder.mul(nb4, ir.Constant(i64, 4))  # chunks taken four at a time
+        with cgutils.for_range(builder, builder.sub(nch, done)) as c:
+            block(builder.mul(builder.add(done, c.index), ir.Constant(i64, 16)), 1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 @njit(**JIT)
 def _scores_rows(qg, ng, k, j0, nt, mult, sc, c0, mx):
     """``sc[hh, c0 + j] = (qg[hh] . k[j0 + j]) * mult`` for ``ng`` heads and ``nt`` float32 key
@@ -224,9 +292,14 @@ def _scores_rows(qg, ng, k, j0, nt, mult, sc, c0, mx):
 
 @njit(**_FM)
 def _accum_rows(p, c0, ng, v, j0, nt, o, vmult):
-    """``o[hh] += vmult * sum_j p[hh, c0 + j] * v[j0 + j]`` (float32 rows, four keys per pass
-    over ``o``)."""
+    """``o[hh] += vmult * sum_j p[hh, c0 + j] * v[j0 + j]`` (float32 rows). With ``D % 16 == 0``
+    and unit strides along D: :func:`_pv16` per head (the output in registers, one FMA per key
+    and 16 lanes); else four keys per pass over ``o``."""
     d = o.shape[1]
+    if d % 16 == 0 and o.strides[1] == 4 and v.strides[1] == 4 and p.strides[1] == 4:
+        for hh in range(ng):
+            _pv16(p[hh], c0, v, j0, nt, o[hh], vmult)
+        return
     j = 0
     while j + 4 <= nt:
         v0 = v[j0 + j]
