@@ -16,7 +16,8 @@ with its output row in registers (:func:`_pv16`; four keys per pass over ``o`` f
 are not a multiple of 16). The accumulator ``o`` lives in the output rows; ``o / l`` at the end. A
 decode step may split one kv head's keys over threads and combine the partial states
 (:func:`_merge_partials`, flash-decoding). A query with no attendable key gets zeros (ONNX
-convention for fully masked rows). Results agree with the float64 reference to ~1e-6 relative (tests: rtol 1e-5).
+convention for fully masked rows). Results agree with the float64 reference to ~1e-6 relative
+(tests: rtol 1e-5).
 """
 from __future__ import annotations
 
