@@ -297,7 +297,8 @@ def _accum_rows(p, c0, ng, v, j0, nt, o, vmult):
     and unit strides along D: :func:`_pv16` per head (the output in registers, one FMA per key
     and 16 lanes); else four keys per pass over ``o``."""
     d = o.shape[1]
-    if d % 16 == 0 and o.strides[1] == 4 and v.strides[1] == 4 and p.strides[1] == 4:
+    if (d % 16 == 0 and v.shape[1] == d and o.strides[1] == 4 and v.strides[1] == 4
+            and p.strides[1] == 4):
         for hh in range(ng):
             _pv16(p[hh], c0, v, j0, nt, o[hh], vmult)
         return

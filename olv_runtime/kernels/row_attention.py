@@ -14,7 +14,9 @@ per block, over the block's rows. When the block size is a multiple of the tile
 (:data:`~olv_runtime.kernels.attention.TILE`, 64), the tiles are the contiguous kernel's, so a row's
 output is bitwise what the contiguous prefill computes for it; in every case a row's output depends
 only on its query and its sequence's keys -- never on the other rows of the step, on how the prompt
-was chunked, or on which block ids the pool handed out (batch invariance).
+was chunked, or on which block ids the pool handed out (batch invariance). Inside a tile the
+``p @ V`` of each query head keeps its output row in registers (:func:`~olv_runtime.kernels
+.attention._pv16`, keys in order) for head dims that are a multiple of 16.
 
 Storage formats of the pool (``kv_dtype``): float32 (read in place), float16 (uint16 bits, read
 through a float32 scratch of one block), int8 and int4 (symmetric, one float32 scale per token

@@ -1,8 +1,8 @@
 """``o += p @ V`` of the attention kernels (kernels/attention.py ``_accum_rows``): the register
-path (``_pv16``, head dims that are a multiple of 16, unit strides along D) against a float64
-reference, next to the four-keys-per-pass loop it replaced for those shapes (which still serves
-other head dims and strided rows), with the edges: no key, one key, a tile plus a remainder,
-strided output rows and value rows, offsets into the probability rows."""
+path (``_pv16``, head dims that are a multiple of 16, unit strides along D) and the
+four-keys-per-pass loop (other head dims, or a stride along D) against a float64 reference and
+against each other, with the edges: no key, one key, a tile plus a remainder, strided output
+rows and value rows, offsets into the probability rows."""
 from __future__ import annotations
 
 import importlib
@@ -47,6 +47,27 @@ def test_accum_rows_against_float64(d, ng, nt, c0, j0, strided):
         np.float64) * 0.5 + np.abs(ref))
     err = np.abs(o - ref)
     assert np.all(err <= 2e-6 * scale + 1e-30), np.max(err / (scale + 1e-30))
+
+
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_register_path_agrees_with_the_loop(d):
+    """The same inputs through both paths: unit strides (register path) and every D element two
+    apart (the loop); within float32 rounding of each other."""
+    rng = np.random.default_rng(d)
+    ng, nt = 7, 130
+    p = rng.random((ng, nt + 16)).astype(np.float32)
+    v = rng.standard_normal((nt, d)).astype(np.float32)
+    o = rng.standard_normal((ng, d)).astype(np.float32)
+    v2 = np.zeros((nt, 2 * d), np.float32)
+    v2[:, ::2] = v
+    o2 = np.zeros((ng, 2 * d), np.float32)
+    o2[:, ::2] = o
+    fast, loop = o.copy(), o2[:, ::2]
+    _call(p, 0, ng, v, 0, nt, fast, np.float32(1.0))
+    _call(p, 0, ng, v2[:, ::2], 0, nt, loop, np.float32(1.0))
+    scale = p[:, :nt].astype(np.float64) @ np.abs(v).astype(np.float64) + np.abs(o)
+    assert not np.array_equal(fast, o)  # both paths wrote
+    assert np.all(np.abs(fast - loop) <= 4e-6 * scale)
 
 
 def test_accum_rows_nonfinite_propagates():
