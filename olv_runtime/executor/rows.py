@@ -189,6 +189,12 @@ class CompiledRows:
 
     def __init__(self, stack, pre, x0_name):
         self.stack, self.pre, self.x0_name = stack, pre, x0_name
+        #: the embedding's ``one_token(ids [1, 1]) -> float32 [1, 1, E]`` when ``pre`` is that
+        #: one gather (:class:`~olv_runtime.ops.olv.EncodedGather`), else None
+        self.one_token = None
+        if len(pre) == 1 and pre[0][0] == "step" and tuple(pre[0][1].inputs) == ("input_ids",) \
+                and tuple(pre[0][1].outputs) == (x0_name,):
+            self.one_token = getattr(pre[0][1].fn, "one_token", None)
         self._local = threading.local()  # a workspace per calling thread (engines may share)
         self._bundles = None
         self.tasks = 0  # tasks of the last call (1: the serial program)
@@ -439,15 +445,29 @@ class RowsProgram:
         c = self.compiled
         st = c.stack
         consts = self._const
-        env = {"input_ids": ids.reshape(1, r)}
-        for kind, x in c.pre:
-            args = [env[n] if n in env else consts[n] if n else None for n in x.inputs]
-            res = _per_row(x.fn, args, r) if kind.endswith("-rows") else x.fn(*args)
-            for n, v in zip(x.outputs, res):
-                if n:
-                    env[n] = v
-        x0 = np.ascontiguousarray(env[c.x0_name], dtype=_F32).reshape(r, st.e)
-        cos, sin = self._rope_rows(pos)
+        if r == 1 and c.one_token is not None:
+            # one row (a decode step at B = 1): the embedding's one-token call, as generate's
+            # decode program makes it (same values and errors; this thread's scratch row, read
+            # by the call below before anything else overwrites it), and a view of the RoPE
+            # table's row -- fewer Python steps in the engine's steady B = 1 step
+            x0 = c.one_token(ids.reshape(1, 1)).reshape(1, st.e)
+            p = int(pos[0])
+            cos_t, sin_t = self._table
+            if p >= cos_t.shape[0]:
+                cos_t, sin_t = self._rope_rows(pos)
+            else:
+                cos_t, sin_t = cos_t[p:p + 1], sin_t[p:p + 1]
+            cos, sin = cos_t.reshape(1, 1, -1), sin_t.reshape(1, 1, -1)
+        else:
+            env = {"input_ids": ids.reshape(1, r)}
+            for kind, x in c.pre:
+                args = [env[n] if n in env else consts[n] if n else None for n in x.inputs]
+                res = _per_row(x.fn, args, r) if kind.endswith("-rows") else x.fn(*args)
+                for n, v in zip(x.outputs, res):
+                    if n:
+                        env[n] = v
+            x0 = np.ascontiguousarray(env[c.x0_name], dtype=_F32).reshape(r, st.e)
+            cos, sin = self._rope_rows(pos)
         logits = np.empty((len(logit_rows), st.vocab), _F32)
         nt = c.tasks = st._task_count()
         ws = c.workspace(r, nt, bs)

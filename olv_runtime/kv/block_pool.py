@@ -77,7 +77,7 @@ class KVBlockPool:
         width = self.head_dim // 2 if kv_dtype == "int4" else self.head_dim
         shape = (self.n_layers, self.n_blocks, self.kv_heads, self.block_size, width)
         dt = np.dtype(ra.FORMATS[kv_dtype])
-        per_token = self.bytes_per_token()
+        per_token = self._token_bytes = self._bytes_per_token()
         total = per_token * self.n_blocks * self.block_size
         what = f"{total} bytes asked for ({n_blocks} blocks of {block_size} tokens x " \
                f"{per_token} bytes)"
@@ -105,6 +105,9 @@ class KVBlockPool:
 
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers (keys, values and int8 scales)."""
+        return self._token_bytes  # (fixed by the geometry; read once per engine step)
+
+    def _bytes_per_token(self) -> int:
         el = np.dtype(ra.FORMATS[self.kv_dtype]).itemsize
         width = self.head_dim // 2 if self.kv_dtype == "int4" else self.head_dim
         b = 2 * self.n_layers * self.kv_heads * width * el
