@@ -30,7 +30,8 @@ each prompt prefilled as its own sequence, then ``N`` steps (after one untimed) 
 tokens the argmax of its logits; S_TG = B * N / the steps' wall time
 (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36``; its own subprocess).
 
-Shared machines: the "other load" column is the CPU other processes used during the phase (2
+Shared machines: the "other load" column is the CPU other processes used during the phase (the
+phase's own children, such as the session's compile worker, count as its own; 2
 threads on 2 cores: any other busy process stalls every parallel region); compare figures of one
 run, as ratios.
 """
@@ -60,8 +61,22 @@ def _cpu_busy():
 
 
 def _own_cpu():
+    """CPU seconds of this process and its children: the ones it has waited for (os.times)
+    and the live ones (/proc: the session's compile worker, which is not another load)."""
     t = os.times()
-    return t.user + t.system
+    own = t.user + t.system + t.children_user + t.children_system
+    me = str(os.getpid())
+    tick = os.sysconf("SC_CLK_TCK")
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if f[1] == me:  # ppid
+            own += (int(f[11]) + int(f[12])) / tick  # utime, stime
+    return own
 
 
 def _decode(eng, prompts, config):
