@@ -159,10 +159,12 @@ def phase(args) -> dict:
             ttft = _ttft(eng, prompts, cfg)
             kv = eng.pool.bytes_per_token() * (args.prompt_len + new) if eng.pool else None
             out["rows"].append({"B": b, "new": new, "decode": statistics.median(dec),
+                                "decode_runs": dec,
                                 "prefill": statistics.median(pre), "ttft": ttft,
                                 "kv_bytes_per_seq": kv})
             print(json.dumps(out["rows"][-1]), file=sys.stderr, flush=True)
         grow["decode"] = statistics.median(gen)  # (B = 1 may come anywhere in --batch)
+        grow["decode_runs"] = gen
     wall = time.time() - w0
     other = (_cpu_busy() - busy0) / os.sysconf("SC_CLK_TCK") - (_own_cpu() - own0)
     out["other_load"] = max(0.0, other / wall / (os.cpu_count() or 1))
