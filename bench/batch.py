@@ -31,7 +31,7 @@ tokens the argmax of its logits; S_TG = B * N / the steps' wall time
 (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36``; its own subprocess).
 
 Shared machines: the "other load" column is the CPU other processes used during the phase (the
-phase's own children, such as the session's compile worker, count as its own; 2
+phase's own children, such as the session's compile worker, are shown apart beside it; 2
 threads on 2 cores: any other busy process stalls every parallel region); compare figures of one
 run, as ratios.
 """
@@ -61,10 +61,11 @@ def _cpu_busy():
 
 
 def _own_cpu():
-    """CPU seconds of this process and its children: the ones it has waited for (os.times)
-    and the live ones (/proc: the session's compile worker, which is not another load)."""
+    """``(this process, its children)`` CPU seconds; the children: the ones it has waited for
+    (os.times) and the live ones (/proc: the session's compile worker). A child reaped between
+    the two reads is missed by both (a few ms)."""
     t = os.times()
-    own = t.user + t.system + t.children_user + t.children_system
+    kids = t.children_user + t.children_system
     me = str(os.getpid())
     tick = os.sysconf("SC_CLK_TCK")
     for d in pathlib.Path("/proc").iterdir():
@@ -75,8 +76,8 @@ def _own_cpu():
         except OSError:
             continue
         if f[1] == me:  # ppid
-            own += (int(f[11]) + int(f[12])) / tick  # utime, stime
-    return own
+            kids += (int(f[11]) + int(f[12])) / tick  # utime, stime
+    return t.user + t.system, kids
 
 
 def _decode(eng, prompts, config):
@@ -166,8 +167,13 @@ def phase(args) -> dict:
         grow["decode"] = statistics.median(gen)  # (B = 1 may come anywhere in --batch)
         grow["decode_runs"] = gen
     wall = time.time() - w0
-    other = (_cpu_busy() - busy0) / os.sysconf("SC_CLK_TCK") - (_own_cpu() - own0)
-    out["other_load"] = max(0.0, other / wall / (os.cpu_count() or 1))
+    own1 = _own_cpu()
+    ncpu = os.cpu_count() or 1
+    kids = own1[1] - own0[1]
+    other = (_cpu_busy() - busy0) / os.sysconf("SC_CLK_TCK") - (own1[0] - own0[0]) - kids
+    out["other_load"] = max(0.0, other / wall / ncpu)
+    # the phase's own children (the compile worker) compete for the same cores: shown apart
+    out["child_load"] = max(0.0, kids / wall / ncpu)
     return out
 
 
@@ -253,7 +259,9 @@ def llama_batched(args) -> dict:
     return out
 
 
-def table(results, ik, llama=None) -> str:
+def table(results, ik, llama=None, peer_new=None) -> str:
+    """The markdown table; the peers' columns only on the rows of ``peer_new`` new tokens (the
+    peers run the first ``--new-tokens`` value only; None: every row)."""
     head = ("| mode | new | B | aggregate decode tok/s | per seq | x B=1 | x generate | "
             "prefill tok/s | TTFT s | KV MiB/seq | ik S_TG | x ik | llama.cpp S_TG | x llama.cpp |")
     lines = [head,
@@ -269,8 +277,9 @@ def table(results, ik, llama=None) -> str:
                                  "| | | | | | | |")
                     continue
                 d = r["decode"]
-                k = ik.get(r["B"]) if ik else None
-                lc = llama.get(r["B"]) if llama else None
+                peers = peer_new is None or new == peer_new
+                k = ik.get(r["B"]) if ik and peers else None
+                lc = llama.get(r["B"]) if llama and peers else None
                 kv = r["kv_bytes_per_seq"]
                 lines.append(
                     f"| {res['mode']} | {new} | {r['B']} | {d:.1f} | {d / r['B']:.1f} | "
@@ -278,7 +287,8 @@ def table(results, ik, llama=None) -> str:
                     f"{r['prefill']:.1f} | {r['ttft']:.3f} | "
                     f"{kv / 2**20:.1f} | " + (f"{k:.1f} | {d / k:.2f} |" if k else " | |")
                     + (f" {lc:.1f} | {d / lc:.2f} |" if lc else " | |"))
-    loads = ", ".join(f"{r['mode']} {100 * r['other_load']:.0f} %" for r in results)
+    loads = ", ".join(f"{r['mode']} {100 * r['other_load']:.0f} % (its own compile worker "
+                      f"{100 * r.get('child_load', 0.0):.0f} %)" for r in results)
     return "\n".join(lines) + f"\n\nother load during the phases: {loads}"
 
 
@@ -355,7 +365,7 @@ def main(argv=None) -> int:
         print("phase llama.cpp ...", file=sys.stderr, flush=True)
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
         llama = {int(b): v for b, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
-    print(table(results, ik, llama))
+    print(table(results, ik, llama, peer_new=int(args.new_tokens.split(",")[0])))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"olv": results, "ik": ik,
                                                        "llama.cpp": llama}, indent=1))
