@@ -17,7 +17,9 @@ decode: seconds to its first token), KV bytes per sequence (pool bytes per token
 tokens)). The row "generate" is :func:`olv_runtime.generate` on one sequence (the engine's B = 1
 is compared with it: the issue's "no tax for the scheduler"); its runs alternate with the B = 1
 runs (one generate run before each), since this VM's memory bandwidth drifts between phases
-minutes long and a decode at B = 1 is bound by it.
+minutes long and a decode at B = 1 is bound by it. For the same reason the ``--runs`` are rounds:
+each round runs every batch size once, so the ratios between batch sizes (B = 8 / B = 1) compare
+runs of the same few minutes; the figures are the medians over the rounds.
 
 Peers (never in CI): ``--ik-batched-bench`` runs ik_llama.cpp's ``llama-batched-bench -m GGUF
 -npp P -ntg N -npl B1,B2,.. -t T -rtr`` and reads its S_TG column (aggregate generation
@@ -147,21 +149,26 @@ def phase(args) -> dict:
                 gen_run()
         grow = {"B": "generate", "new": new, "decode": None}
         out["rows"].append(grow)
-        for b in sizes:
-            dec, pre = [], []
-            for _ in range(args.runs):
-                if b == 1:  # generate's runs alternate with B = 1's: the VM's memory bandwidth
-                    gen_run()  # drifts by the minute, so the pair sees the same machine
+        # rounds: each round runs every batch size once (generate before B = 1), so the ratios
+        # between batch sizes compare runs minutes apart at most, not a whole sweep apart (the
+        # VM's memory bandwidth drifts by the minute; B = 1 is bound by it, large B is not)
+        dec = {b: [] for b in sizes}
+        pre = {b: [] for b in sizes}
+        for _ in range(args.runs):
+            for b in sizes:
+                if b == 1:  # generate's runs alternate with B = 1's: the pair sees the same
+                    gen_run()  # machine
                 prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
                 d, p = _decode(eng, prompts, cfg)
-                dec.append(d)
-                pre.append(p)
+                dec[b].append(d)
+                pre[b].append(p)
+        for b in sizes:
             prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
             ttft = _ttft(eng, prompts, cfg)
             kv = eng.pool.bytes_per_token() * (args.prompt_len + new) if eng.pool else None
-            out["rows"].append({"B": b, "new": new, "decode": statistics.median(dec),
-                                "decode_runs": dec,
-                                "prefill": statistics.median(pre), "ttft": ttft,
+            out["rows"].append({"B": b, "new": new, "decode": statistics.median(dec[b]),
+                                "decode_runs": dec[b],
+                                "prefill": statistics.median(pre[b]), "ttft": ttft,
                                 "kv_bytes_per_seq": kv})
             print(json.dumps(out["rows"][-1]), file=sys.stderr, flush=True)
         grow["decode"] = statistics.median(gen)  # (B = 1 may come anywhere in --batch)
