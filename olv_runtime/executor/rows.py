@@ -332,6 +332,9 @@ class RowsProgram:
                         np.sin(freqs, out=ns[u:u + 1])
                     self._table = cos_t, sin_t = nc, ns
         r = pos.shape[0]
+        if r == 1:  # a decode step at B = 1: a view of the table's row (no gather)
+            p = int(pos[0])
+            return cos_t[p:p + 1].reshape(1, 1, -1), sin_t[p:p + 1].reshape(1, 1, -1)
         return cos_t[pos].reshape(1, r, -1), sin_t[pos].reshape(1, r, -1)
 
     # -- the forward ----------------------------------------------------------------------------
@@ -448,16 +451,8 @@ class RowsProgram:
         if r == 1 and c.one_token is not None:
             # one row (a decode step at B = 1): the embedding's one-token call, as generate's
             # decode program makes it (same values and errors; this thread's scratch row, read
-            # by the call below before anything else overwrites it), and a view of the RoPE
-            # table's row -- fewer Python steps in the engine's steady B = 1 step
+            # by the call below before anything else overwrites it)
             x0 = c.one_token(ids.reshape(1, 1)).reshape(1, st.e)
-            p = int(pos[0])
-            cos_t, sin_t = self._table
-            if p >= cos_t.shape[0]:
-                cos_t, sin_t = self._rope_rows(pos)
-            else:
-                cos_t, sin_t = cos_t[p:p + 1], sin_t[p:p + 1]
-            cos, sin = cos_t.reshape(1, 1, -1), sin_t.reshape(1, 1, -1)
         else:
             env = {"input_ids": ids.reshape(1, r)}
             for kind, x in c.pre:
@@ -467,7 +462,7 @@ class RowsProgram:
                     if n:
                         env[n] = v
             x0 = np.ascontiguousarray(env[c.x0_name], dtype=_F32).reshape(r, st.e)
-            cos, sin = self._rope_rows(pos)
+        cos, sin = self._rope_rows(pos)
         logits = np.empty((len(logit_rows), st.vocab), _F32)
         nt = c.tasks = st._task_count()
         ws = c.workspace(r, nt, bs)

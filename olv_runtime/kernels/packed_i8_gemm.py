@@ -21,7 +21,8 @@ across the block loop.
 Loop nest per task (a contiguous range of group pairs): activation rows in chunks of
 :data:`CHUNK_BYTES` of int8 codes (kept in L2), then group pairs, then 8-row tiles, then blocks,
 all in one call (:func:`_pairs_tiles`). Rows left over (``M % 8``, or all of them below 8: the
-engine's rows step at 1..7 sequences) run one 16 x 4, 16 x 2 and 16 x 1 tile each as needed
+engine's rows step at 2..7 sequences; one row runs the one-group kernels, one group after the
+other, as the one-token step does) run one 16 x 4, 16 x 2 and 16 x 1 tile each as needed
 (each row's 8 ``vpdpbusd`` as two chains of 4 there, for enough independent chains); an odd last
 group runs the kernels of :mod:`.packed_i8`. The first tile of each pair issues the group
 kernels' software prefetches for both groups' streams (the weights come from DRAM in a decode
@@ -438,13 +439,18 @@ def groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, n, out, facc, vnni):
     """Groups g0..g1-1 of ``out[:m]`` (activations already quantized): group pairs
     ``(g0, g0 + 1), (g0 + 2, g0 + 3), ...`` in tiles of :func:`tile_rows` activation rows (VNNI:
     the rows left over by 16 x 4 / 2 / 1 tiles; AVX2: by the one-group kernels of
-    :mod:`.packed_i8`), an odd last group by the one-group kernels -- bitwise
+    :mod:`.packed_i8`), an odd last group by the one-group kernels; one row (and, VNNI, 2-3 rows
+    of long groups) by the one-group kernels, one group after the other -- bitwise
     :func:`~.packed_i8.groups` (the same integers and float operations per output)."""
     tr = tile_rows(vnni)
     mt = m // tr * tr
-    if vnni and m < 4 and codes.shape[1] * GROUP_BLOCK_BYTES > PAIR_STREAM_BYTES:
-        # 1..3 rows of long groups: one group after the other (one sequential DRAM stream; the
-        # pair's two streams ran 0.8x from DRAM at 896 x 4864, M = 1, 2)
+    long_groups = codes.shape[1] * GROUP_BLOCK_BYTES > PAIR_STREAM_BYTES
+    if vnni and (m == 1 or (m < 4 and long_groups)):
+        # one row, or 1..3 rows of long groups: one group after the other (one sequential DRAM
+        # stream; the pair's two streams ran 0.8x from DRAM at 896 x 4864, M = 1, 2; for one
+        # row the 16 x 1 tile ran gate/up and the lm_head ~10 % slower than the one-token
+        # step's group kernels in the engine's 2-task step, bench/rows_phases.py --batch 1
+        # against bench/stack_phases.py)
         for g in range(g0, g1):
             _rows_tail(codes, scale, g, xq, xd, xs8, np.int64(0), m, n, out, facc, vnni)
         return

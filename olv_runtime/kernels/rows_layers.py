@@ -15,8 +15,8 @@ Per layer, ``x`` float32 [R, E] the rows' residual stream:
    quantized to int8 blocks, :func:`~.packed_i8.quantize_rows_i8`);
 2. ``qkv = h @ Wqkv.T (+ bias)``: chunks of 8-row weight groups claimed by the tasks
    (:func:`~.decoder_layers._claim`), each chunk computing all R rows (the weights are read once
-   per step: int8 :func:`~.packed_i8_gemm.groups_tiles`, VNNI or AVX2 tiles, and for one row
-   the one-token step's :func:`~.packed_i8.groups` (bitwise the same values); exact mode where
+   per step: int8 :func:`~.packed_i8_gemm.groups_tiles`, VNNI or AVX2 tiles -- one row by the
+   one-token step's group kernels, bitwise the same values; exact mode where
    the CPU has AVX-512 VNNI: the one-token step's kernels on the rows' fixed-point digits,
    :func:`~.packed_f32_vnni.groups_m1` for one row, :func:`~.packed_f32_vnni.groups_rows` for
    more (the same operations per output); else the float path :func:`~.packed_f32._groups8` /
@@ -192,16 +192,8 @@ def _ov_groups_rows(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1):
     else:
         def impl(i8, codes, scale, xin, m, out, facc32, vnni, g0, g1):
             xq, xd, xs8, facc8 = i8
-            # one row: the one-token step's group kernels (the tiles' 16 x 1 form ran gate/up
-            # and the lm_head ~10 % slower in the 2-task step, bench/rows_phases.py --batch 1
-            # against bench/stack_phases.py); bitwise the tiles' values
-            # (tests/kernels/test_kernels_packed_i8_gemm.py), so rows do not depend on m
-            if m == 1:
-                packed_i8.groups(codes, scale, g0, g1, xq, xd, xs8, m, out.shape[1], out, facc8,
-                                 vnni)
-            else:
-                packed_i8_gemm.groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, out.shape[1],
-                                            out, facc8, vnni)
+            packed_i8_gemm.groups_tiles(codes, scale, g0, g1, xq, xd, xs8, m, out.shape[1],
+                                        out, facc8, vnni)
     return impl
 
 
