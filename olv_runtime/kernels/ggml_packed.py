@@ -67,7 +67,8 @@ mode): :mod:`.ggml_gemm` decodes each record once for that many activation rows 
 registers (bitwise the one-row results), rows in L2-sized blocks; rows left over run the one-row
 kernels. Exact mode for the kinds of :func:`~.ggml_gemm.use_fpanel`: records decoded once per
 row block into a float32 panel read by tiles of rows of two groups (:func:`~.ggml_gemm.panel_f32`,
-also bitwise the one-row results). The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
+also bitwise the one-row results); on an AVX-512 host every kind, two groups per 16-lane vector
+(:func:`~.ggml_gemm.panel_f32z`). The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
 
 Memory: each task streams one contiguous range of groups; ``prefetcht0`` :data:`PF_BYTES` ahead.
 Bytes read per call: ``packed.nbytes`` (= the GGUF tensor's bytes, rows padded to 8).
@@ -84,8 +85,8 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
-from .ggml_gemm import (ROWS_P, block_rows, chunks_f32, chunks_i8, panel_f32,
-                        panel_floats, use_fpanel)
+from .ggml_gemm import (ROWS_P, ROWS_Z, block_rows, chunks_f32, chunks_i8, panel_f32,
+                        panel_f32z, panel_floats, use_fpanel)
 from .ggml_panel import panel_groups, use_panel
 from .ggml_ir import (
     F32,
@@ -420,12 +421,15 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
     :func:`~.ggml_panel.use_panel` (per kind, rows and path): :func:`~.ggml_panel.panel_groups`
     (``vnni``: its ``vpdpbusd`` tiles).
     Exact mode when :func:`~.ggml_gemm.use_fpanel`: groups in pairs through
-    :func:`~.ggml_gemm.panel_f32` (records decoded once per row block into a float panel)."""
+    :func:`~.ggml_gemm.panel_f32` (records decoded once per row block into a float panel); on
+    the ``vnni`` path (an AVX-512 host) pairs of groups first through
+    :func:`~.ggml_gemm.panel_f32z` (16-lane tiles of :data:`~.ggml_gemm.ROWS_Z` rows), the rows
+    it leaves through :func:`~.ggml_gemm.panel_f32`."""
     if quant and use_panel(kind, m, vnni):
         panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, vnni)
         return
     mb = block_rows(xq.shape[1] if quant else 4 * x.shape[1])
-    if not quant and use_fpanel(kind):
+    if not quant and use_fpanel(kind, vnni):
         panel = np.empty(2 * panel_floats(kind), np.float32)
         accb = np.empty(16 * mb, np.float32)
         for ib in range(0, m, mb):
@@ -433,8 +437,10 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
             for g in range(g0, g1, 2):
                 ng = min(2, g1 - g)
                 i0 = ib
-                if ie - ib >= ROWS_P:
-                    i0 = panel_f32(kind, data, g, ng, x, xsum, ib, ie, n, out, facc, panel, accb)
+                if vnni and ng == 2 and ie - ib >= ROWS_Z:
+                    i0 = panel_f32z(kind, data, g, x, xsum, ib, ie, n, out, facc, panel, accb)
+                if ie - i0 >= ROWS_P:
+                    i0 = panel_f32(kind, data, g, ng, x, xsum, i0, ie, n, out, facc, panel, accb)
                 for gi in range(g, g + ng):
                     for i in range(i0, ie):
                         store_group(_row_f32(kind, data, gi, x, xsum, i), facc, gi, i, n, out)

@@ -68,9 +68,10 @@ def test_parallel_driver_rows_bitwise(name, isa):
 
 @pytest.mark.parametrize("name", KIND_NAMES)
 @pytest.mark.parametrize("m", ROW_COUNTS)
-def test_exact_rows_bitwise_equal_one_row_kernel(name, m):
-    """Exact mode (float32 activations, FMA chains): rows in chunks of ROWS_F32 give the bits of
-    the one-row kernel, and stay within the module's tolerance of a float64 product."""
+def test_exact_rows_bitwise_equal_one_row_kernel(name, m, isa):
+    """Exact mode (float32 activations, FMA chains): rows in chunks of ROWS_F32 (or float panel
+    tiles: 16-lane ones on the ``avx512vnni`` path) give the bits of the one-row kernel, and stay
+    within the module's tolerance of a float64 product."""
     kind = gp.KINDS[name]
     k = _k(name)
     blocks = random_blocks(name, N_ODD, k, seed=kind + m)
@@ -88,7 +89,7 @@ def test_exact_rows_bitwise_equal_one_row_kernel(name, m):
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_0", "Q6_K"])  # rows_f32, float panel (2 kinds)
-def test_exact_parallel_driver_rows_bitwise(name):
+def test_exact_parallel_driver_rows_bitwise(name, isa):
     n, m, k = 45, 2 * ggml_gemm.ROWS_F32 * 8 + 1, 512
     assert m * n * k >= gp.SERIAL_MAX_WORK
     blocks = random_blocks(name, n, k, seed=5)
@@ -147,4 +148,33 @@ def test_exact_float_panel_bitwise_every_kind(name, ng):
     one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
     cols = slice(8 * g, 8 * (g + ng))
     assert np.array_equal(out[ib:end, cols].view(np.uint32), one[ib:end, cols].view(np.uint32))
+    assert np.isnan(out[:ib]).all() and np.isnan(out[end:]).all()
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+def test_exact_zmm_panel_bitwise_every_kind(name):
+    """The 16-lane float panel (``panel_f32z``: two groups' records interleaved in one panel,
+    tiles of ROWS_Z rows in float32 x 16 vectors, several panels along K; taken on AVX-512 hosts)
+    gives the bits of the one-row kernel for every kind, with a partial last group; rows past the
+    last full tile are left to the caller. On a host without AVX-512 the compiler splits the
+    16-lane vectors: the same values."""
+    kind = gp.KINDS[name]
+    k = 3 * 256 if gp.BLOCKS[kind][0] == 256 else 12 * 32  # > 1 panel of records
+    assert k * 8 * 4 > ggml_gemm.panel_floats.py_func(kind) * 4
+    rt = ggml_gemm.ROWS_Z
+    n, m, ib = 13, 2 * rt + 5, 2
+    blocks = random_blocks(name, n, k, seed=kind + 7)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(kind).standard_normal((m, k)).astype(np.float32)
+    xsum = np.zeros((m, k // 32), np.float32)
+    gp._act_sums(kind, m, k, np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int32), x, xsum,
+                 False)
+    out = np.full((m, n), np.nan, np.float32)
+    panel = np.full(2 * ggml_gemm.panel_floats(kind), np.nan, np.float32)
+    accb = np.full(16 * m, np.nan, np.float32)
+    facc = np.zeros((1, 8), np.float32)
+    end = ggml_gemm.panel_f32z(kind, packed.data, 0, x, xsum, ib, m, n, out, facc, panel, accb)
+    assert end == ib + (m - ib) // rt * rt
+    one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
+    assert np.array_equal(out[ib:end].view(np.uint32), one[ib:end].view(np.uint32))
     assert np.isnan(out[:ib]).all() and np.isnan(out[end:]).all()
