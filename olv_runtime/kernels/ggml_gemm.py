@@ -67,6 +67,7 @@ from .ggml_ir import (
     I32,
     LV8F32,
     LV8I32,
+    LV16F32,
     LV16I16,
     LV32I8,
     OFFSET,
@@ -74,6 +75,7 @@ from .ggml_ir import (
     KQ,
     MIN32,
     Emit,
+    concat,
     idx,
     k4_scales,
     load_f32,
@@ -94,11 +96,9 @@ from .packed_i8 import (
     store_group,
 )
 
-LV16F32 = ir.VectorType(F32, 16)
-
-__all__ = ["BLOCK_BYTES", "I16_TERMS", "PANEL_BYTES", "ROWS", "ROWS_F32", "ROWS_P", "ROWS_P2", "ROWS_Z",
-           "block_rows", "chunks_f32", "chunks_i8", "panel_f32", "panel_f32z", "panel_floats", "rows_f32",
-           "rows_i8", "use_fpanel"]
+__all__ = ["BLOCK_BYTES", "I16_TERMS", "PANEL_BYTES", "ROWS", "ROWS_F32", "ROWS_P", "ROWS_P2",
+           "ROWS_Z", "block_rows", "chunks_f32", "chunks_i8", "panel_f32", "panel_f32z",
+           "panel_floats", "rows_f32", "rows_i8", "use_fpanel"]
 
 #: activation rows per decoded record.
 ROWS = 4
@@ -315,7 +315,7 @@ def _combine_f32(kind, es, builder, fma, d, dmin, sub, halves, a, sx):
     group whose 8 lanes the vectors hold (1 group: float32 x 8; 2 groups: x 16, lanes 0-7 the
     first; ``d`` / ``dmin`` already so), each lane's operations the same either way."""
     def per_group(fn):
-        return _cat(builder, [fn(e) for e in es])
+        return concat(builder, [fn(e) for e in es])
     if kind == 14:
         sc0 = per_group(lambda e: builder.sitofp(e.bytes8(16 + 8 * (2 * sub), signed=True),
                                                  LV8F32))
@@ -327,8 +327,8 @@ def _combine_f32(kind, es, builder, fma, d, dmin, sub, halves, a, sx):
         return a
     if kind in KQ:
         scs = [k4_scales(e, sub) for e in es]
-        sc = _cat(builder, [builder.sitofp(v[0], LV8F32) for v in scs])
-        mn = _cat(builder, [builder.sitofp(v[1], LV8F32) for v in scs])
+        sc = concat(builder, [builder.sitofp(v[0], LV8F32) for v in scs])
+        mn = concat(builder, [builder.sitofp(v[1], LV8F32) for v in scs])
         big_d = builder.fmul(d, sc)
         big_m = builder.fmul(dmin, mn)
     for r in range(len(a)):
@@ -365,14 +365,6 @@ def _fma_fn(builder, vt=LV8F32):
     return cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vt, [vt] * 3), f"llvm.fma.v{vt.count}f32")
 
-
-def _cat(builder, vs):
-    """One vector of the lanes of ``vs`` (1 or 2 vectors of the same type) in order."""
-    if len(vs) == 1:
-        return vs[0]
-    n = vs[0].type.count
-    return builder.shuffle_vector(vs[0], vs[1], ir.Constant(ir.VectorType(I32, 2 * n),
-                                                            list(range(2 * n))))
 
 
 def _codes_f32(builder, kind, u):
@@ -570,8 +562,8 @@ def _emit_tile_z(kind, nrows, context, builder, sig, args):
     at = sig.args
     a = [builder.extract_value(accs, r) for r in range(nrows)]
     es = [Emit(context, builder, at[3], dat, ro) for ro in (ro0, ro1)]
-    d = _cat(builder, [e.f16x8(0) for e in es])
-    dmin = (_cat(builder, [e.f16x8(16) for e in es]) if kind in KQ or kind in MIN32 else None)
+    d = concat(builder, [e.f16x8(0) for e in es])
+    dmin = (concat(builder, [e.f16x8(16) for e in es]) if kind in KQ or kind in MIN32 else None)
     fma = _fma_fn(builder, LV16F32)
     zero = ir.Constant(LV16F32, [0.0] * 16)
     xo_r = [builder.add(xoff, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]

@@ -31,6 +31,7 @@ LV32I8 = ir.VectorType(I8, 32)
 LV16I16 = ir.VectorType(I16, 16)
 LV8I32 = ir.VectorType(I32, 8)
 LV8F32 = ir.VectorType(F32, 8)
+LV16F32 = ir.VectorType(F32, 16)
 LV8I16 = ir.VectorType(I16, 8)
 LV8I8 = ir.VectorType(I8, 8)
 LV8F16 = ir.VectorType(ir.HalfType(), 8)
@@ -39,6 +40,16 @@ LV8F16 = ir.VectorType(ir.HalfType(), 8)
 # ------------------------------------------------------------------------------------------------
 # IR building blocks
 # ------------------------------------------------------------------------------------------------
+def concat(builder, vs):
+    """One vector of the lanes of ``vs`` (1 or 2 vectors of the same type) in order: the 8 lanes
+    of two groups' records side by side in a 16-lane vector."""
+    if len(vs) == 1:
+        return vs[0]
+    n = vs[0].type.count
+    return builder.shuffle_vector(vs[0], vs[1], ir.Constant(ir.VectorType(I32, 2 * n),
+                                                            list(range(2 * n))))
+
+
 class Emit:
     """IR helpers over one record: ``data`` (uint8 array) at byte offset ``roff``."""
 

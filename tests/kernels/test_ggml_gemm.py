@@ -178,3 +178,27 @@ def test_exact_zmm_panel_bitwise_every_kind(name):
     one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
     assert np.array_equal(out[ib:end].view(np.uint32), one[ib:end].view(np.uint32))
     assert np.isnan(out[:ib]).all() and np.isnan(out[end:]).all()
+
+
+@pytest.mark.skipif(not packed_i8.HOST_VNNI, reason="the 16-lane path runs on AVX-512 hosts")
+@pytest.mark.parametrize("name", KIND_NAMES)
+@pytest.mark.parametrize("m", (1, 7, 13, 20))
+def test_exact_zmm_paths_bitwise_equal_avx2_paths(name, m):
+    """Exact mode on the ``avx512vnni`` path (every kind on the float panel, pairs of groups in
+    ``panel_f32z``'s 16-lane tiles, the rows they leave on the 8-lane tiles and the one-row
+    kernel) gives the bits of the ``avx2`` path (``rows_f32`` or the 8-lane float panel by
+    kind), with an odd group count and a partial last group."""
+    kind = gp.KINDS[name]
+    k = _k(name)
+    n = 8 * 4 + 5
+    blocks = random_blocks(name, n, k, seed=kind + 3 * m)
+    packed = gp.prepack_ggml(name, blocks, n, k)
+    x = np.random.default_rng(m + 1).standard_normal((m, k)).astype(np.float32)
+    ys = {}
+    for isa in ("avx2", "avx512vnni"):
+        packed_i8.set_isa(isa)
+        try:
+            ys[isa] = gp.linear_ggml_exact(x, packed)
+        finally:
+            packed_i8.set_isa(None)
+    assert np.array_equal(ys["avx2"].view(np.uint32), ys["avx512vnni"].view(np.uint32))
