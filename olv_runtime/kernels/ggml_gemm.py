@@ -53,6 +53,19 @@ kernel's (tests/kernels/test_ggml_gemm.py). Accumulators stay in registers over 
 a panel and in a small buffer between panels. Measured, one thread, L1-resident panel and
 activations (Q8_0, 16 records): 2 groups x 3 rows 62 GFLOP/s, 2 x 2 59, 1 x 4 55, of a ~95
 GFLOP/s thread peak: the broadcasts, the panel loads and the spilled half sums stay the limit.
+
+Exact mode on an AVX-512 host (the ``vnni`` path, :func:`panel_f32z`): the two groups of a pair
+are decoded into one interleaved panel (code ``q`` of group ``g`` at ``16 q + lane``, of group
+``g + 1`` at ``16 q + 8 + lane``) and the tiles work on float32 x 16 vectors: one 16-lane FMA
+does both groups' FMAs of a (row, code), so each panel load and each broadcast activation feeds
+16 lanes, and the 32 vector registers hold :data:`ROWS_Z` rows' chains, accumulators and half
+sums. Per lane the operations are those of the 8-lane tile in the same order (the two records'
+block scales side by side, :func:`~.ggml_ir.concat`), so rows stay bitwise the one-row kernel's.
+Measured, one thread, Zen 4 (``python bench/bench_ggml_exact.py --rounds 5 --kinds Q4_K,Q8_0``,
+empty numba cache, % of the thread's FMA peak, gate/up and down at M = 128 / 512): 8-lane
+2-group panel -> 16-lane panel Q8_0 49-52 -> 64-73 %, Q4_K 38-41 -> 60-64 %. :data:`ROWS_Z` = 6
+is the register budget's count; 4 and 8 were not measured apart from it (a sweep meant to compare
+them ran a stale cached build: numba caches a caller with its callees compiled in).
 """
 from __future__ import annotations
 
@@ -934,9 +947,11 @@ def use_fpanel(kind, vnni):
     (``python bench/bench_ggml_exact.py --rounds 3``, Qwen2.5-0.5B gate/up and down at M = 128 /
     512): on the AVX2 Zen 3, rows_f32 -> panel_f32 Q5_0 27-29 -> 29-38, Q6_K 21-24 -> 26-32, Q8_0
     34-38 -> 36-43 (down equal), Q4_K 28-34 -> 29-31 (down slower), so Q4_K, Q4_1, Q5_1 and Q5_K
-    keep :func:`rows_f32` there; on the AVX-512 Zen 4, rows_f32 -> panel_f32z every kind at M =
-    128: Q8_0 46-52 -> 51-55, Q5_0 41-42 -> 50-54, Q4_1 48-51 -> 50-53, Q5_1 43-45 -> 49-53, Q4_K
-    51-53 -> 62-64, Q5_K 45-46 -> 62-64, Q6_K 41-43 -> 62-67."""
+    keep :func:`rows_f32` there; on the AVX-512 Zen 4 every kind takes the panel, rows_f32 ->
+    panel_f32z at M = 128 (gate/up, down): Q8_0 50-52 -> 64-69, Q4_K 49-53 -> 64 (the shipped
+    build, empty cache), and in a first build that called the tile per record instead of
+    inlining it, Q5_0 41-42 -> 50-54, Q4_1 48-51 -> 50-53, Q5_1 43-45 -> 49-53, Q5_K 45-46 ->
+    62-64, Q6_K 41-43 -> 61-66."""
     return vnni or kind == 14 or kind == 6 or kind == 8
 
 
