@@ -62,6 +62,10 @@ TILE = 64
 #: Extra score slots after a tile (:func:`_qk16` writes 16 scores at a time).
 SLACK = 16
 
+#: Query positions per task of the contiguous prefill attention (:func:`_attend_task`): their
+#: rows share one pass over the keys all of them attend.
+QBLOCK = 8
+
 _FM = dict(JIT, fastmath={"reassoc", "nsz", "contract"})
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -421,41 +425,70 @@ def _merge_partials(pm, pl, po, n, h, out):
 
 @njit(inline="always", **JIT)
 def _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out):
-    """Task ``t`` of ``B*KVH*S``: query row ``s`` of every head of kv head ``g`` (GQA: one pass
-    over the kv head's keys/values serves its ``H/KVH`` query heads)."""
+    """Task ``t`` of ``B * KVH * ceil(S / QBLOCK)``: query rows ``s0 .. s0 + QBLOCK - 1`` (fewer
+    at the end) of every head of kv head ``g`` (GQA: one pass over the kv head's keys/values
+    serves its ``H/KVH`` query heads). The keys every row of the block attends -- the whole
+    tiles below the first row's causal end, all keys without a mask -- run once for all the
+    block's rows (their query heads gathered into one scratch), then each row its own last
+    tiles: the tiles of a row are those of a pass of its own (``_attend_rows`` treats each head
+    row alone), so its output is bitwise the same, and those keys are read once per block of
+    rows instead of once per row."""
     b_n, s_n, h_n, d = q.shape
     kvh = k_cache.shape[1]
     group = h_n // kvh
-    b = t // (kvh * s_n)
-    rem = t - b * (kvh * s_n)
-    g = rem // s_n
-    s = rem - g * s_n
-    nkeys = past_len + s + 1 if is_causal else past_len + s_n
-    m = np.empty(group, np.float32)
-    l = np.empty(group, np.float32)
-    sc = np.empty((group, TILE + SLACK), np.float32)
-    p = np.empty((group, TILE + SLACK), np.float32)
-    mx = np.empty(group, np.float32)
-    o = out[b, s, g * group:(g + 1) * group]  # the accumulator lives in the output rows
-    _state_init(m, l, o, group)
+    nsb = (s_n + QBLOCK - 1) // QBLOCK
+    b = t // (kvh * nsb)
+    rem = t - b * (kvh * nsb)
+    g = rem // nsb
+    s0 = (rem - g * nsb) * QBLOCK
+    s1 = min(s_n, s0 + QBLOCK)
+    nr = (s1 - s0) * group
+    qg = np.empty((nr, d), np.float32)
+    o = np.empty((nr, d), np.float32)
+    m = np.empty(nr, np.float32)
+    l = np.empty(nr, np.float32)
+    sc = np.empty((nr, TILE + SLACK), np.float32)
+    p = np.empty((nr, TILE + SLACK), np.float32)
+    mx = np.empty(nr, np.float32)
+    for s in range(s0, s1):
+        for hh in range(group):
+            qr = q[b, s, g * group + hh]
+            dst = qg[(s - s0) * group + hh]
+            for i in range(d):
+                dst[i] = qr[i]
+    _state_init(m, l, o, nr)
+    kc = k_cache[b, g]
+    vc = v_cache[b, g]
     # j0 an int64 variable (the decode step's type), not the literal 0: one specialisation of
     # _attend_rows serves both
-    _attend_rows(q[b, s, g * group:(g + 1) * group], group, k_cache[b, g], v_cache[b, g],
-                 np.int64(0), nkeys, scale, m, l, o, sc, p, mx)
-    _state_finish(l, o, group, o)
+    zero = np.int64(0)
+    if is_causal:
+        shared = np.int64((past_len + s0 + 1) // TILE * TILE)
+    else:
+        shared = np.int64(past_len + s_n)
+    if shared > 0:
+        _attend_rows(qg, nr, kc, vc, zero, shared, scale, m, l, o, sc, p, mx)
+    for s in range(s0, s1):
+        r0 = (s - s0) * group
+        nkeys = past_len + s + 1 if is_causal else past_len + s_n
+        if nkeys > shared:
+            _attend_rows(qg[r0:r0 + group], group, kc, vc, shared, nkeys, scale,
+                         m[r0:r0 + group], l[r0:r0 + group], o[r0:r0 + group], sc, p, mx)
+        _state_finish(l[r0:r0 + group], o[r0:r0 + group], group,
+                      out[b, s, g * group:(g + 1) * group])
 
 
 @njit(**PJIT)
 def _attention_par(q, k_cache, v_cache, past_len, scale, is_causal, out):
     b_n, s_n, h_n, d = q.shape
-    for t in prange(b_n * k_cache.shape[1] * s_n):
+    for t in prange(b_n * k_cache.shape[1] * ((s_n + QBLOCK - 1) // QBLOCK)):
         _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out)
 
 
 @njit(**JIT)
 def _attention_ser(q, k_cache, v_cache, past_len, scale, is_causal, out):
     b_n, s_n, h_n, d = q.shape
-    for t in range(b_n * k_cache.shape[1] * s_n):
+    for t in range(b_n * k_cache.shape[1] * ((s_n + QBLOCK - 1) // QBLOCK)):
         _attend_task(t, q, k_cache, v_cache, past_len, scale, is_causal, out)
 
 
