@@ -13,7 +13,7 @@ machine costs less than wall time). Each kernel: the serial driver of the exact 
 ROWS_F32 rows per decoded record, copied driver below), ``new``: the float panel
 (``ggml_gemm.panel_f32``, records decoded once per L2 row block, 2 groups x ROWS_P2 rows per
 tile) for every kind (the library takes it where ``ggml_gemm.use_fpanel``), ``zmm``: the same
-with pairs of groups first in 16-lane tiles of ROWS_Z rows (``ggml_gemm.panel_f32z``, the
+with pairs of groups first in 16-lane tiles of ROWS_Z rows (``ggml_zpanel.panel_f32z``, the
 library's path on an AVX-512 host; all three bitwise equal). Random
 blocks with valid float16 scales; Qwen2.5-0.5B shapes. Not run by the test command.
 """
@@ -38,13 +38,12 @@ from olv_runtime.kernels import packed_f32 as pf
 from olv_runtime.kernels.ggml_gemm import (
     ROWS_F32,
     ROWS_P,
-    ROWS_Z,
     block_rows,
     panel_f32,
-    panel_f32z,
     panel_floats,
     rows_f32,
 )
+from olv_runtime.kernels.ggml_zpanel import ROWS_Z, panel_f32z
 from olv_runtime.kernels.packed_i8 import prepack_int4_i8, store_group
 
 SHAPES = {"gate/up": (4864, 896), "down": (896, 4864), "qkv": (1152, 896)}  # name: (N, K)
@@ -70,9 +69,11 @@ def _old_ser(kind, data, x, m, k, n, out, xsum, facc):
 
 
 @njit(**config.JIT)
-def _panel_ser(kind, data, x, m, k, n, out, xsum, facc):
+def _panel_ser(kind, data, x, m, k, n, out, xsum, facc, z):
     """The exact driver with the float panel for every kind (``ggml_packed._groups`` takes it
-    only where :func:`~olv_runtime.kernels.ggml_gemm.use_fpanel`)."""
+    only where :func:`~olv_runtime.kernels.ggml_gemm.use_fpanel`); ``z``: pairs of groups first
+    through the 16-lane tiles (``ggml_zpanel.panel_f32z``, the library's path on an AVX-512
+    host)."""
     gp._act_sums(kind, m, k, x[:1].astype(np.int8), xsum[:, :1].astype(np.int32), x, xsum,
                  False)
     mb = block_rows(4 * x.shape[1])
@@ -84,29 +85,7 @@ def _panel_ser(kind, data, x, m, k, n, out, xsum, facc):
         for g in range(0, g1, 2):
             ng = min(2, g1 - g)
             i0 = ib
-            if ie - ib >= ROWS_P:
-                i0 = panel_f32(kind, data, g, ng, x, xsum, ib, ie, n, out, facc, panel, accb)
-            for gi in range(g, g + ng):
-                for i in range(i0, ie):
-                    store_group(gp._row_f32(kind, data, gi, x, xsum, i), facc, gi, i, n, out)
-
-
-@njit(**config.JIT)
-def _zmm_ser(kind, data, x, m, k, n, out, xsum, facc):
-    """:func:`_panel_ser` with pairs of groups first through the 16-lane tiles
-    (``ggml_gemm.panel_f32z``, the library's path on an AVX-512 host)."""
-    gp._act_sums(kind, m, k, x[:1].astype(np.int8), xsum[:, :1].astype(np.int32), x, xsum,
-                 False)
-    mb = block_rows(4 * x.shape[1])
-    panel = np.empty(2 * panel_floats(kind), np.float32)
-    accb = np.empty(16 * mb, np.float32)
-    g1 = data.shape[0]
-    for ib in range(0, m, mb):
-        ie = min(m, ib + mb)
-        for g in range(0, g1, 2):
-            ng = min(2, g1 - g)
-            i0 = ib
-            if ng == 2 and ie - ib >= ROWS_Z:
+            if z and ng == 2 and ie - ib >= ROWS_Z:
                 i0 = panel_f32z(kind, data, g, x, xsum, ib, ie, n, out, facc, panel, accb)
             if ie - i0 >= ROWS_P:
                 i0 = panel_f32(kind, data, g, ng, x, xsum, i0, ie, n, out, facc, panel, accb)
@@ -165,11 +144,11 @@ def kernels(name, n, k, m, rng):
     fns["old"] = lambda: _old_ser(packed.kind, packed.data, x, m, k, n, y_old, ws.xsum,
                                   ws.facc[0])
     fns["new"] = lambda: _panel_ser(packed.kind, packed.data, x, m, k, n, y_new, ws.xsum,
-                                    ws.facc[0])
+                                    ws.facc[0], False)
     y_z = np.empty((m, n), np.float32)
     outs["zmm"] = y_z
-    fns["zmm"] = lambda: _zmm_ser(packed.kind, packed.data, x, m, k, n, y_z, ws.xsum,
-                                  ws.facc[0])
+    fns["zmm"] = lambda: _panel_ser(packed.kind, packed.data, x, m, k, n, y_z, ws.xsum,
+                                    ws.facc[0], True)
     return fns, outs
 
 

@@ -5,18 +5,19 @@ Source: ONNX ``Attention`` (opset 23) with ``past_key``/``past_value`` (internal
 ``j <= past_len + i``), ``q_num_heads``/``kv_num_heads`` (query head ``h`` uses kv head
 ``h // (H // KVH)``), no attention mask, no softcap; softmax in float32.
 
-GQA in one pass: each task is one query row ``s`` of one kv head ``g`` and serves every query head
-of the group (``H/KVH`` heads), so each key/value row is read once per kv head, not once per query
-head. Keys are taken in tiles of :data:`TILE`: the scores of a tile (``q . k`` dot products,
+GQA in one pass: each task is a block of :data:`QBLOCK` query rows of one kv head ``g`` and serves
+every query head of the group (``H/KVH`` heads), so each key/value row is read once per kv head and
+block of rows, not once per query head and row (the keys every row of the block attends run once for
+all of them, then each row its own last tiles: the same tiles, so the same bits, as a pass of its
+own). Keys are taken in tiles of :data:`TILE`: the scores of a tile (``q . k`` dot products,
 vectorised) for all heads of the group, then one *online* (streaming) softmax update per head and
-tile -- running max ``m``, running sum ``l``, un-normalised output ``o`` rescaled by
-``exp(m_old - m_new)`` when the max grows -- with the tile's exponentials in one vector loop
-(:func:`_exp_neg`, a polynomial within 2 ulp of libm's ``expf``), then ``o += p @ V`` per head
-with its output row in registers (:func:`_pv16`; four keys per pass over ``o`` for head dims that
-are not a multiple of 16). The accumulator ``o`` lives in the output rows; ``o / l`` at the end. A
-decode step may split one kv head's keys over threads and combine the partial states
-(:func:`_merge_partials`, flash-decoding). A query with no attendable key gets zeros (ONNX
-convention for fully masked rows). Results agree with the float64 reference to ~1e-6 relative
+tile -- running max ``m``, running sum ``l``, un-normalised output ``o`` rescaled by ``exp(m_old -
+m_new)`` when the max grows -- with the tile's exponentials in one vector loop (:func:`_exp_neg`, a
+polynomial within 2 ulp of libm's ``expf``), then ``o += p @ V`` per head with its output row in
+registers (:func:`_pv16`; four keys per pass over ``o`` for head dims that are not a multiple of
+16); ``o / l`` at the end. A decode step may split one kv head's keys over threads and combine the
+partial states (:func:`_merge_partials`, flash-decoding). A query with no attendable key gets zeros
+(ONNX convention for fully masked rows). Results agree with the float64 reference to ~1e-6 relative
 (tests: rtol 1e-5).
 """
 from __future__ import annotations
@@ -34,8 +35,9 @@ from .rope import _rope_token
 
 __all__ = ["attention", "append_kv", "kv_write", "rope_attention"]
 
-#: Query-row x key x head-dim products above which attention splits its (b, h, s) rows over the
-#: threads: each row's streaming softmax is serial scalar work, so even short contexts pay off.
+#: Query-row x key x head-dim products above which attention splits its tasks (blocks of query
+#: rows of one kv head) over the threads: each row's streaming softmax is serial scalar work, so
+#: even short contexts pay off.
 ATTENTION_PARALLEL_WORK = 1 << 14
 
 
@@ -553,7 +555,7 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, past_len:
     out = check_out(out, "out", np.float32, (b, s, h, d))
     if out.size:
         work = b * s * h * (past_len + s) * d
-        if work >= ATTENTION_PARALLEL_WORK and b * s * kvh > 1:
+        if work >= ATTENTION_PARALLEL_WORK and b * kvh * ((s + QBLOCK - 1) // QBLOCK) > 1:
             _attention_par(q, k_cache, v_cache, past_len, sc, bool(is_causal), out)
         else:
             _attention_ser(q, k_cache, v_cache, past_len, sc, bool(is_causal), out)
@@ -688,7 +690,7 @@ def rope_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray,
     b, s, h, d = q.shape
     sc = np.float32(scale)
     if (b * s * h * (past_len + s) * d >= ATTENTION_PARALLEL_WORK
-            and b * s * kbuf.shape[1] > 1):
+            and b * kbuf.shape[1] * ((s + QBLOCK - 1) // QBLOCK) > 1):
         _attention_par(q, kbuf, vbuf, int(past_len), sc, bool(is_causal), out)
     else:
         _attention_ser(q, kbuf, vbuf, int(past_len), sc, bool(is_causal), out)

@@ -54,18 +54,8 @@ a panel and in a small buffer between panels. Measured, one thread, L1-resident 
 activations (Q8_0, 16 records): 2 groups x 3 rows 62 GFLOP/s, 2 x 2 59, 1 x 4 55, of a ~95
 GFLOP/s thread peak: the broadcasts, the panel loads and the spilled half sums stay the limit.
 
-Exact mode on an AVX-512 host (the ``vnni`` path, :func:`panel_f32z`): the two groups of a pair
-are decoded into one interleaved panel (code ``q`` of group ``g`` at ``16 q + lane``, of group
-``g + 1`` at ``16 q + 8 + lane``) and the tiles work on float32 x 16 vectors: one 16-lane FMA
-does both groups' FMAs of a (row, code), so each panel load and each broadcast activation feeds
-16 lanes, and the 32 vector registers hold :data:`ROWS_Z` rows' chains, accumulators and half
-sums. Per lane the operations are those of the 8-lane tile in the same order (the two records'
-block scales side by side, :func:`~.ggml_ir.concat`), so rows stay bitwise the one-row kernel's.
-Measured, one thread, Zen 4 (``python bench/bench_ggml_exact.py --rounds 5 --kinds Q4_K,Q8_0``,
-empty numba cache, % of the thread's FMA peak, gate/up and down at M = 128 / 512): 8-lane
-2-group panel -> 16-lane panel Q8_0 49-52 -> 64-73 %, Q4_K 38-41 -> 60-64 %. :data:`ROWS_Z` = 6
-is the register budget's count; 4 and 8 were not measured apart from it (a sweep meant to compare
-them ran a stale cached build: numba caches a caller with its callees compiled in).
+Exact mode on an AVX-512 VNNI host: pairs of groups in float32 x 16 vectors,
+:mod:`.ggml_zpanel` (built on this module's emitters, the same operations per lane).
 """
 from __future__ import annotations
 
@@ -110,8 +100,8 @@ from .packed_i8 import (
 )
 
 __all__ = ["BLOCK_BYTES", "I16_TERMS", "PANEL_BYTES", "ROWS", "ROWS_F32", "ROWS_P", "ROWS_P2",
-           "ROWS_Z", "block_rows", "chunks_f32", "chunks_i8", "panel_f32", "panel_f32z",
-           "panel_floats", "rows_f32", "rows_i8", "use_fpanel"]
+           "block_rows", "chunks_f32", "chunks_i8", "panel_f32", "panel_floats", "rows_f32",
+           "rows_i8", "use_fpanel"]
 
 #: activation rows per decoded record.
 ROWS = 4
@@ -125,10 +115,6 @@ ROWS_P = 4
 #: exact mode, float panel of 2 groups: activation rows per tile (each broadcast activation used
 #: by both groups; 4 chains per (row, group) of which 2 live at a time: 12 ymm).
 ROWS_P2 = 3
-#: exact mode, float panel of 2 groups in float32 x 16 vectors (AVX-512 hosts, :func:`panel_f32z`):
-#: activation rows per tile (2 of the 4 chains of each row live at a time: 2 x 6 zmm, beside 6
-#: accumulators and the 6 first half sums).
-ROWS_Z = 6
 #: exact mode: bytes of decoded float32 codes per group's panel (two groups' panels in L1 beside
 #: the tile's activations: 8 Q8_0 / Q5_0 records, 1 k-quant record).
 PANEL_BYTES = 1 << 13
@@ -356,28 +342,11 @@ def _combine_f32(kind, es, builder, fma, d, dmin, sub, halves, a, sx):
         a[r] = builder.fadd(a[r], builder.fsub(builder.fmul(big_d, s),
                                                builder.fmul(big_m, sx(r))))
     return a
-    if kind in KQ:
-        sc, mn = k4_scales(e, sub)
-        big_d = builder.fmul(d, builder.sitofp(sc, LV8F32))
-        big_m = builder.fmul(dmin, builder.sitofp(mn, LV8F32))
-    for r in range(len(a)):
-        s = builder.fadd(halves[r][0], halves[r][1])
-        if kind in (6, 8):
-            a[r] = builder.call(fma, [s, d, a[r]])
-            continue
-        if kind in MIN32:  # Q4_1, Q5_1: dmin is m
-            a[r] = builder.fadd(a[r], builder.fadd(builder.fmul(d, s),
-                                                   builder.fmul(dmin, sx(r))))
-            continue
-        a[r] = builder.fadd(a[r], builder.fsub(builder.fmul(big_d, s),
-                                               builder.fmul(big_m, sx(r))))
-    return a
 
 
 def _fma_fn(builder, vt=LV8F32):
     return cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vt, [vt] * 3), f"llvm.fma.v{vt.count}f32")
-
 
 
 def _codes_f32(builder, kind, u):
@@ -535,7 +504,7 @@ BARRIER = True
 
 
 def _after(builder, zero, deps):
-    """``zero`` (a float32 x 8 register) returned through an empty inline asm that also reads
+    """``zero`` (a float32 x 8 or x 16 register) returned through an empty inline asm that reads
     ``deps``: the chains started from it cannot be scheduled before ``deps`` are computed (the
     compiler otherwise starts every chain of a tile at once and spills them); the value is
     unchanged, so the arithmetic is too."""
@@ -561,97 +530,6 @@ def _make_tile_f32(kind, nrows, ngrp):
         return sig, (lambda context, builder, sig, args:
                      _emit_tile_f32(kind, nrows, ngrp, context, builder, sig, args))
     return tile
-
-
-def _emit_tile_z(kind, nrows, context, builder, sig, args):
-    """IR of one record of each of two groups (records at ``ro0`` / ``ro1``, codes read from the
-    interleaved float panel at ``po``: ``panel[po + 16 q + 8 gi + lane]``, :func:`_emit_decode`
-    with stride 16) in exact mode for ``nrows`` activation rows, in float32 x 16 vectors (lanes
-    0-7 the first group, 8-15 the second). Per lane the operations and their order are those of
-    :func:`_emit_tile_f32` (bitwise ``ggml_packed._make_rec_f32``): one 16-lane FMA does the two
-    groups' FMAs of a (row, code), so each panel load and each broadcast activation feeds twice
-    the lanes of the 8-lane tile; accumulator ``r`` holds row ``r`` of both groups."""
-    accs, pan, po, dat, ro0, ro1, xa, xoff, kx, xsa, boff, kbx = args
-    at = sig.args
-    a = [builder.extract_value(accs, r) for r in range(nrows)]
-    es = [Emit(context, builder, at[3], dat, ro) for ro in (ro0, ro1)]
-    d = concat(builder, [e.f16x8(0) for e in es])
-    dmin = (concat(builder, [e.f16x8(16) for e in es]) if kind in KQ or kind in MIN32 else None)
-    fma = _fma_fn(builder, LV16F32)
-    zero = ir.Constant(LV16F32, [0.0] * 16)
-    xo_r = [builder.add(xoff, builder.mul(kx, ir.Constant(kx.type, r))) for r in range(nrows)]
-    bo_r = [builder.add(boff, builder.mul(kbx, ir.Constant(kbx.type, r))) for r in range(nrows)]
-    prev = []
-    for sub in range(nsub(kind)):
-        xo_s = [idx(builder, xo, 32 * sub) for xo in xo_r]
-        halves = [[] for _ in range(nrows)]
-        for grp in ((0, 1, 2, 3), (4, 5, 6, 7)):
-            pair = []
-            for jp in ((0, 1), (2, 3)):
-                z = _after(builder, zero, prev) if BARRIER else zero
-                ch = [[z] * 2 for _ in range(nrows)]
-                for t in grp:
-                    for c, j in enumerate(jp):
-                        q = 32 * sub + 4 * t + j
-                        w = builder.load(elem_ptr(context, builder, at[1], pan,
-                                                  idx(builder, po, 16 * q), LV16F32), align=4)
-                        for r in range(nrows):
-                            xv = splat(builder, load_f32(context, builder, at[6], xa,
-                                                         idx(builder, xo_s[r], 4 * t + j)),
-                                       LV16F32)
-                            ch[r][c] = builder.call(fma, [w, xv, ch[r][c]])
-                pair.append([builder.fadd(ch[r][0], ch[r][1]) for r in range(nrows)])
-                prev = pair[-1]
-            for r in range(nrows):
-                halves[r].append(builder.fadd(pair[0][r], pair[1][r]))
-
-        def sx(r, sub=sub):
-            return splat(builder, load_f32(context, builder, at[9], xsa,
-                                           idx(builder, bo_r[r], sub)), LV16F32)
-        a = _combine_f32(kind, es, builder, fma, d, dmin, sub, halves, a, sx)
-    return context.make_tuple(builder, sig.return_type, a)
-
-
-def _make_tile_z(kind, nrows):
-    tup = types.UniTuple(V16F32, nrows)
-
-    @intrinsic
-    def tile(typingctx, accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx):
-        if not (accs == tup and check_array_arg(panel, types.float32)
-                and check_array_arg(data, types.uint8)
-                and check_array_arg(x, types.float32) and check_array_arg(xsum, types.float32)):
-            return None
-        sig = tup(tup, panel, types.intp, data, types.intp, types.intp, x, types.intp,
-                  types.intp, xsum, types.intp, types.intp)
-        return sig, (lambda context, builder, sig, args:
-                     _emit_tile_z(kind, nrows, context, builder, sig, args))
-    return tile
-
-
-@intrinsic
-def _halves_z(typingctx, v):
-    """The two float32 x 8 halves (lanes 0-7, 8-15) of a float32 x 16 vector."""
-    if v != V16F32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        lo, hi = (builder.shuffle_vector(args[0], args[0], ir.Constant(
-            ir.VectorType(I32, 8), list(range(h, h + 8)))) for h in (0, 8))
-        return context.make_tuple(builder, sig.return_type, [lo, hi])
-    return types.UniTuple(V8F32, 2)(V16F32), codegen
-
-
-@intrinsic
-def _fstore_z(typingctx, arr, off, v):
-    """Store 16 float32 to ``arr`` at linear element ``off``."""
-    if not check_array_arg(arr, types.float32) or v != V16F32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = elem_ptr(context, builder, sig.args[0], args[0], args[1], LV16F32)
-        builder.store(args[2], p, align=4)
-        return context.get_dummy_value()
-    return types.none(arr, types.intp, V16F32), codegen
 
 
 def _make_load_accs(nrows, w=8):
@@ -706,7 +584,6 @@ _rows_f32_q5_1 = _make_rows_f32(7, ROWS_F32)
 _rows_f32_q5_k = _make_rows_f32(13, ROWS_F32)
 _load_accs_p = _make_load_accs(ROWS_P)
 _load_accs_p2 = _make_load_accs(2 * ROWS_P2)
-_load_accs_z = _make_load_accs(ROWS_Z, 16)
 _dec_q8_0 = _make_decode(8)
 _dec_q5_0 = _make_decode(6)
 _dec_q4_k = _make_decode(12)
@@ -728,10 +605,6 @@ _tile_q5_1 = _make_tile_f32(7, ROWS_P, 1)
 _tile2_q5_1 = _make_tile_f32(7, ROWS_P2, 2)
 _tile_q5_k = _make_tile_f32(13, ROWS_P, 1)
 _tile2_q5_k = _make_tile_f32(13, ROWS_P2, 2)
-(_ztile_q8_0, _ztile_q5_0, _ztile_q4_k, _ztile_q6_k, _ztile_q4_1, _ztile_q5_1,
- _ztile_q5_k) = (_make_tile_z(k, ROWS_Z) for k in (8, 6, 12, 14, 3, 7, 13))
-(_zdec_q8_0, _zdec_q5_0, _zdec_q4_k, _zdec_q6_k, _zdec_q4_1, _zdec_q5_1,
- _zdec_q5_k) = (_make_decode(k, 16) for k in (8, 6, 12, 14, 3, 7, 13))
 
 
 @njit(**JIT)
@@ -942,16 +815,16 @@ def _tile2(kind, accs, panel, po0, po1, data, ro0, ro1, x, xo, kx, xsum, bo, kbx
 @njit(**JIT)
 def use_fpanel(kind, vnni):
     """Exact mode: whether the float panel (:func:`panel_f32`, on the ``vnni`` path of an
-    AVX-512 host first :func:`panel_f32z`) runs the kind's prefill rather than :func:`rows_f32`
-    (all bitwise the one-row kernel). Measured, one thread, % of the thread's FMA peak
-    (``python bench/bench_ggml_exact.py --rounds 3``, Qwen2.5-0.5B gate/up and down at M = 128 /
-    512): on the AVX2 Zen 3, rows_f32 -> panel_f32 Q5_0 27-29 -> 29-38, Q6_K 21-24 -> 26-32, Q8_0
-    34-38 -> 36-43 (down equal), Q4_K 28-34 -> 29-31 (down slower), so Q4_K, Q4_1, Q5_1 and Q5_K
-    keep :func:`rows_f32` there; on the AVX-512 Zen 4 every kind takes the panel, rows_f32 ->
-    panel_f32z at M = 128 (gate/up, down): Q8_0 50-52 -> 64-69, Q4_K 49-53 -> 64 (the shipped
-    build, empty cache), and in a first build that called the tile per record instead of
-    inlining it, Q5_0 41-42 -> 50-54, Q4_1 48-51 -> 50-53, Q5_1 43-45 -> 49-53, Q5_K 45-46 ->
-    62-64, Q6_K 41-43 -> 61-66."""
+    AVX-512 VNNI host first :func:`~.ggml_zpanel.panel_f32z`) runs the kind's prefill rather
+    than :func:`rows_f32` (all bitwise the one-row kernel). Measured, one thread, % of the
+    thread's FMA peak (``python bench/bench_ggml_exact.py --rounds 3``, Qwen2.5-0.5B gate/up and
+    down at M = 128 / 512): on the AVX2 Zen 3, rows_f32 -> panel_f32 Q5_0 27-29 -> 29-38, Q6_K
+    21-24 -> 26-32, Q8_0 34-38 -> 36-43 (down equal), Q4_K 28-34 -> 29-31 (down slower), so Q4_K,
+    Q4_1, Q5_1 and Q5_K keep :func:`rows_f32` there; on the AVX-512 Zen 4 every kind takes the
+    panel, rows_f32 -> panel_f32z at M = 128 (gate/up, down): Q8_0 50-52 -> 64-69, Q4_K 49-53 ->
+    64 (the shipped build, empty cache), and in a first build that called the tile per record
+    instead of inlining it, Q5_0 41-42 -> 50-54, Q4_1 48-51 -> 50-53, Q5_1 43-45 -> 49-53, Q5_K
+    45-46 -> 62-64, Q6_K 41-43 -> 61-66."""
     return vnni or kind == 14 or kind == 6 or kind == 8
 
 
@@ -1023,83 +896,3 @@ def panel_f32(kind, data, g, ng, x, xsum, ib, ie, n, out, facc, panel, accb):
                         fstore(accb, ao + r * 8, accs[r])
     return ib + nr
 
-
-@njit(**JIT)
-def _decode_z(kind, data, ro, panel, po):
-    if kind == 8:
-        _zdec_q8_0(data, ro, panel, po)
-    elif kind == 6:
-        _zdec_q5_0(data, ro, panel, po)
-    elif kind == 3:
-        _zdec_q4_1(data, ro, panel, po)
-    elif kind == 7:
-        _zdec_q5_1(data, ro, panel, po)
-    elif kind == 12:
-        _zdec_q4_k(data, ro, panel, po)
-    elif kind == 13:
-        _zdec_q5_k(data, ro, panel, po)
-    else:
-        _zdec_q6_k(data, ro, panel, po)
-
-
-@njit(inline="always", **JIT)
-def _tile_z(kind, accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx):
-    if kind == 8:
-        return _ztile_q8_0(accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
-    elif kind == 6:
-        return _ztile_q5_0(accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
-    elif kind == 3:
-        return _ztile_q4_1(accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
-    elif kind == 7:
-        return _ztile_q5_1(accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
-    elif kind == 12:
-        return _ztile_q4_k(accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
-    elif kind == 13:
-        return _ztile_q5_k(accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
-    return _ztile_q6_k(accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx)
-
-
-@njit(**JIT)
-def panel_f32z(kind, data, g, x, xsum, ib, ie, n, out, facc, panel, accb):
-    """Exact mode on an AVX-512 host, groups ``g`` and ``g + 1``, activation rows ``ib .. ib + T
-    ROWS_Z - 1`` (``T = (ie - ib) // ROWS_Z``; returns the first row not done): as
-    :func:`panel_f32` with the two groups' records decoded into one interleaved panel
-    (``panel`` float32 [>= 2 panel_floats]) and tiles of :data:`ROWS_Z` rows in float32 x 16
-    vectors (:func:`_emit_tile_z`; accumulators kept in ``accb`` float32 [>= 16 T ROWS_Z]
-    between panels); every output row bitwise ``ggml_packed._row_f32``'s."""
-    nrec = data.shape[1]
-    rb = data.shape[2]
-    ns = 1 if kind == 3 or kind == 6 or kind == 7 or kind == 8 else 8
-    rf = 256 * ns
-    cr = panel_floats(kind) // rf
-    kx = x.shape[1]
-    kbx = xsum.shape[1]
-    nr = (ie - ib) // ROWS_Z * ROWS_Z
-    for v in range(nr * 16):
-        accb[v] = 0.0
-    base0 = g * nrec
-    base1 = (g + 1) * nrec
-    for s0 in range(0, nrec, cr):
-        s1 = min(nrec, s0 + cr)
-        for gi in range(2):
-            for s in range(s0, s1):
-                ro = ((g + gi) * nrec + s) * rb
-                for p in range(0, rb, 64):
-                    prefetch(data, ro + cr * rb + p)
-                _decode_z(kind, data, ro, panel, (s - s0) * 2 * rf + 8 * gi)
-        last = s1 == nrec
-        for i0 in range(ib, ib + nr, ROWS_Z):
-            ao = (i0 - ib) * 16
-            accs = _load_accs_z(accb, ao)
-            for s in range(s0, s1):
-                accs = _tile_z(kind, accs, panel, (s - s0) * 2 * rf, data, (base0 + s) * rb,
-                               (base1 + s) * rb, x, i0 * kx + 32 * ns * s, kx, xsum,
-                               i0 * kbx + ns * s, kbx)
-            for r in range(ROWS_Z):
-                if last:
-                    lo, hi = _halves_z(accs[r])
-                    store_group(lo, facc, g, i0 + r, n, out)
-                    store_group(hi, facc, g + 1, i0 + r, n, out)
-                else:
-                    _fstore_z(accb, ao + r * 16, accs[r])
-    return ib + nr

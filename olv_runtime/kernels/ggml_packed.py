@@ -68,7 +68,7 @@ registers (bitwise the one-row results), rows in L2-sized blocks; rows left over
 kernels. Exact mode for the kinds of :func:`~.ggml_gemm.use_fpanel`: records decoded once per
 row block into a float32 panel read by tiles of rows of two groups (:func:`~.ggml_gemm.panel_f32`,
 also bitwise the one-row results); on an AVX-512 host every kind, two groups per 16-lane vector
-(:func:`~.ggml_gemm.panel_f32z`). The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
+(:func:`~.ggml_zpanel.panel_f32z`). The LLVM-IR building blocks of both are in :mod:`.ggml_ir`.
 
 Memory: each task streams one contiguous range of groups; ``prefetcht0`` :data:`PF_BYTES` ahead.
 Bytes read per call: ``packed.nbytes`` (= the GGUF tensor's bytes, rows padded to 8).
@@ -85,8 +85,9 @@ from numba.core.extending import intrinsic
 from olv_runtime.errors import InvalidArgument
 
 from .config import JIT, PJIT, check_array, check_int
-from .ggml_gemm import (ROWS_P, ROWS_Z, block_rows, chunks_f32, chunks_i8, panel_f32,
-                        panel_f32z, panel_floats, use_fpanel)
+from .ggml_gemm import (ROWS_P, block_rows, chunks_f32, chunks_i8, panel_f32, panel_floats,
+                        use_fpanel)
+from .ggml_zpanel import ROWS_Z, panel_f32z
 from .ggml_panel import panel_groups, use_panel
 from .ggml_ir import (
     F32,
@@ -423,7 +424,7 @@ def _groups(kind, data, g0, g1, x, xq, xd, xs8, xs16, xsum, m, n, out, facc, qua
     Exact mode when :func:`~.ggml_gemm.use_fpanel`: groups in pairs through
     :func:`~.ggml_gemm.panel_f32` (records decoded once per row block into a float panel); on
     the ``vnni`` path (an AVX-512 host) pairs of groups first through
-    :func:`~.ggml_gemm.panel_f32z` (16-lane tiles of :data:`~.ggml_gemm.ROWS_Z` rows), the rows
+    :func:`~.ggml_zpanel.panel_f32z` (16-lane tiles of :data:`~.ggml_zpanel.ROWS_Z` rows), the rows
     it leaves through :func:`~.ggml_gemm.panel_f32`."""
     if quant and use_panel(kind, m, vnni):
         panel_groups(kind, data, g0, g1, xq, xd, xs8, xs16, m, n, out, facc, vnni)

@@ -331,15 +331,17 @@ def fzero(typingctx):
 
 @intrinsic
 def fstore(typingctx, arr, off, v):
-    """Store 8 float32 to ``arr`` at linear element ``off``."""
-    if not check_array_arg(arr, types.float32) or v != V8F32:
+    """Store the 8 (or 16) float32 lanes of ``v`` to ``arr`` at linear element ``off``."""
+    if not (check_array_arg(arr, types.float32) and isinstance(v, Vec) and v.is_float
+            and v.bits == 32):
         return None
 
     def codegen(context, builder, sig, args):
-        p = elem_ptr(context, builder, sig.args[0], args[0], args[1], _LV8F32)
+        p = elem_ptr(context, builder, sig.args[0], args[0], args[1],
+                     context.get_value_type(sig.args[2]))
         builder.store(args[2], p, align=4)
         return context.get_dummy_value()
-    return types.none(arr, types.intp, V8F32), codegen
+    return types.none(arr, types.intp, v), codegen
 
 
 def _hreduce(builder, v, op):

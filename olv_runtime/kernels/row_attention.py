@@ -7,10 +7,10 @@ llama.cpp's unified KV cache), per layer ``[NB, KVH, BS, D]``; a sequence is a b
 pool's block ids in position order). Row ``r`` of sequence ``s`` at position ``p`` attends keys
 ``0..p`` of ``s`` (causal): blocks ``0 .. p // BS`` of its table, the last one up to ``p % BS``.
 
-Each task is one (row, kv head) pair and serves the kv head's ``H/KVH`` query heads, exactly as the
-contiguous prefill attention (:func:`olv_runtime.kernels.attention._attend_task`): the same
-online-softmax tile function (:func:`~olv_runtime.kernels.attention._attend_rows`) is called once
-per block, over the block's rows. When the block size is a multiple of the tile
+Each task is one (row, kv head) pair and serves the kv head's ``H/KVH`` query heads, as each row
+of the contiguous prefill attention's blocks (:func:`olv_runtime.kernels.attention._attend_task`):
+the same online-softmax tile function (:func:`~olv_runtime.kernels.attention._attend_rows`) is
+called once per block, over the block's rows. When the block size is a multiple of the tile
 (:data:`~olv_runtime.kernels.attention.TILE`, 64), the tiles are the contiguous kernel's, so a row's
 output is bitwise what the contiguous prefill computes for it; in every case a row's output depends
 only on its query and its sequence's keys -- never on the other rows of the step, on how the prompt

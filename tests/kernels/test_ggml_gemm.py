@@ -11,7 +11,7 @@ import pytest
 import reference as naive_ref  # tests/reference.py
 from test_ggml_packed import MINS, random_blocks  # the same random valid blocks
 
-from olv_runtime.kernels import ggml_gemm, packed_i8
+from olv_runtime.kernels import ggml_gemm, ggml_zpanel, packed_i8
 from olv_runtime.kernels import ggml_packed as gp
 
 KIND_NAMES = ("Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -88,7 +88,7 @@ def test_exact_rows_bitwise_equal_one_row_kernel(name, m, isa):
     assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6), np.abs(y - ref).max()
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_0", "Q6_K"])  # rows_f32, float panel (2 kinds)
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_0", "Q6_K"])  # avx2: rows_f32, float panel x 2
 def test_exact_parallel_driver_rows_bitwise(name, isa):
     n, m, k = 45, 2 * ggml_gemm.ROWS_F32 * 8 + 1, 512
     assert m * n * k >= gp.SERIAL_MAX_WORK
@@ -119,6 +119,24 @@ def test_row_blocks_bitwise(exact):
         assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
 
 
+def _panel_case(name, n, m, seed, xseed):
+    """Inputs of a float panel call: a prepacked weight [n, K] of ``name`` with K past one panel
+    of records, activations [m, K] with their per-32 sums, NaN-filled output, panel and
+    accumulator buffers (so a slot written by mistake or read unwritten shows)."""
+    kind = gp.KINDS[name]
+    k = 3 * 256 if gp.BLOCKS[kind][0] == 256 else 12 * 32  # > 1 panel of records
+    assert k * 8 * 4 > ggml_gemm.panel_floats.py_func(kind) * 4
+    packed = gp.prepack_ggml(name, random_blocks(name, n, k, seed=seed), n, k)
+    x = np.random.default_rng(xseed).standard_normal((m, k)).astype(np.float32)
+    xsum = np.zeros((m, k // 32), np.float32)
+    gp._act_sums(kind, m, k, np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int32), x, xsum,
+                 False)
+    out = np.full((m, n), np.nan, np.float32)
+    panel = np.full(2 * ggml_gemm.panel_floats(kind), np.nan, np.float32)
+    accb = np.full(16 * m, np.nan, np.float32)
+    return packed, x, xsum, out, panel, accb, np.zeros((1, 8), np.float32)
+
+
 @pytest.mark.parametrize("name", KIND_NAMES)
 @pytest.mark.parametrize("ng", [1, 2])
 def test_exact_float_panel_bitwise_every_kind(name, ng):
@@ -127,19 +145,8 @@ def test_exact_float_panel_bitwise_every_kind(name, ng):
     one-row kernel for every kind, also those whose prefill does not take it
     (``use_fpanel``); rows past the last full tile are left to the caller."""
     kind = gp.KINDS[name]
-    k = 3 * 256 if gp.BLOCKS[kind][0] == 256 else 12 * 32  # > 1 panel of records
-    assert k * 8 * 4 > ggml_gemm.panel_floats.py_func(kind) * 4
     n, m, ib = 16, 15, 2
-    blocks = random_blocks(name, n, k, seed=kind + ng)
-    packed = gp.prepack_ggml(name, blocks, n, k)
-    x = np.random.default_rng(ng).standard_normal((m, k)).astype(np.float32)
-    xsum = np.zeros((m, k // 32), np.float32)
-    gp._act_sums(kind, m, k, np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int32), x, xsum,
-                 False)
-    out = np.full((m, n), np.nan, np.float32)
-    panel = np.full(2 * ggml_gemm.panel_floats(kind), np.nan, np.float32)
-    accb = np.full(16 * m, np.nan, np.float32)
-    facc = np.zeros((1, 8), np.float32)
+    packed, x, xsum, out, panel, accb, facc = _panel_case(name, n, m, kind + ng, ng)
     g = 2 - ng  # groups 1 (alone) or 0 and 1
     end = ggml_gemm.panel_f32(kind, packed.data, g, ng, x, xsum, ib, m, n, out, facc, panel,
                               accb)
@@ -151,29 +158,19 @@ def test_exact_float_panel_bitwise_every_kind(name, ng):
     assert np.isnan(out[:ib]).all() and np.isnan(out[end:]).all()
 
 
+@pytest.mark.skipif(not packed_i8.HOST_VNNI, reason="the 16-lane tile runs on AVX-512 VNNI hosts")
 @pytest.mark.parametrize("name", KIND_NAMES)
 def test_exact_zmm_panel_bitwise_every_kind(name):
     """The 16-lane float panel (``panel_f32z``: two groups' records interleaved in one panel,
     tiles of ROWS_Z rows in float32 x 16 vectors, several panels along K; taken on AVX-512 hosts)
     gives the bits of the one-row kernel for every kind, with a partial last group; rows past the
-    last full tile are left to the caller. On a host without AVX-512 the compiler splits the
-    16-lane vectors: the same values."""
+    last full tile are left to the caller (AVX-512 VNNI hosts: elsewhere the tile is never
+    called and compiles to nothing)."""
     kind = gp.KINDS[name]
-    k = 3 * 256 if gp.BLOCKS[kind][0] == 256 else 12 * 32  # > 1 panel of records
-    assert k * 8 * 4 > ggml_gemm.panel_floats.py_func(kind) * 4
-    rt = ggml_gemm.ROWS_Z
+    rt = ggml_zpanel.ROWS_Z
     n, m, ib = 13, 2 * rt + 5, 2
-    blocks = random_blocks(name, n, k, seed=kind + 7)
-    packed = gp.prepack_ggml(name, blocks, n, k)
-    x = np.random.default_rng(kind).standard_normal((m, k)).astype(np.float32)
-    xsum = np.zeros((m, k // 32), np.float32)
-    gp._act_sums(kind, m, k, np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int32), x, xsum,
-                 False)
-    out = np.full((m, n), np.nan, np.float32)
-    panel = np.full(2 * ggml_gemm.panel_floats(kind), np.nan, np.float32)
-    accb = np.full(16 * m, np.nan, np.float32)
-    facc = np.zeros((1, 8), np.float32)
-    end = ggml_gemm.panel_f32z(kind, packed.data, 0, x, xsum, ib, m, n, out, facc, panel, accb)
+    packed, x, xsum, out, panel, accb, facc = _panel_case(name, n, m, kind + 7, kind)
+    end = ggml_zpanel.panel_f32z(kind, packed.data, 0, x, xsum, ib, m, n, out, facc, panel, accb)
     assert end == ib + (m - ib) // rt * rt
     one = np.concatenate([gp.linear_ggml_exact(x[i:i + 1], packed) for i in range(m)])
     assert np.array_equal(out[ib:end].view(np.uint32), one[ib:end].view(np.uint32))
