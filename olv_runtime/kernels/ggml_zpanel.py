@@ -44,12 +44,13 @@ ROWS_Z = 6
 
 def _emit_tile_z(kind, nrows, context, builder, sig, args):
     """IR of one record of each of two groups (records at ``ro0`` / ``ro1``, codes read from the
-    interleaved float panel at ``po``: ``panel[po + 16 q + 8 gi + lane]``, :func:`_emit_decode`
-    with stride 16) in exact mode for ``nrows`` activation rows, in float32 x 16 vectors (lanes
-    0-7 the first group, 8-15 the second). Per lane the operations and their order are those of
-    :func:`_emit_tile_f32` (bitwise ``ggml_packed._make_rec_f32``): one 16-lane FMA does the two
-    groups' FMAs of a (row, code), so each panel load and each broadcast activation feeds twice
-    the lanes of the 8-lane tile; accumulator ``r`` holds row ``r`` of both groups."""
+    interleaved float panel at ``po``: ``panel[po + 16 q + 8 gi + lane]``,
+    :func:`~.ggml_gemm._emit_decode` with stride 16) in exact mode for ``nrows`` activation rows, in
+    float32 x 16 vectors (lanes 0-7 the first group, 8-15 the second). Per lane the operations and
+    their order are those of :func:`~.ggml_gemm._emit_tile_f32` (bitwise
+    ``ggml_packed._make_rec_f32``): one 16-lane FMA does the two groups' FMAs of a (row, code), so
+    each panel load and each broadcast activation feeds twice the lanes of the 8-lane tile;
+    accumulator ``r`` holds row ``r`` of both groups."""
     accs, pan, po, dat, ro0, ro1, xa, xoff, kx, xsa, boff, kbx = args
     at = sig.args
     a = [builder.extract_value(accs, r) for r in range(nrows)]
@@ -166,11 +167,11 @@ def _tile_z(kind, accs, panel, po, data, ro0, ro1, x, xo, kx, xsum, bo, kbx):
 
 @njit(**JIT)
 def panel_f32z(kind, data, g, x, xsum, ib, ie, n, out, facc, panel, accb):
-    """Exact mode on an AVX-512 host, groups ``g`` and ``g + 1``, activation rows ``ib .. ib + T
-    ROWS_Z - 1`` (``T = (ie - ib) // ROWS_Z``; returns the first row not done): as
-    :func:`panel_f32` with the two groups' records decoded into one interleaved panel
-    (``panel`` float32 [>= 2 panel_floats]) and tiles of :data:`ROWS_Z` rows in float32 x 16
-    vectors (:func:`_emit_tile_z`; accumulators kept in ``accb`` float32 [>= 16 T ROWS_Z]
+    """Exact mode on an AVX-512 VNNI host, groups ``g`` and ``g + 1``, activation rows ``ib .. ib +
+    T ROWS_Z - 1`` (``T = (ie - ib) // ROWS_Z``; returns the first row not done): as
+    :func:`~.ggml_gemm.panel_f32` with the two groups' records decoded into one interleaved
+    panel (``panel`` float32 [>= 2 panel_floats]) and tiles of :data:`ROWS_Z` rows in float32 x
+    16 vectors (:func:`_emit_tile_z`; accumulators kept in ``accb`` float32 [>= 16 T ROWS_Z]
     between panels); every output row bitwise ``ggml_packed._row_f32``'s."""
     nrec = data.shape[1]
     rb = data.shape[2]
